@@ -1,0 +1,85 @@
+"""The norm registry: every normalization is one file in this package that registers itself by name.
+
+    from retrofit.norms import get_norm, available_norms
+    norm_cls = get_norm("avnorm")              # the nn.Module class attached to each attention module
+    options = make_options("avnorm", kind="layer")   # its Options dataclass, validated
+
+A norm module lives at `<attention module>.retrofit` and is called by the attention function that
+`retrofit.patch` registers with transformers, as
+`norm(module, query, key, value, attention_mask, base=<wrapped kernel>, scaling=..., dropout=..., **kwargs)`,
+returning `(out (B, Tq, H, D), weights or None)` exactly like a transformers attention function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+from ..errors import RetrofitError
+from .base import AttentionShape, Norm
+
+NORMS: dict[str, type[Norm]] = {}
+
+
+def register_norm(cls: type[Norm]) -> type[Norm]:
+    """Class decorator: make `cls` available under `cls.name`."""
+    if cls.name in NORMS:
+        raise ValueError(f"norm {cls.name!r} is registered twice")
+    NORMS[cls.name] = cls
+    return cls
+
+
+def closest(word: str, choices) -> str:
+    """' (did you mean X?)' for the closest choice, or '' when nothing is close."""
+    match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def available_norms() -> list[str]:
+    return sorted(NORMS)
+
+
+def get_norm(name: str) -> type[Norm]:
+    if name not in NORMS:
+        raise RetrofitError(
+            f"unknown norm {name!r}{closest(name, NORMS)}; available: {', '.join(available_norms())}"
+        )
+    return NORMS[name]
+
+
+def make_options(name: str, **options: Any):
+    """Build and validate the Options dataclass of norm `name`; unknown keys name the closest valid key."""
+    cls = get_norm(name).Options
+    valid = [f.name for f in dataclasses.fields(cls)]
+    for key in options:
+        if key not in valid:
+            hint = closest(key, valid)
+            allowed = ", ".join(valid) if valid else "none"
+            raise RetrofitError(f"norm {name!r} has no option {key!r}{hint}; its options: {allowed}")
+    try:
+        return cls(**options)
+    except TypeError as err:  # a wrong type that __post_init__ did not catch
+        raise RetrofitError(f"bad options for norm {name!r}: {err}") from None
+
+
+def describe_norms() -> list[dict]:
+    """Every norm with its formula and options (name, default, doc), for `retrofit norms` and the docs."""
+    rows = []
+    for name in available_norms():
+        cls = NORMS[name]
+        options = [
+            {"name": f.name, "default": f.default, "doc": (f.metadata or {}).get("doc", "")}
+            for f in dataclasses.fields(cls.Options)
+        ]
+        rows.append({"name": name, "summary": cls.summary, "formula": cls.formula, "options": options})
+    return rows
+
+
+# Importing the files registers the norms. Keep this list and the files in sync (a test checks it).
+from . import avnorm, psoftmax, softmax, softmax1, ssmax  # noqa: E402,F401
+
+__all__ = [
+    "NORMS", "AttentionShape", "Norm", "available_norms", "describe_norms", "get_norm", "make_options",
+    "register_norm",
+]

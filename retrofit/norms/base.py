@@ -1,0 +1,75 @@
+"""What every norm shares: the attention shape it is built for, and the visible-keys rule.
+
+A norm is an `nn.Module` attached to one attention module as its `retrofit` child. Its parameters
+(1-D tensors, never 0-d, so FSDP can shard them) are part of the model's state_dict, and PEFT's
+`modules_to_save` can target them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+
+def option(default, doc: str):
+    """A dataclass field with a docstring that `retrofit norms` prints."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The facts about one attention module a norm needs to build its parameters."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int | None  # the model's max_position_embeddings, if it has one
+
+
+class Norm(nn.Module):
+    """Base of all norms. Subclasses set `name`, `summary`, `formula`, `Options` and implement forward."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    formula: ClassVar[str]
+    Options: ClassVar[type]
+    has_parameters: ClassVar[bool] = False
+
+    def __init__(self, options: Any, shape: AttentionShape):
+        super().__init__()
+        self.options = options
+        self.shape = shape
+
+    def forward(self, module: nn.Module, query, key, value, attention_mask, *, base: Callable, **kwargs):
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self.options).items())
+
+
+def visible_keys(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, is_causal: bool | None):
+    """Translate what transformers hands an attention function into (key, value, mask, causal).
+
+    Returns the keys/values to attend over, a mask (bool: True = attend, or additive float) of shape
+    broadcastable to (B, H, Tq, Tk) or None, and `causal`: when True the mask is the causal one
+    aligned bottom-right (queries are the last Tq of the Tk positions). This mirrors transformers'
+    `sdpa_attention_forward` exactly: a None mask means "causal" only when Tq > 1, and a None mask with
+    Tk > Tq (prefill into an empty static cache) means only the first Tq keys are real.
+    """
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is not None:
+        if attention_mask.dim() == 4:
+            attention_mask = attention_mask[:, :, :, :kv_len]
+        return key, value, attention_mask, False
+    if not causal or q_len == 1:
+        return key, value, None, False
+    if kv_len > q_len:
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    return key, value, None, True
+

@@ -1,0 +1,26 @@
+"""softmax — the unpatched baseline: weights = exp(s) / sum exp(s).
+
+Calls the model's own kernel unchanged, so a model patched with `softmax` is bitwise identical to
+the unpatched one. Useful as the control arm of an experiment (same code path, same parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import register_norm
+from .base import Norm
+
+
+@register_norm
+class Softmax(Norm):
+    name = "softmax"
+    summary = "the unpatched baseline (bitwise identical to the original model)"
+    formula = "a = exp(s) / sum_j exp(s_j)"
+
+    @dataclass
+    class Options:
+        pass
+
+    def forward(self, module, query, key, value, attention_mask, *, base, **kwargs):
+        return base(module, query, key, value, attention_mask, **kwargs)

@@ -1,0 +1,49 @@
+"""softmax1 — softmax+1 ("attention is off by one"): a sink logit in the denominator.
+
+    a_i = exp(s_i) / (exp(b_h) + sum_j exp(s_j)),  computed as exp(s_i - m) / (exp(b_h - m) + sum_j exp(s_j - m))
+
+with m = max(b_h, max_j s_j) so the "+1" never overflows or vanishes. b_h = 0 gives the classic +1;
+`learnable: true` makes b_h a learned per-head logit (init 0). The weights may sum to less than 1,
+so a head can attend to nothing. As an LSE rescale of softmax attention:
+out = softmax_out * sigmoid(LSE(s) - b_h) (`retrofit.kernels.softmax1_attention`): no T x T tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import RetrofitError
+from ..kernels import softmax1_attention
+from . import register_norm
+from .base import Norm, kernel_call, option
+
+
+@register_norm
+class Softmax1(Norm):
+    name = "softmax1"
+    summary = "softmax+1: a (optionally learned) sink logit in the denominator"
+    formula = "a = exp(s) / (exp(b_h) + sum_j exp(s_j)), b_h = 0 or learned"
+    has_parameters = True
+
+    @dataclass
+    class Options:
+        learnable: bool = option(False, "learn a per-head sink logit b_h (init 0) instead of the fixed 0")
+
+        def __post_init__(self):
+            if isinstance(self.learnable, str) or not isinstance(self.learnable, (bool, int)):
+                raise RetrofitError(f"softmax1 learnable must be true or false, got {self.learnable!r}")
+            self.learnable = bool(self.learnable)
+
+    def __init__(self, options, shape):
+        super().__init__(options, shape)
+        sink = torch.zeros(shape.num_heads)  # (H,)
+        if options.learnable:
+            self.sink = nn.Parameter(sink)
+        else:
+            self.register_buffer("sink", sink, persistent=False)
+
+    def forward(self, module, query, key, value, attention_mask, *, base, **kwargs):
+        return kernel_call(softmax1_attention, module, query, key, value, attention_mask, self.sink, **kwargs)

@@ -1,0 +1,251 @@
+"""Patch a Hugging Face causal LM's attention through transformers' own seam.
+
+    import retrofit
+    report = retrofit.patch(model, "avnorm", kind="rms")   # prints what was patched
+    retrofit.unpatch(model)                                  # exactly the original model again
+
+How (facts in ../shared/DESIGN.md): transformers calls
+`ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)(module, q, k, v, mask, ...)`.
+We register two attention functions — `retrofit` (wrapping sdpa) and `retrofit_eager` (wrapping the
+model's eager function) — each with the matching mask function under the same name (without it
+transformers passes no mask at all: padding and KV-cache masks would be silently lost). The function
+dispatches to the norm module attached to each attention module as its `retrofit` child; a module
+without one runs the wrapped kernel unchanged, so a config object shared with an unpatched model
+cannot change that model. No class is rewritten or reassigned. The patch is recorded as plain JSON in
+`config.retrofit`, which `retrofit.from_pretrained` reads to rebuild it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+from . import __version__
+from .errors import RetrofitError
+from .families import FAMILIES, family_of
+from .norms import AttentionShape, closest, get_norm, make_options
+from .positions import has_positions_removed, remove_positions, restore_positions
+
+CHILD = "retrofit"  # name of the norm module attached to each attention module
+FORMAT = 1          # version of the config.retrofit record
+
+
+def _eager_of(module: nn.Module):
+    """The model file's own eager attention function (GQA repeat, soft-capping etc. live there)."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise RetrofitError(f"{type(module).__name__} has no eager_attention_forward; load it with sdpa")
+    return fn
+
+
+def _dispatch(base, module, query, key, value, attention_mask, **kwargs):
+    observer = _OBSERVERS.get(id(module))
+    norm = module._modules.get(CHILD)
+    if observer is not None:
+        observer(module, query, key, value, attention_mask, kwargs.get("scaling"), norm)
+    if norm is None:
+        return base(module, query, key, value, attention_mask, **kwargs)
+    return norm(module, query, key, value, attention_mask, base=base, **kwargs)
+
+
+def retrofit_attention(module, query, key, value, attention_mask, **kwargs):
+    return _dispatch(sdpa_attention_forward, module, query, key, value, attention_mask, **kwargs)
+
+
+def retrofit_eager_attention(module, query, key, value, attention_mask, **kwargs):
+    return _dispatch(_eager_of(module), module, query, key, value, attention_mask, **kwargs)
+
+
+# Base implementation -> (our registered name, attention function, mask function of the base).
+# Names avoid "sdpa"/"flex_attention", which trigger transformers' own compatibility checks.
+IMPLEMENTATIONS = {
+    "sdpa": ("retrofit", retrofit_attention, sdpa_mask),
+    "eager": ("retrofit_eager", retrofit_eager_attention, eager_mask),
+}
+BASE_OF = {name: base for base, (name, _, _) in IMPLEMENTATIONS.items()}
+for _name, _fn, _mask in IMPLEMENTATIONS.values():
+    AttentionInterface.register(_name, _fn)
+    AttentionMaskInterface.register(_name, _mask)
+
+_OBSERVERS: dict[int, object] = {}
+
+
+@dataclass
+class PatchReport:
+    """What `patch` did. Printable; `as_dict()` for JSON."""
+
+    model_type: str
+    norm: str
+    options: dict
+    nope: bool
+    modules: list[str]
+    params_added: int
+    base_attn_implementation: str
+    positions: str | None = None
+    family: str = "table"
+    calibration: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        opts = ", ".join(f"{k}={v}" for k, v in self.options.items()) or "none"
+        if self.norm == "avnorm":
+            opts += ", gain=" + (f"calibrated on {self.calibration['tokens']} tokens" if self.calibration
+                                 else "unit (not calibrated)")
+        lines = [
+            f"model type        {self.model_type} ({'in retrofit table' if self.family == 'table' else 'generic'})",
+            f"norm              {self.norm} ({opts})",
+            f"attention modules {len(self.modules)} patched over {self.base_attn_implementation}",
+            f"parameters added  {self.params_added:,}",
+            f"positions         {self.positions if self.nope else 'kept'}",
+        ]
+        return "\n".join(lines + [f"note              {n}" for n in self.notes])
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The self-attention modules a patch targets, by the family table or, failing that, by shape."""
+    family = family_of(model.config)
+    if family is not None:
+        return [(n, m) for n, m in model.named_modules() if type(m).__name__ == family.attention]
+    # Generic: modules named *Attention that hold the projection facts the registry path uses.
+    return [(n, m) for n, m in model.named_modules()
+            if type(m).__name__.endswith("Attention") and hasattr(m, "head_dim") and hasattr(m, "config")]
+
+
+def is_patched(model: nn.Module) -> bool:
+    return any(CHILD in m._modules for m in model.modules()) or has_positions_removed(model)
+
+
+def _shape(module: nn.Module, config) -> AttentionShape:
+    heads = getattr(config, "num_attention_heads", None) or getattr(module, "num_heads")
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(module, "head_dim", None) or config.hidden_size // heads
+    return AttentionShape(int(heads), int(kv_heads), int(head_dim), getattr(config, "max_position_embeddings", None))
+
+
+def _check_patchable(model: nn.Module, nope: bool) -> str:
+    """Refuse what we cannot patch faithfully; returns the base attention implementation."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "model_type"):
+        raise RetrofitError(f"{type(model).__name__} is not a Hugging Face model (it has no config)")
+    if is_patched(model):
+        raise RetrofitError("this model is already patched; call retrofit.unpatch(model) first")
+    base = config._attn_implementation
+    if base not in IMPLEMENTATIONS:
+        raise RetrofitError(f"cannot patch over attention implementation {base!r}: load the model with "
+                            "attn_implementation='sdpa' (or 'eager')")
+    if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
+        raise RetrofitError(f"{type(model).__name__} does not route attention through transformers' "
+                            "attention registry, so retrofit cannot patch it")
+    if config.model_type == "gpt2" and base == "eager" and getattr(config, "reorder_and_upcast_attn", False):
+        raise RetrofitError("GPT-2 with reorder_and_upcast_attn=True under eager bypasses the attention "
+                            "registry; load it with attn_implementation='sdpa' or set reorder_and_upcast_attn=False")
+    if nope and family_of(config) is None:
+        raise RetrofitError(f"nope needs to know where {config.model_type!r} adds positions, and it is not in "
+                            f"retrofit's table ({', '.join(FAMILIES)}); add a row to retrofit/families.py")
+    return base
+
+
+def patch(model: nn.Module, norm: str = "avnorm", *, nope: bool = False, **options) -> PatchReport:
+    """Attach `norm` to every self-attention module of `model` (in place) and return a PatchReport."""
+    norm_cls = get_norm(norm)
+    opts = make_options(norm, **options)
+    base = _check_patchable(model, nope)
+    modules = attention_modules(model)
+    if not modules:
+        family = family_of(model.config)
+        tried = family.attention if family else "modules named *Attention with head_dim"
+        raise RetrofitError(f"found no attention module to patch in {type(model).__name__} (looked for {tried})")
+    config = model.config
+    params_added = 0
+    for _, module in modules:
+        ref = next(module.parameters(), None)
+        child = norm_cls(opts, _shape(module, config))
+        if ref is not None:
+            child.to(device=ref.device, dtype=ref.dtype)
+        module.add_module(CHILD, child)
+        params_added += sum(p.numel() for p in child.parameters())
+    positions = remove_positions(model, family_of(config)) if nope else None
+    model.set_attn_implementation(IMPLEMENTATIONS[base][0])
+    config.retrofit = {
+        "format": FORMAT, "retrofit_version": __version__, "norm": norm,
+        "options": dataclasses.asdict(opts), "nope": bool(nope),
+        "base_attn_implementation": base, "calibration": None,
+    }
+    return PatchReport(
+        model_type=config.model_type, norm=norm, options=dataclasses.asdict(opts), nope=bool(nope),
+        modules=[name for name, _ in modules], base_attn_implementation=base, positions=positions,
+        params_added=params_added,
+        family="table" if family_of(config) else "generic",
+    )
+
+
+def unpatch(model: nn.Module) -> None:
+    """Remove every norm module and restore positions and the attention implementation, in place."""
+    if not is_patched(model):
+        raise RetrofitError("this model is not patched; there is nothing to unpatch")
+    for module in model.modules():
+        module._modules.pop(CHILD, None)
+    restore_positions(model)
+    record = getattr(model.config, "retrofit", None) or {}
+    base = record.get("base_attn_implementation") or BASE_OF.get(model.config._attn_implementation, "sdpa")
+    model.set_attn_implementation(base)
+    if hasattr(model.config, "retrofit"):
+        del model.config.retrofit
+
+
+def patch_record(model: nn.Module) -> dict | None:
+    """The recorded patch (config.retrofit) of a patched model, else None."""
+    record = getattr(getattr(model, "config", None), "retrofit", None)
+    return record if isinstance(record, dict) and is_patched(model) else None
+
+
+def patch_from_record(model: nn.Module, record: dict) -> PatchReport:
+    """Re-apply a patch recorded in config.retrofit (used when loading a saved checkpoint)."""
+    if not isinstance(record, dict) or "norm" not in record:
+        raise RetrofitError("config.retrofit is not a retrofit patch record (no 'norm')")
+    if record.get("format", FORMAT) > FORMAT:
+        raise RetrofitError(f"this checkpoint was written by a newer retrofit (format {record['format']}); upgrade retrofit")
+    report = patch(model, record["norm"], nope=bool(record.get("nope")), **(record.get("options") or {}))
+    model.config.retrofit["calibration"] = record.get("calibration")
+    report.calibration = record.get("calibration")
+    return report
+
+
+@contextlib.contextmanager
+def observe(model: nn.Module, fn):
+    """While active, every attention call of `model` first calls
+    fn(module, query, key, value, attention_mask, scaling, norm) — query (B, H, Tq, D) after RoPE,
+    key/value (B, Hkv, Tk, D), norm the module's retrofit norm or None — then proceeds unchanged.
+    Works on unpatched models too (their implementation is switched to ours for the duration)."""
+    modules = [m for _, m in attention_modules(model)]
+    if not modules:
+        raise RetrofitError(f"found no attention module to observe in {type(model).__name__}")
+    switched = None
+    if model.config._attn_implementation not in BASE_OF:
+        switched = model.config._attn_implementation
+        if switched not in IMPLEMENTATIONS:
+            raise RetrofitError(f"cannot observe attention implementation {switched!r}; load with sdpa or eager")
+        model.set_attn_implementation(IMPLEMENTATIONS[switched][0])
+    for m in modules:
+        _OBSERVERS[id(m)] = fn
+    try:
+        yield
+    finally:
+        for m in modules:
+            _OBSERVERS.pop(id(m), None)
+        if switched is not None:
+            model.set_attn_implementation(switched)
+
+
+__all__ = ["PatchReport", "attention_modules", "is_patched", "observe", "patch", "patch_from_record",
+           "patch_record", "unpatch", "closest"]

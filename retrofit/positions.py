@@ -1,0 +1,84 @@
+"""Removing positional information (NoPE), per model family (see families.py).
+
+Learned absolute positions (GPT-2's `wpe`) are replaced by a module that adds nothing and accepts any
+position (so lengths beyond the table work); rotary embeddings are replaced by the identity rotation
+(cos = 1, sin = 0). The causal mask still encodes order implicitly. Both replacements keep the
+original module aside, so `restore_positions` puts back exactly what was there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .errors import RetrofitError
+from .families import Family
+
+
+class NoPositionEmbedding(nn.Module):
+    """Stands in for a learned position table: returns zeros of the table's width, for any position."""
+
+    def __init__(self, original: nn.Embedding):
+        super().__init__()
+        self.embedding_dim = original.embedding_dim
+        self._original = [original]  # a list hides it from the module tree (and from state_dict)
+        self.register_buffer("anchor", torch.empty(0, dtype=original.weight.dtype,
+                                                   device=original.weight.device), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.anchor.new_zeros(*position_ids.shape, self.embedding_dim)  # (B, T, C)
+
+
+class IdentityRotary(nn.Module):
+    """Stands in for a rotary embedding: cos = 1, sin = 0, i.e. no rotation at any position."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        inv_freq = getattr(original, "inv_freq", None)
+        if inv_freq is None:
+            raise RetrofitError(f"cannot remove positions: {type(original).__name__} has no inv_freq")
+        self.rotary_dim = 2 * inv_freq.numel()
+        self._original = [original]
+        self.register_buffer("anchor", torch.empty(0, device=inv_freq.device), persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        shape = (*position_ids.shape, self.rotary_dim)  # (B, T, rotary_dim), as the original returns
+        return (torch.ones(shape, dtype=x.dtype, device=x.device),
+                torch.zeros(shape, dtype=x.dtype, device=x.device))
+
+
+def _parent(model: nn.Module, path: str):
+    parent_path, _, name = path.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_path) if parent_path else model
+        getattr(parent, name)
+    except AttributeError:
+        raise RetrofitError(f"cannot remove positions: {type(model).__name__} has no module {path!r}") from None
+    return parent, name
+
+
+def remove_positions(model: nn.Module, family: Family) -> str:
+    """Replace the family's position module on this model instance; returns what was done (for the report)."""
+    parent, name = _parent(model, family.positions_path)
+    original = getattr(parent, name)
+    if family.positions == "learned":
+        setattr(parent, name, NoPositionEmbedding(original))
+        return f"{family.positions_path}: learned positions removed"
+    setattr(parent, name, IdentityRotary(original))
+    return f"{family.positions_path}: rotary made identity"
+
+
+def restore_positions(model: nn.Module) -> int:
+    """Put back every position module `remove_positions` replaced; returns how many."""
+    restored = 0
+    for path, module in list(model.named_modules()):
+        if isinstance(module, (NoPositionEmbedding, IdentityRotary)):
+            parent, name = _parent(model, path)
+            original = module._original[0].to(module.anchor.device)
+            setattr(parent, name, original)
+            restored += 1
+    return restored
+
+
+def has_positions_removed(model: nn.Module) -> bool:
+    return any(isinstance(m, (NoPositionEmbedding, IdentityRotary)) for m in model.modules())

@@ -8,9 +8,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import json
 import os
+import socket
+import urllib.parse
 from pathlib import Path
 
 import torch
@@ -58,8 +61,26 @@ def _hub_error(source: str, err: Exception) -> RetrofitError:
                          "pass a local model folder or a .gguf file instead")
 
 
+@functools.lru_cache(maxsize=1)
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One quick TCP connect to the Hub endpoint, so an offline machine fails in seconds, not after retries."""
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host = urllib.parse.urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def _call(source: str, kind: str, fn, *args, **kwargs):
-    """Run a transformers loader, turning network/missing-repo failures into one-line errors."""
+    """Run a transformers loader, turning network/missing-repo failures into one-line errors.
+
+    Offline, a Hub id is still loaded from the local cache when it is there (local_files_only)."""
+    if kind == "hub" and not hub_reachable():
+        kwargs["local_files_only"] = True
     try:
         return fn(*args, **kwargs)
     except (OSError, ValueError, EnvironmentError) as err:
@@ -93,7 +114,23 @@ def load_model(source: str, *, dtype=None, attn_implementation: str = "sdpa", re
     model = _call(source, kind, AutoModelForCausalLM.from_pretrained, where, revision=revision,
                   dtype=_dtype(dtype) or torch.float32, attn_implementation=attn_implementation,
                   device_map=device_map, **extra)
+    if kind == "gguf":
+        _forget_gguf_quantizer(model)
     return model.eval()
+
+
+def _forget_gguf_quantizer(model) -> None:
+    """A GGUF file dequantized on load is a plain float model; drop the quantizer so it can be saved."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or getattr(quantizer, "packed_modules", None):  # packed = still GGUF blocks
+        return
+    if not all(p.dtype.is_floating_point for p in model.parameters()):
+        return
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
 
 
 def load_tokenizer(source: str, revision: str | None = None):
@@ -101,10 +138,12 @@ def load_tokenizer(source: str, revision: str | None = None):
     kind = source_kind(source)
     where, extra = _location(source, kind)
     try:
-        return AutoTokenizer.from_pretrained(where, revision=revision, **extra)
-    except (OSError, ValueError, TypeError, KeyError) as err:
+        return _call(source, kind, AutoTokenizer.from_pretrained, where, revision=revision, **extra)
+    except RetrofitError:
         if kind == "hub":
-            raise _hub_error(source, err) from None
+            raise
+        return None
+    except (TypeError, KeyError):
         return None
 
 
@@ -134,13 +173,14 @@ def _retrofit_tensors(source: str, kind: str, revision: str | None) -> dict[str,
         files = sorted(glob.glob(os.path.join(os.path.expanduser(source), "*.safetensors")))
     else:
         from transformers.utils import cached_file
+        local = {"local_files_only": True} if not hub_reachable() else {}
         index = cached_file(source, "model.safetensors.index.json", revision=revision,
-                            _raise_exceptions_for_missing_entries=False)
+                            _raise_exceptions_for_missing_entries=False, **local)
         if index:
             shards = sorted(set(json.load(open(index))["weight_map"].values()))
-            files = [cached_file(source, s, revision=revision) for s in shards]
+            files = [cached_file(source, s, revision=revision, **local) for s in shards]
         else:
-            files = [cached_file(source, "model.safetensors", revision=revision)]
+            files = [cached_file(source, "model.safetensors", revision=revision, **local)]
     marker = f".{CHILD}."
     tensors = {}
     for f in files:

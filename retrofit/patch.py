@@ -97,10 +97,11 @@ class PatchReport:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
-        opts = ", ".join(f"{k}={v}" for k, v in self.options.items()) or "none"
+        shown = {k: v for k, v in self.options.items() if not (self.norm == "avnorm" and k == "gain")}
+        opts = ", ".join(f"{k}={v}" for k, v in shown.items()) or "no options"
         if self.norm == "avnorm":
-            opts += ", gain=" + (f"calibrated on {self.calibration['tokens']} tokens" if self.calibration
-                                 else "unit (not calibrated)")
+            opts += ", gain " + (f"calibrated on {self.calibration['tokens']} tokens" if self.calibration
+                                 else f"{self.options.get('gain', 1.0)} (not calibrated)")
         lines = [
             f"model type        {self.model_type} ({'in retrofit table' if self.family == 'table' else 'generic'})",
             f"norm              {self.norm} ({opts})",
@@ -116,9 +117,9 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     family = family_of(model.config)
     if family is not None:
         return [(n, m) for n, m in model.named_modules() if type(m).__name__ == family.attention]
-    # Generic: modules named *Attention that hold the projection facts the registry path uses.
+    # Generic: self-attention modules as transformers writes them (a layer index and the config).
     return [(n, m) for n, m in model.named_modules()
-            if type(m).__name__.endswith("Attention") and hasattr(m, "head_dim") and hasattr(m, "config")]
+            if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx") and hasattr(m, "config")]
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -128,7 +129,7 @@ def is_patched(model: nn.Module) -> bool:
 def _shape(module: nn.Module, config) -> AttentionShape:
     heads = getattr(config, "num_attention_heads", None) or getattr(module, "num_heads")
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(module, "head_dim", None) or config.hidden_size // heads
+    head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size", None) or config.hidden_size // heads
     return AttentionShape(int(heads), int(kv_heads), int(head_dim), getattr(config, "max_position_embeddings", None))
 
 
@@ -163,7 +164,7 @@ def patch(model: nn.Module, norm: str = "avnorm", *, nope: bool = False, **optio
     modules = attention_modules(model)
     if not modules:
         family = family_of(model.config)
-        tried = family.attention if family else "modules named *Attention with head_dim"
+        tried = family.attention if family else "modules named *Attention with a layer_idx"
         raise RetrofitError(f"found no attention module to patch in {type(model).__name__} (looked for {tried})")
     config = model.config
     params_added = 0

@@ -1,0 +1,26 @@
+"""`retrofit norms`: every norm, its options and its formula."""
+
+from __future__ import annotations
+
+import json
+
+from ..norms import describe_norms
+
+
+def add_arguments(parser):
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args) -> int:
+    rows = describe_norms()
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    for row in rows:
+        print(f"{row['name']:<10} {row['summary']}")
+        print(f"{'':<10} {row['formula']}")
+        for opt in row["options"]:
+            print(f"{'':<12}{opt['name']:<10} default {opt['default']!s:<8} {opt['doc']}")
+        print()
+    print("any norm composes with --nope (remove position embeddings / make rotary the identity)")
+    return 0

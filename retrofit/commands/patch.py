@@ -1,0 +1,112 @@
+"""`retrofit patch SOURCE --norm NAME [options] --out DIR`: patch a model and save it.
+
+    retrofit patch gpt2 --norm avnorm --out gpt2-avnorm
+    retrofit patch ./smollm2.gguf --norm avnorm --calibrate book.txt --check-text para.txt --out smol-avnorm
+
+SOURCE is a Hub id, a local folder or a .gguf file. Prints the PatchReport; with --check-text, the
+model's loss on that text before and after patching.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..calibrate import calibrate
+from ..errors import RetrofitError
+from ..models import load_model, load_tokenizer
+from ..norms import make_options
+from ..patch import patch
+
+# flag -> norm option; only flags the user set are passed, so an option the norm lacks is an error.
+NORM_FLAGS = {"kind": str, "affine": None, "eps": float, "gain": float, "p": float, "s_init": float,
+              "ref_len": int, "learnable": None}
+
+
+def add_arguments(parser):
+    parser.add_argument("source", help="Hub id, local model folder, or .gguf file")
+    parser.add_argument("--norm", required=True, help="softmax | avnorm | psoftmax | ssmax | softmax1 (see `retrofit norms`)")
+    parser.add_argument("--nope", action="store_true", help="also remove positional information")
+    for flag, typ in NORM_FLAGS.items():
+        name = "--" + flag.replace("_", "-")
+        if typ is None:
+            parser.add_argument(name, dest=flag, action="store_const", const=True, default=None,
+                                help=f"norm option {flag}")
+        else:
+            parser.add_argument(name, dest=flag, type=typ, default=None, help=f"norm option {flag}")
+    parser.add_argument("--calibrate", metavar="FILE", help="text file to calibrate AVNorm gains on")
+    parser.add_argument("--calibrate-tokens", type=int, default=8192, help="tokens of FILE to use (default 8192)")
+    parser.add_argument("--check-text", metavar="FILE", help="print the loss on this text before and after patching")
+    parser.add_argument("--check-tokens", type=int, default=512, help="tokens of --check-text to use (default 512)")
+    parser.add_argument("--out", help="folder to save the patched model (and tokenizer) to")
+    parser.add_argument("--dtype", default=None, help="float32 (default) | bfloat16 | float16")
+
+
+def _read_tokens(tokenizer, path: str, limit: int) -> torch.Tensor:
+    if tokenizer is None:
+        raise RetrofitError("this model ships no tokenizer, so text files cannot be used with it")
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    ids = tokenizer(text, return_tensors="pt").input_ids[0][:limit]
+    if ids.numel() < 2:
+        raise RetrofitError(f"{path} has fewer than 2 tokens")
+    return ids
+
+
+@torch.no_grad()
+def text_loss(model, ids: torch.Tensor) -> float:
+    """Mean next-token loss of `model` on one sequence of token ids."""
+    return float(model(input_ids=ids[None], labels=ids[None], use_cache=False).loss)
+
+
+def save_atomically(model, tokenizer, out: str) -> None:
+    """Write to a temporary sibling folder, then rename: a crash never leaves a half-written model."""
+    out_path = Path(out)
+    if out_path.exists() and any(out_path.iterdir()):
+        raise RetrofitError(f"{out} exists and is not empty; choose another --out or remove it")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent)
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out_path.exists():
+            out_path.rmdir()
+        os.replace(tmp, out_path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def run(args) -> int:
+    options = {k: getattr(args, k) for k in NORM_FLAGS if getattr(args, k) is not None}
+    make_options(args.norm, **options)  # fail on a bad norm or option before loading anything
+    for path in (args.calibrate, args.check_text):
+        if path and not Path(path).is_file():
+            raise RetrofitError(f"no such file: {path}")
+    if args.calibrate and args.norm != "avnorm":
+        raise RetrofitError("--calibrate sets AVNorm gains; it needs --norm avnorm")
+    if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
+        raise RetrofitError(f"{args.out} exists and is not empty; choose another --out or remove it")
+    model = load_model(args.source, dtype=args.dtype)
+    needs_tokens = args.calibrate or args.check_text
+    tokenizer = load_tokenizer(args.source) if (needs_tokens or args.out) else None
+    check = _read_tokens(tokenizer, args.check_text, args.check_tokens) if args.check_text else None
+    before = text_loss(model, check) if check is not None else None
+    report = patch(model, args.norm, nope=args.nope, **options)
+    if args.calibrate:
+        ids = _read_tokens(tokenizer, args.calibrate, args.calibrate_tokens)
+        report.calibration = calibrate(model, (c[None] for c in ids.split(512)))
+    print(report)
+    if check is not None:
+        after = text_loss(model, check)
+        print(f"loss on {args.check_text} ({check.numel()} tokens): original {before:.4f}, "
+              f"patched {after:.4f} (ppl {math.exp(min(after, 50)):.2f})")
+    if args.out:
+        save_atomically(model, tokenizer, args.out)
+        print(f"saved to {args.out}  (load with retrofit.from_pretrained({args.out!r}))")
+    return 0

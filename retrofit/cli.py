@@ -4,7 +4,7 @@
     retrofit norms
 
 Each command lives in the module named in COMMANDS, which provides `add_arguments(parser)` and
-`run(args) -> int`. Bad input raises `RetrofitError`: printed as one line, exit code 2, no traceback.
+`run(args) -> int` (or, serving several commands, CLI_COMMANDS = {command: (add_arguments, run)}). Bad input raises `RetrofitError`: printed as one line, exit code 2, no traceback.
 """
 
 from __future__ import annotations
@@ -53,9 +53,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                 p.set_defaults(_missing=f"`retrofit {name}` is not available in this build")
                 continue
             raise
-        add = getattr(module, f"add_{name}_arguments", None) or module.add_arguments
+        # a module serving several commands names them in CLI_COMMANDS: {command: (add_arguments, run)}
+        add, run = getattr(module, "CLI_COMMANDS", {}).get(name, (module.add_arguments, module.run))
         add(p)
-        p.set_defaults(_run=getattr(module, f"run_{name}", None) or module.run)
+        p.set_defaults(_run=run)
     return parser
 
 

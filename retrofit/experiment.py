@@ -1,0 +1,224 @@
+"""The retrofit experiment: one base checkpoint -> finetuned arms -> length evaluation -> report.
+
+    retrofit experiment recipes/llama-avnorm-retrofit.yaml --out runs/smollm2
+    retrofit demo                                   # recipes/demo.yaml: offline, CPU, minutes
+
+1. Base: pretrain the recipe's model from its config with softmax attention (experiment.base_steps),
+   or take a pretrained source as it is (base_steps: 0).
+2. Arms: from that one base, finetune each arm (its own `patch`) for the same steps, data and seed,
+   evaluating at a schedule of finetune steps (the retrofit recovery curve).
+3. Eval: the base and every arm at all extrapolation lengths (retrofit.evaluate).
+4. Report: DIR/report.md with tables and plots, DIR/results.json, and the run folders.
+
+Re-running the same command skips finished stages, so a crash in arm 3 does not redo the base.
+This module only chains train, evaluate and report; it owns no training or evaluation logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import RetrofitError
+from .recipe import PatchSection, Recipe, knob, load_recipe, register_section, save_recipe
+
+DEMO_RECIPE = Path(__file__).resolve().parent / "recipes" / "demo.yaml"
+
+
+@dataclass
+class ArmSection:
+    name: str = knob("arm", "folder and label of the arm, e.g. softmax, avnorm-rms, psoftmax-p2")
+    patch: PatchSection = knob(factory=PatchSection, doc="the arm's attention patch; norm softmax = the control")
+    lr: float | None = knob(None, "finetune learning rate of this arm; null = experiment.finetune_lr")
+
+    def __post_init__(self):
+        if not self.name or "/" in self.name or self.name in ("base", "eval"):
+            raise RetrofitError(f"experiment arm name {self.name!r} must be a plain folder name (not base or eval)")
+
+
+@dataclass
+class ExperimentSection:
+    arms: list[ArmSection] = knob(factory=list, doc="the finetune arms, all from the same base")
+    base_steps: int = knob(0, "steps to (pre)train the base with softmax attention; 0 = the model as loaded")
+    finetune_steps: int = knob(100, "optimizer steps of every arm")
+    finetune_lr: float | None = knob(None, "arms' learning rate; null = train.lr")
+    finetune_warmup: int | None = knob(None, "arms' warmup steps; null = train.warmup_steps")
+    recovery_at: list[int] = knob(factory=lambda: [0, 10, 20, 50, 100, 200, 500, 1000],
+                                  doc="finetune steps at which each arm is evaluated at the training length "
+                                      "(clipped to finetune_steps): the recovery curve")
+    eval_data: list[str] | None = knob(None, "lm: text (or .json token) files for the length evaluation")
+    eval_max_tokens: int | None = knob(None, "lm: cap on tokens evaluated per length (null = all windows)")
+    train_len: int | None = knob(None, "the length marked as 'trained' in the report; null = data.seq_len")
+
+    def __post_init__(self):
+        if not self.arms:
+            raise RetrofitError("experiment.arms is empty: list at least one arm (e.g. name: softmax, patch: {norm: softmax})")
+        names = [a.name for a in self.arms]
+        if len(set(names)) != len(names):
+            raise RetrofitError(f"experiment.arms has duplicate names: {names}")
+        if self.base_steps < 0 or self.finetune_steps < 1:
+            raise RetrofitError("experiment.base_steps must be >= 0 and finetune_steps >= 1")
+
+
+register_section("experiment", ExperimentSection)
+
+
+# ---- stages ------------------------------------------------------------------------------------------------------
+
+def _finished(run_dir: Path) -> bool:
+    return (run_dir / "result.json").is_file()
+
+
+def _stage_recipe(recipe: Recipe, run_dir: Path, *, patch: PatchSection, steps: int, lr=None, warmup=None,
+                  at_steps=(), source=None) -> Recipe:
+    r = copy.deepcopy(recipe)
+    r.extras = {}
+    r.patch = patch
+    r.train = dataclasses.replace(r.train, steps=steps, lr=r.train.lr if lr is None else lr,
+                                  warmup_steps=min(r.train.warmup_steps if warmup is None else warmup, steps))
+    # stages evaluate at the training length only; the long lengths are retrofit.evaluate's job
+    r.eval = dataclasses.replace(r.eval, at_steps=sorted(set(at_steps)), every=0, lengths=[r.data.seq_len])
+    r.output = dataclasses.replace(r.output, dir=str(run_dir))
+    if source is not None:
+        r.model = dataclasses.replace(r.model, source=str(source), config=None)
+    return r
+
+
+def run_base(recipe: Recipe, exp: ExperimentSection, out: Path) -> str:
+    """The base checkpoint every arm starts from: a folder path (or the recipe's pretrained source)."""
+    from .train import train
+    if exp.base_steps == 0:
+        if recipe.model.source is None:
+            raise RetrofitError("experiment.base_steps is 0 but model.source is null: nothing to start from; "
+                                "set base_steps to pretrain from model.config")
+        return recipe.model.source
+    base_dir = out / "base"
+    if _finished(base_dir):
+        print(f"[experiment] base: {base_dir} is finished, skipping")
+        return str(base_dir)
+    print(f"[experiment] base: training {exp.base_steps} steps with softmax attention -> {base_dir}")
+    stage = _stage_recipe(recipe, base_dir, patch=PatchSection(), steps=exp.base_steps)
+    train(stage, resume=base_dir.exists())
+    return str(base_dir)
+
+
+def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, out: Path) -> dict:
+    """Finetune one arm from the base; returns {step: metrics} of its recovery evaluations."""
+    from .train import train
+    from .train.tasks import load_run
+    arm_dir = out / "arms" / arm.name
+    recovery_file = arm_dir / "recovery.json"
+    if _finished(arm_dir) and recovery_file.is_file():
+        print(f"[experiment] arm {arm.name}: finished, skipping")
+        return {int(k): v for k, v in json.loads(recovery_file.read_text()).items()}
+    at = [s for s in exp.recovery_at if s <= exp.finetune_steps] + [exp.finetune_steps]
+    stage = _stage_recipe(recipe, arm_dir, patch=arm.patch, steps=exp.finetune_steps,
+                          lr=arm.lr if arm.lr is not None else exp.finetune_lr, warmup=exp.finetune_warmup,
+                          at_steps=at, source=base)
+    print(f"[experiment] arm {arm.name}: {arm.patch.norm or 'unpatched'} for {exp.finetune_steps} steps -> {arm_dir}")
+    if arm_dir.exists() and not (arm_dir / "checkpoints").is_dir():
+        import shutil
+        shutil.rmtree(arm_dir)  # an arm that died before its first checkpoint starts over
+    result = train(stage, model=load_run(base), resume=arm_dir.exists())
+    recovery = {int(k): v for k, v in result.evals.items()}
+    recovery_file.write_text(json.dumps(recovery, indent=1))
+    return recovery
+
+
+def hardware() -> dict:
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict:
+    """Run every stage that is not finished yet; returns the experiment results (also DIR/results.json)."""
+    from .evaluate import evaluate_models
+    from .report import write_report
+    from .experiment_report import write_experiment_report
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe, overrides)
+    exp = recipe.section("experiment")
+    if exp is None:
+        raise RetrofitError("this recipe has no experiment section (arms, base_steps, finetune_steps); "
+                            "use `retrofit train` for a single run")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_recipe(recipe, out / "recipe.yaml")
+    timings, failures, recovery = {}, {}, {}
+    start = time.perf_counter()
+    base = run_base(recipe, exp, out)
+    timings["base"] = time.perf_counter() - start
+    for arm in exp.arms:
+        t0 = time.perf_counter()
+        try:
+            recovery[arm.name] = run_arm(recipe, exp, arm, base, out)
+        except RetrofitError as err:  # a diverged arm is a result, not a crash of the experiment
+            failures[arm.name] = str(err)
+            print(f"[experiment] arm {arm.name} FAILED: {err}")
+        timings[f"arm {arm.name}"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    done = [a.name for a in exp.arms if a.name not in failures]
+    sources = [base] + [str(out / "arms" / n) for n in done]
+    names = ["base"] + done
+    lengths = recipe.eval_lengths()
+    evaluation = evaluate_models(sources, names=names, data=exp.eval_data, lengths=lengths,
+                                 train_len=exp.train_len or recipe.data.seq_len, max_tokens=exp.eval_max_tokens,
+                                 tokenizer=recipe.model.tokenizer, progress=progress)
+    write_report(evaluation, out / "eval")
+    timings["eval"] = time.perf_counter() - t0
+    results = {"schema": "retrofit.experiment/1", "recipe": recipe.name, "hardware": hardware(),
+               "wall_time_s": {k: round(v, 1) for k, v in timings.items()},
+               "base": base, "arms": {a.name: {"patch": a.patch.options() | {"norm": a.patch.norm, "nope": a.patch.nope},
+                                               "failed": failures.get(a.name),
+                                               "recovery": recovery.get(a.name)} for a in exp.arms},
+               "evaluation": evaluation}
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    write_experiment_report(results, out)
+    return results
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="YAML recipe with an experiment section")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. experiment.finetune_steps=50")
+    parser.add_argument("--out", required=True, help="experiment folder (re-run to resume)")
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of recipes/demo.yaml")
+    parser.add_argument("--out", default="runs/demo", help="experiment folder (default runs/demo)")
+
+
+def run(args) -> int:
+    _print_summary(run_experiment(args.recipe, args.out, args.overrides), Path(args.out))
+    return 0
+
+
+def run_demo(args) -> int:
+    """`retrofit demo`: the embedded default experiment (recipes/demo.yaml), offline, on the CPU."""
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    _print_summary(run_experiment(DEMO_RECIPE, args.out, args.overrides), Path(args.out))
+    return 0
+
+
+CLI_COMMANDS = {"experiment": (add_arguments, run), "demo": (add_demo_arguments, run_demo)}
+
+
+def _print_summary(results: dict, out: Path) -> None:
+    from .experiment_report import summary_table
+    print()
+    print(summary_table(results))
+    print(f"\nreport: {out / 'report.md'}   (results.json, eval/, base/, arms/ beside it)")

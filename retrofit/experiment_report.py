@@ -1,0 +1,106 @@
+"""The experiment's report.md: norm comparison by length, the recovery curve, hardware, time, failures.
+
+Built only from the experiment's results dict (retrofit.experiment.run_experiment), with the tables
+and plots of retrofit.report; the per-length evaluation report sits beside it in eval/.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .report import line_plot, markdown_table
+
+
+def _metric(evaluation: dict) -> tuple[str, str]:
+    """(key in each model's entry, label): counting runs report L1, language models next-token loss."""
+    if any(m.get("counting") for m in evaluation["models"]):
+        return "counting", "counting L1 (mean |predicted - true count|)"
+    return "lengths", "mean next-token loss"
+
+
+def by_length(evaluation: dict) -> dict[str, dict[int, float]]:
+    """model name -> {length: metric}."""
+    key, _ = _metric(evaluation)
+    value = "l1" if key == "counting" else "loss"
+    return {m["name"]: {r["length"]: r[value] for r in m.get(key) or []} for m in evaluation["models"]}
+
+
+def _fmt(x) -> str:
+    return "—" if x is None else (f"{x:.3f}" if abs(x) < 1000 else f"{x:.3g}")
+
+
+def comparison_table(results: dict) -> str:
+    """Rows base + arms, columns lengths (the trained one starred), plus ratio of longest to trained."""
+    evaluation = results["evaluation"]
+    table = by_length(evaluation)
+    lengths, train_len = evaluation["lengths"], evaluation.get("train_len")
+    header = ["model", "patch"] + [f"{n}{'*' if n == train_len else ''}" for n in lengths]
+    if train_len in lengths and len(lengths) > 1:
+        header.append(f"{lengths[-1]} / {train_len}")
+    rows = []
+    for name, values in table.items():
+        patch = results["arms"].get(name, {}).get("patch") if name != "base" else {"norm": "softmax (base)"}
+        row = [name, ", ".join(f"{k}={v}" for k, v in (patch or {}).items() if v not in (None, False))]
+        row += [_fmt(values.get(n)) for n in lengths]
+        if train_len in lengths and len(lengths) > 1:
+            lo, hi = values.get(train_len), values.get(lengths[-1])
+            row.append(f"{hi / lo:.2f}x" if lo and hi is not None else "—")
+        rows.append(row)
+    return markdown_table(header, rows)
+
+
+def recovery_series(results: dict) -> dict[str, tuple[list, list]]:
+    """arm -> (finetune steps, metric at the training length)."""
+    series = {}
+    for name, arm in results["arms"].items():
+        points = sorted((int(step), metrics) for step, metrics in (arm.get("recovery") or {}).items())
+        values = [(s, next((v for k, v in m.items() if k.startswith(("eval/loss@", "eval/l1@"))), None))
+                  for s, m in points]
+        values = [(s, v) for s, v in values if v is not None]
+        if values:
+            series[name] = ([s for s, _ in values], [v for _, v in values])
+    return series
+
+
+def recovery_table(results: dict) -> str:
+    series = recovery_series(results)
+    steps = sorted({s for xs, _ in series.values() for s in xs})
+    rows = [[name] + [_fmt(dict(zip(xs, ys)).get(s)) for s in steps] for name, (xs, ys) in series.items()]
+    return markdown_table(["arm \\ finetune step"] + [str(s) for s in steps], rows) if rows else ""
+
+
+def summary_table(results: dict) -> str:
+    """The short table `retrofit demo` prints: metric by length, per model."""
+    _, label = _metric(results["evaluation"])
+    return f"{label} by length (* = trained length)\n" + comparison_table(results)
+
+
+def write_experiment_report(results: dict, out) -> Path:
+    out = Path(out)
+    evaluation = results["evaluation"]
+    _, label = _metric(evaluation)
+    series = recovery_series(results)
+    plots = []
+    if series:
+        plots.append(line_plot(series, out / "recovery.png", xlabel="finetune steps", log2x=False,
+                               ylabel=f"{label} at the training length", title="Retrofit recovery").name)
+    eval_plots = [p.name for p in sorted((out / "eval").glob("*.png"))]
+    failed = {n: a["failed"] for n, a in results["arms"].items() if a.get("failed")}
+    lines = [f"# Experiment: {results['recipe']}", "",
+             "Base checkpoint, then every arm finetuned from it for the same steps, data and seed; "
+             "then all evaluated at every length. Numbers are computed by this run, not copied.", "",
+             f"- Hardware: {json.dumps(results['hardware'])}",
+             f"- Wall time (s): {json.dumps(results['wall_time_s'])}",
+             f"- Base: `{results['base']}`",
+             f"- Failed or diverged arms: {json.dumps(failed) if failed else 'none'}", "",
+             f"## {label} by context length", "", "`*` marks the trained length; the last column is the "
+             "longest length's value divided by the trained length's.", "", comparison_table(results), ""]
+    if series:
+        lines += ["## Recovery: metric at the trained length during finetuning", "", recovery_table(results), "",
+                  "![recovery](recovery.png)", ""]
+    lines += ["## Plots", ""] + [f"![{p}](eval/{p})" for p in eval_plots]
+    lines += ["", "Per-length details (windows, tokens, time, memory, by-position): [eval/results.md](eval/results.md)."]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

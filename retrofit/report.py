@@ -1,0 +1,332 @@
+"""Tables and plots from result dicts: results.json, results.csv, results.md and PNG plots.
+
+    from retrofit.report import write_report
+    paths = write_report(results, "eval/")     # results: what retrofit.evaluate.evaluate_models returns
+
+The functions below take the results dict (schema: RESULTS_SCHEMA, documented in
+docs/results-schema.md) or plain series, so other commands (experiment reports) reuse them. Plots
+use matplotlib's Figure directly (the Agg canvas): no pyplot state, no display needed.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from .errors import RetrofitError
+
+# ---- the schema (a JSON Schema subset; `validate` below checks it without extra dependencies) -----------------
+
+_INT, _NUM, _STR = {"type": "integer"}, {"type": "number"}, {"type": "string"}
+_INT_OR_NULL = {"type": ["integer", "null"]}
+_BUCKET = {"type": "object", "required": ["start", "end", "loss", "tokens"],
+           "properties": {"start": {"type": "integer", "minimum": 0}, "end": _INT, "loss": _NUM, "tokens": _INT}}
+_LENGTH_ROW = {
+    "type": "object",
+    "required": ["length", "loss", "windows", "tokens", "time_s", "peak_memory_mb", "beyond_max_positions",
+                 "by_position"],
+    "properties": {"length": {"type": "integer", "minimum": 2}, "loss": _NUM, "windows": {"type": "integer", "minimum": 1},
+                   "tokens": _INT, "time_s": _NUM, "tokens_per_s": _NUM, "peak_memory_mb": _NUM,
+                   "start_memory_mb": _NUM, "beyond_max_positions": {"type": "boolean"}, "windows_sha1": _STR,
+                   "by_position": {"type": "array", "items": _BUCKET}}}
+_PASSKEY_ROW = {"type": "object", "required": ["length", "depth", "accuracy", "trials"],
+                "properties": {"length": _INT, "depth": {"type": "number", "minimum": 0, "maximum": 1},
+                               "accuracy": {"type": "number", "minimum": 0, "maximum": 1}, "trials": _INT}}
+_COUNTING_BUCKET = {"type": "object", "required": ["start", "end", "l1", "tokens"],
+                    "properties": {"start": _INT, "end": _INT, "l1": _NUM, "tokens": _INT}}
+_COUNTING_ROW = {"type": "object", "required": ["length", "l1", "mse", "sequences"],
+                 "properties": {"length": _INT, "l1": _NUM, "mse": _NUM, "sequences": _INT,
+                                "by_position": {"type": "array", "items": _COUNTING_BUCKET}}}
+_MODEL = {
+    "type": "object", "required": ["name", "model_type", "lengths"],
+    "properties": {"name": _STR, "source": {"type": ["string", "null"]}, "model_type": _STR, "tokenizer": _STR,
+                   "dtype": _STR, "retrofit": {"type": ["object", "null"]}, "max_learned_positions": _INT_OR_NULL,
+                   "max_position_embeddings": _INT_OR_NULL, "memory_kind": {"enum": ["rss", "cuda_allocated"]},
+                   "lengths": {"type": "array", "items": _LENGTH_ROW},
+                   "passkey": {"type": "array", "items": _PASSKEY_ROW},
+                   "counting": {"type": "array", "items": _COUNTING_ROW}}}
+RESULTS_SCHEMA = {
+    "type": "object", "required": ["schema", "train_len", "lengths", "models"],
+    "properties": {"schema": {"enum": ["retrofit.eval/1"]}, "train_len": _INT_OR_NULL,
+                   "lengths": {"type": "array", "items": {"type": "integer", "minimum": 2}},
+                   "data": {"type": "object"}, "settings": {"type": "object"},
+                   "models": {"type": "array", "items": _MODEL}}}
+
+_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None), "integer": int,
+          "number": (int, float)}
+
+
+def _is(value, type_name: str) -> bool:
+    if isinstance(value, bool) and type_name in ("integer", "number"):
+        return False  # bool is an int in Python, but not in JSON
+    return isinstance(value, _TYPES[type_name])
+
+
+def validate(value, schema=RESULTS_SCHEMA, path="results") -> None:
+    """Raise RetrofitError naming the first place where `value` breaks `schema` (type, required,
+    properties, items, enum, minimum, maximum)."""
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types
+    if types and not any(_is(value, t) for t in types):
+        raise RetrofitError(f"{path}: expected {' or '.join(types)}, got {type(value).__name__}")
+    if "enum" in schema and value not in schema["enum"]:
+        raise RetrofitError(f"{path}: {value!r} is not one of {schema['enum']}")
+    if "minimum" in schema and value < schema["minimum"] or "maximum" in schema and value > schema["maximum"]:
+        raise RetrofitError(f"{path}: {value!r} is outside [{schema.get('minimum')}, {schema.get('maximum')}]")
+    if isinstance(value, dict):
+        for key in schema.get("required", []):
+            if key not in value:
+                raise RetrofitError(f"{path}: missing key {key!r}")
+        for key, sub in schema.get("properties", {}).items():
+            if key in value:
+                validate(value[key], sub, f"{path}.{key}")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            validate(item, schema["items"], f"{path}[{i}]")
+
+
+# ---- tables -------------------------------------------------------------------------------------------------
+
+def tidy_rows(results: dict) -> list[dict]:
+    """One row per (model, task, metric, length, depth or position bucket): what results.csv holds."""
+    rows = []
+    for m in results["models"]:
+        base = {"model": m["name"], "depth": "", "position_start": "", "position_end": ""}
+        for r in m.get("lengths", []):
+            for metric in ("loss", "time_s", "tokens_per_s", "peak_memory_mb"):
+                if metric in r:
+                    rows.append({**base, "task": "lm", "metric": metric, "length": r["length"], "value": r[metric],
+                                 "count": r["tokens"]})
+            for b in r["by_position"]:
+                rows.append({**base, "task": "lm", "metric": "loss_by_position", "length": r["length"],
+                             "position_start": b["start"], "position_end": b["end"], "value": b["loss"],
+                             "count": b["tokens"]})
+        for r in m.get("passkey", []):
+            rows.append({**base, "task": "passkey", "metric": "accuracy", "length": r["length"], "depth": r["depth"],
+                         "value": r["accuracy"], "count": r["trials"]})
+        for r in m.get("counting", []):
+            for metric in ("l1", "mse"):
+                rows.append({**base, "task": "counting", "metric": metric, "length": r["length"], "value": r[metric],
+                             "count": r["sequences"]})
+            for b in r.get("by_position", []):
+                rows.append({**base, "task": "counting", "metric": "l1_by_position", "length": r["length"],
+                             "position_start": b["start"], "position_end": b["end"], "value": b["l1"],
+                             "count": b["tokens"]})
+    return rows
+
+
+CSV_COLUMNS = ["model", "task", "metric", "length", "depth", "position_start", "position_end", "value", "count"]
+
+
+def markdown_table(header: list, rows: list[list]) -> str:
+    """A GitHub markdown table; floats get 3 decimals (below 100) or none, None is blank."""
+    def cell(x):
+        if isinstance(x, float):
+            return f"{x:.3f}" if abs(x) < 100 else f"{x:.0f}"
+        return "" if x is None else str(x)
+    lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in rows])
+
+
+def loss_table_markdown(results: dict, metric: str = "loss") -> str:
+    """Rows models, columns lengths; the training length's column is marked, and values at lengths
+    beyond a model's max_position_embeddings carry a dagger."""
+    train = results.get("train_len")
+    header = ["model"] + [f"**{n}** (train)" if n == train else str(n) for n in results["lengths"]]
+    rows = []
+    for m in results["models"]:
+        by_length = {r["length"]: r for r in m.get("lengths", [])}
+        rows.append([m["name"]] + [
+            None if n not in by_length else f"{by_length[n][metric]:.3f}" + (" †" * by_length[n]["beyond_max_positions"])
+            for n in results["lengths"]])
+    table = markdown_table(header, rows)
+    if any(r["beyond_max_positions"] for m in results["models"] for r in m.get("lengths", [])):
+        table += "\n\n† beyond the model's max_position_embeddings (RoPE: evaluated anyway)."
+    return table
+
+
+def cost_table_markdown(results: dict) -> str:
+    """One row per model and length: windows, tokens, loss, seconds, tokens/s, peak memory."""
+    rows = [[m["name"], r["length"], r["windows"], r["tokens"], r["loss"], f"{r['time_s']:.1f}",
+             round(r.get("tokens_per_s", 0)), round(r["peak_memory_mb"])] for m in results["models"] for r in m.get("lengths", [])]
+    kind = {m.get("memory_kind", "rss") for m in results["models"]}
+    return markdown_table(["model", "length", "windows", "tokens", "loss", "time (s)", "tokens/s",
+                           f"peak memory (MiB, {'/'.join(sorted(kind))})"], rows)
+
+
+def position_table_markdown(results: dict, length: int | None = None) -> str:
+    """Rows models, columns position buckets, at `length` (default: the longest)."""
+    length = length or max(results["lengths"], default=0)
+    rows, header = [], None
+    for m in results["models"]:
+        r = next((r for r in m.get("lengths", []) if r["length"] == length), None)
+        if r is None:
+            continue
+        header = header or ["model"] + [str(b["start"]) if b["end"] - b["start"] == 1 else f"{b['start']}–{b['end'] - 1}"
+                                        for b in r["by_position"]]
+        rows.append([m["name"]] + [b["loss"] for b in r["by_position"]])
+    return markdown_table(header, rows) if rows else ""
+
+
+def task_table_markdown(results: dict, task: str, metric: str, column: str) -> str:
+    """Rows models (x depth, for passkey), columns lengths: a passkey or counting metric."""
+    rows, lengths = [], sorted({r["length"] for m in results["models"] for r in m.get(task, [])})
+    for m in results["models"]:
+        keys = sorted({(r.get(column) if column else None) for r in m.get(task, [])}, key=lambda k: k or 0)
+        for key in keys:
+            cells = {r["length"]: r[metric] for r in m.get(task, []) if not column or r[column] == key}
+            rows.append([m["name"] if key is None else f"{m['name']} @ {column} {key:g}"]
+                        + [cells.get(n) for n in lengths])
+    return markdown_table(["model"] + lengths, rows) if rows else ""
+
+
+# ---- plots --------------------------------------------------------------------------------------------------
+
+def _figure(n_axes=1, width=6.0, height=4.0):
+    from matplotlib.figure import Figure  # the Agg canvas, without touching pyplot's global backend
+
+    cols = min(3, n_axes)
+    rows = math.ceil(n_axes / cols)
+    fig = Figure(figsize=(width * cols, height * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax in axes[n_axes:]:
+        ax.set_visible(False)
+    return fig, axes[:n_axes]
+
+
+def _tokens_label(x: float) -> str:
+    """1024 -> '1K', 65536 -> '64K', 16 -> '16'."""
+    return f"{x / 1024:g}K" if x >= 1024 else f"{x:g}"
+
+
+def draw_lines(ax, series: dict, *, xlabel, ylabel, title=None, log2x=True, vline=None, vline_label="train length"):
+    """series: label -> (xs, ys). Optional vertical line (the training length)."""
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", markersize=3, label=str(label))
+    if log2x:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(lambda x, _: _tokens_label(x))
+    if vline:
+        ax.axvline(vline, color="gray", linestyle="--", linewidth=1, label=f"{vline_label} ({vline})")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def line_plot(series: dict, path, **kwargs) -> Path:
+    """One axis of lines (see draw_lines), saved as a PNG."""
+    fig, (ax,) = _figure()
+    draw_lines(ax, series, **kwargs)
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
+def plot_loss_vs_length(results: dict, path) -> Path:
+    """Mean loss against context length: one line per model, log2 x-axis, the training length marked."""
+    series = {m["name"]: ([r["length"] for r in m["lengths"]], [r["loss"] for r in m["lengths"]])
+              for m in results["models"] if m.get("lengths")}
+    return line_plot(series, path, xlabel="context length (tokens)", ylabel="mean next-token loss",
+                     title="Loss by context length", vline=results.get("train_len"))
+
+
+def plot_loss_by_position(results: dict, path) -> Path:
+    """Loss against position in the window: one panel per model, one line per window length.
+    A bucket [a, b) is drawn at x = b, the most tokens of context its predictions saw."""
+    models = [m for m in results["models"] if m.get("lengths")]
+    fig, axes = _figure(len(models))
+    for ax, m in zip(axes, models):
+        series = {f"L={r['length']}": ([b["end"] for b in r["by_position"]], [b["loss"] for b in r["by_position"]])
+                  for r in m["lengths"]}
+        draw_lines(ax, series, xlabel="position in window (tokens of context)", ylabel="loss",
+                   title=m["name"], vline=results.get("train_len"))
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
+def plot_passkey(results: dict, path) -> Path:
+    """Passkey accuracy as a heatmap of depth (rows) x length (columns), one panel per model."""
+    models = [m for m in results["models"] if m.get("passkey")]
+    fig, axes = _figure(len(models), width=5.0)
+    for ax, m in zip(axes, models):
+        lengths = sorted({r["length"] for r in m["passkey"]})
+        depths = sorted({r["depth"] for r in m["passkey"]})
+        grid = [[next((r["accuracy"] for r in m["passkey"] if r["length"] == n and r["depth"] == d), math.nan)
+                 for n in lengths] for d in depths]
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45)
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("context length")
+        ax.set_ylabel("passkey depth")
+        ax.set_title(m["name"])
+        fig.colorbar(image, ax=ax, label="accuracy")
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
+def plot_counting(results: dict, path) -> Path:
+    """Counting L1 and MSE against length, one line per model."""
+    models = [m for m in results["models"] if m.get("counting")]
+    fig, axes = _figure(2)
+    for ax, metric in zip(axes, ("l1", "mse")):
+        series = {m["name"]: ([r["length"] for r in m["counting"]], [r[metric] for r in m["counting"]])
+                  for m in models}
+        draw_lines(ax, series, xlabel="sequence length", ylabel=metric.upper(), title=f"Counting {metric.upper()}",
+                   vline=results.get("train_len"))
+        ax.set_yscale("log")
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
+# ---- everything at once -------------------------------------------------------------------------------------
+
+def write_report(results: dict, out_dir) -> list[Path]:
+    """Validate, then write results.json, results.csv, results.md and the plots; returns the paths."""
+    validate(results)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "results.csv", out / "results.md"]
+    paths[0].write_text(json.dumps(results, indent=1) + "\n")
+    with open(paths[1], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(tidy_rows(results))
+    plots = []
+    if any(m.get("lengths") for m in results["models"]):
+        plots += [plot_loss_vs_length(results, out / "loss_vs_length.png"),
+                  plot_loss_by_position(results, out / "loss_by_position.png")]
+    if any(m.get("passkey") for m in results["models"]):
+        plots.append(plot_passkey(results, out / "passkey.png"))
+    if any(m.get("counting") for m in results["models"]):
+        plots.append(plot_counting(results, out / "counting.png"))
+    paths[2].write_text(results_markdown(results, [p.name for p in plots]))
+    return paths + plots
+
+
+def results_markdown(results: dict, plots=()) -> str:
+    """The human-readable report: what was evaluated, then each table, then the plots."""
+    settings, data = results.get("settings", {}), results.get("data", {})
+    lines = ["# Length extrapolation", "",
+             f"Data: {', '.join(data.get('files') or ['given tokens'])} ({sum(data.get('documents') or [])} tokens). "
+             f"Training length: {results.get('train_len') or 'not given'}. "
+             f"Max tokens per length: {settings.get('max_tokens') or 'all'}. Window: {settings.get('window', 'L tokens')}.",
+             ""]
+    for m in results["models"]:
+        lines.append(f"- **{m['name']}**: {m['model_type']}, {m.get('dtype', '?')}, source `{m.get('source') or 'in memory'}`, "
+                     f"patch {json.dumps(m.get('retrofit'))}, learned positions {m.get('max_learned_positions')}, "
+                     f"max_position_embeddings {m.get('max_position_embeddings')}")
+    lm = [("Loss by context length", loss_table_markdown(results)),
+          ("Time and memory per length", cost_table_markdown(results)),
+          (f"Loss by position at length {max(results['lengths'], default=0)}", position_table_markdown(results))]
+    tasks = [("Passkey accuracy", task_table_markdown(results, "passkey", "accuracy", "depth")),
+             ("Counting L1", task_table_markdown(results, "counting", "l1", None)),
+             ("Counting MSE", task_table_markdown(results, "counting", "mse", None))]
+    for title, table in (lm if any(m.get("lengths") for m in results["models"]) else []) + tasks:
+        if table:
+            lines += ["", f"## {title}", "", table]
+    lines += [""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,114 @@
+"""retrofit.report: the schema, tables and plots from hand-written result dicts (no model needed)."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from retrofit.errors import RetrofitError
+from retrofit.evaluate import position_buckets
+from retrofit.report import RESULTS_SCHEMA, loss_table_markdown, tidy_rows, validate, write_report
+
+LENGTHS = [16, 32, 64, 128]
+
+
+def _length_row(length, loss, beyond=False):
+    buckets = [{"start": a, "end": b, "loss": loss + 0.01 * i, "tokens": 2 * (b - a)}
+               for i, (a, b) in enumerate(position_buckets(length))]
+    return {"length": length, "loss": loss, "windows": 2, "tokens": 2 * length, "time_s": 0.5, "tokens_per_s": 64.0,
+            "peak_memory_mb": 300.0, "start_memory_mb": 290.0, "beyond_max_positions": beyond,
+            "windows_sha1": "0" * 40, "by_position": buckets}
+
+
+def fake_results():
+    models = []
+    for i, name in enumerate(["base", "avnorm"]):
+        models.append({
+            "name": name, "source": f"runs/{name}", "model_type": "llama", "tokenizer": "abc", "dtype": "float32",
+            "retrofit": None if i == 0 else {"norm": "avnorm", "options": {}, "nope": False},
+            "max_learned_positions": None, "max_position_embeddings": 64, "memory_kind": "rss",
+            "lengths": [_length_row(n, 3.0 + i + n / 100, beyond=n > 64) for n in LENGTHS],
+            "passkey": [{"length": n, "depth": d, "accuracy": 0.5, "trials": 4} for n in LENGTHS for d in (0.0, 0.5, 1.0)],
+            "counting": [{"length": n, "l1": 0.1 * n, "mse": 0.01 * n * n, "sequences": 4} for n in LENGTHS],
+        })
+    return {"schema": "retrofit.eval/1", "train_len": 32, "lengths": LENGTHS,
+            "data": {"files": ["book.txt"], "documents": [5000]}, "settings": {"max_tokens": 256}, "models": models}
+
+
+def test_report_files_contain_every_model_and_length(tmp_path):
+    results = fake_results()
+    paths = write_report(results, tmp_path / "eval")
+    names = {p.name for p in paths}
+    assert names == {"results.json", "results.csv", "results.md", "loss_vs_length.png", "loss_by_position.png",
+                     "passkey.png", "counting.png"}
+    for p in paths:
+        assert p.stat().st_size > 0
+        if p.suffix == ".png":
+            assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "eval" / "results.json").read_text()) == results
+    markdown = (tmp_path / "eval" / "results.md").read_text()
+    rows = list(csv.DictReader(open(tmp_path / "eval" / "results.csv")))
+    for m in results["models"]:
+        assert f"| {m['name']} |" in markdown
+        for n in LENGTHS:
+            assert any(r["model"] == m["name"] and r["length"] == str(n) and r["metric"] == "loss" for r in rows)
+    header = markdown.split("## Loss by context length")[1].strip().splitlines()[0]
+    assert header == "| model | 16 | **32** (train) | 64 | 128 |"
+    assert "†" in markdown and "## Passkey accuracy" in markdown and "## Counting L1" in markdown
+    assert "![loss_vs_length.png](loss_vs_length.png)" in markdown
+
+
+def test_tables_without_optional_tasks_or_training_length():
+    results = fake_results()
+    results["train_len"] = None
+    for m in results["models"]:
+        del m["passkey"], m["counting"]
+    table = loss_table_markdown(results)
+    assert "(train)" not in table and table.count("\n| ") == 2  # header row + separator, then two models
+    assert {r["task"] for r in tidy_rows(results)} == {"lm"}
+
+
+def test_schema_accepts_results_and_names_what_is_wrong():
+    validate(fake_results())
+    for break_it, message in [
+        (lambda r: r.pop("models"), "missing key 'models'"),
+        (lambda r: r["models"][0]["lengths"][0].update(loss="3.2"), r"models\[0\]\.lengths\[0\]\.loss: expected number"),
+        (lambda r: r["models"][1]["lengths"][2].update(beyond_max_positions=1), "expected boolean"),
+        (lambda r: r["models"][0]["lengths"][0].update(windows=True), "expected integer"),
+        (lambda r: r["models"][0]["passkey"][0].update(accuracy=1.5), "outside"),
+        (lambda r: r.update(schema="retrofit.eval/0"), "not one of"),
+    ]:
+        results = fake_results()
+        break_it(results)
+        with pytest.raises(RetrofitError, match=message):
+            validate(results)
+
+
+def test_schema_is_valid_json_schema_and_agrees_with_jsonschema():
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.Draft202012Validator.check_schema(RESULTS_SCHEMA)
+    jsonschema.validate(fake_results(), RESULTS_SCHEMA)
+    broken = copy.deepcopy(fake_results())
+    broken["models"][0]["lengths"][0]["loss"] = None
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, RESULTS_SCHEMA)
+
+
+def test_schema_document_names_every_field():
+    doc = (Path(__file__).parents[1] / "docs" / "results-schema.md").read_text()
+    documented = set(re.findall(r"`([a-z_0-9]+)`", doc))
+
+    def fields(schema):
+        for key, sub in schema.get("properties", {}).items():
+            yield key
+            yield from fields(sub)
+        if "items" in schema:
+            yield from fields(schema["items"])
+
+    missing = set(fields(RESULTS_SCHEMA)) - documented
+    assert not missing, f"docs/results-schema.md does not describe {sorted(missing)}"

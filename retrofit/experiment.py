@@ -48,7 +48,8 @@ class ArmSection:
 @dataclass
 class ExperimentSection:
     arms: list[ArmSection] = knob(factory=list, doc="the finetune arms, all from the same base")
-    base_steps: int = knob(0, "steps to (pre)train the base with softmax attention; 0 = the model as loaded")
+    base_steps: int = knob(0, "steps to (pre)train the base with softmax attention; 0 = the model as loaded "
+                               "(with model.config: no base, every arm trains from the same seeded init)")
     finetune_steps: int = knob(100, "optimizer steps of every arm")
     finetune_lr: float | None = knob(None, "arms' learning rate; null = train.lr")
     finetune_warmup: int | None = knob(None, "arms' warmup steps; null = train.warmup_steps")
@@ -93,13 +94,11 @@ def _stage_recipe(recipe: Recipe, run_dir: Path, *, patch: PatchSection, steps: 
     return r
 
 
-def run_base(recipe: Recipe, exp: ExperimentSection, out: Path) -> str:
-    """The base checkpoint every arm starts from: a folder path (or the recipe's pretrained source)."""
+def run_base(recipe: Recipe, exp: ExperimentSection, out: Path) -> str | None:
+    """The base checkpoint every arm starts from: a folder path, the recipe's pretrained source, or None
+    (base_steps 0 with a config: every arm trains from scratch from the same seeded init)."""
     from .train import train
     if exp.base_steps == 0:
-        if recipe.model.source is None:
-            raise RetrofitError("experiment.base_steps is 0 but model.source is null: nothing to start from; "
-                                "set base_steps to pretrain from model.config")
         return recipe.model.source
     base_dir = out / "base"
     if _finished(base_dir):
@@ -124,14 +123,51 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
     stage = _stage_recipe(recipe, arm_dir, patch=arm.patch, steps=exp.finetune_steps,
                           lr=arm.lr if arm.lr is not None else exp.finetune_lr, warmup=exp.finetune_warmup,
                           at_steps=at, source=base)
-    print(f"[experiment] arm {arm.name}: {arm.patch.norm or 'unpatched'} for {exp.finetune_steps} steps -> {arm_dir}")
+    what = f"from {base}" if base else "from scratch"
+    print(f"[experiment] arm {arm.name}: {arm.patch.norm or 'unpatched'}, {exp.finetune_steps} steps {what} -> {arm_dir}")
     if arm_dir.exists() and not (arm_dir / "checkpoints").is_dir():
         import shutil
         shutil.rmtree(arm_dir)  # an arm that died before its first checkpoint starts over
-    result = train(stage, model=load_run(base), resume=arm_dir.exists())
+    result = train(stage, model=load_run(base) if base else None, resume=arm_dir.exists())
     recovery = {int(k): v for k, v in result.evals.items()}
     recovery_file.write_text(json.dumps(recovery, indent=1))
     return recovery
+
+
+def learned_limit(source: str) -> int | None:
+    """The length bound of a model with learned absolute positions (GPT-2), unless patched with NoPE."""
+    from .families import family_of
+    from .models import load_config
+    config = load_config(source)
+    family, record = family_of(config), getattr(config, "retrofit", None) or {}
+    if family is None or family.max_learned_positions is None or record.get("nope"):
+        return None
+    return int(getattr(config, family.max_learned_positions))
+
+
+def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: ExperimentSection, progress: bool) -> dict:
+    """Every model at every length it can take: a model with learned positions (a GPT-2 base next to
+    NoPE arms) is evaluated up to its table and the report shows '—' beyond."""
+    from .evaluate import evaluate_models
+    lengths = sorted(set(recipe.eval_lengths()))
+    merged = None
+    for source, name in zip(sources, names):
+        limit = learned_limit(source)
+        allowed = [n for n in lengths if limit is None or n <= limit]
+        if not allowed:
+            print(f"[experiment] {name}: every evaluation length exceeds its {limit} learned positions; skipped")
+            continue
+        one = evaluate_models([source], names=[name], data=exp.eval_data, lengths=allowed,
+                              train_len=exp.train_len or recipe.data.seq_len, max_tokens=exp.eval_max_tokens,
+                              tokenizer=recipe.model.tokenizer, progress=progress)
+        if merged is None:
+            merged = one
+        else:
+            merged["models"] += one["models"]
+    if merged is None:
+        raise RetrofitError("no model could be evaluated at any of eval.lengths")
+    merged["lengths"] = lengths
+    return merged
 
 
 def hardware() -> dict:
@@ -170,12 +206,9 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
         timings[f"arm {arm.name}"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     done = [a.name for a in exp.arms if a.name not in failures]
-    sources = [base] + [str(out / "arms" / n) for n in done]
-    names = ["base"] + done
-    lengths = recipe.eval_lengths()
-    evaluation = evaluate_models(sources, names=names, data=exp.eval_data, lengths=lengths,
-                                 train_len=exp.train_len or recipe.data.seq_len, max_tokens=exp.eval_max_tokens,
-                                 tokenizer=recipe.model.tokenizer, progress=progress)
+    sources = ([base] if base else []) + [str(out / "arms" / n) for n in done]
+    names = (["base"] if base else []) + done
+    evaluation = evaluate_all(sources, names, recipe, exp, progress)
     write_report(evaluation, out / "eval")
     timings["eval"] = time.perf_counter() - t0
     results = {"schema": "retrofit.experiment/1", "recipe": recipe.name, "hardware": hardware(),

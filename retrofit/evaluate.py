@@ -278,7 +278,9 @@ def evaluate_counting(model, lengths: list[int], *, sequences=8, alphabet=8, see
             l1_sum += err.abs().double().sum(0)
             sq_sum += err.double().pow(2).sum()
         n = sequences * (length - 1)
+        mean_count = batch["counts"][:, 1:].double().mean().item()  # counts grow with length: L1 relative to this
         rows.append({"length": length, "l1": l1_sum.sum().item() / n, "mse": sq_sum.item() / n, "sequences": sequences,
+                     "mean_count": mean_count, "relative_l1": l1_sum.sum().item() / n / max(mean_count, 1e-9),
                      "by_position": _bucket_rows(l1_sum, sequences, "l1", skip_first=True)})
     return rows
 

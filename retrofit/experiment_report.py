@@ -19,21 +19,21 @@ def _metric(evaluation: dict) -> tuple[str, str]:
     return "lengths", "mean next-token loss"
 
 
-def by_length(evaluation: dict) -> dict[str, dict[int, float]]:
-    """model name -> {length: metric}."""
+def by_length(evaluation: dict, value: str | None = None) -> dict[str, dict[int, float]]:
+    """model name -> {length: metric} (default: counting L1 or next-token loss)."""
     key, _ = _metric(evaluation)
-    value = "l1" if key == "counting" else "loss"
-    return {m["name"]: {r["length"]: r[value] for r in m.get(key) or []} for m in evaluation["models"]}
+    value = value or ("l1" if key == "counting" else "loss")
+    return {m["name"]: {r["length"]: r.get(value) for r in m.get(key) or []} for m in evaluation["models"]}
 
 
 def _fmt(x) -> str:
     return "—" if x is None else (f"{x:.3f}" if abs(x) < 1000 else f"{x:.3g}")
 
 
-def comparison_table(results: dict) -> str:
+def comparison_table(results: dict, value: str | None = None) -> str:
     """Rows base + arms, columns lengths (the trained one starred), plus ratio of longest to trained."""
     evaluation = results["evaluation"]
-    table = by_length(evaluation)
+    table = by_length(evaluation, value)
     lengths, train_len = evaluation["lengths"], evaluation.get("train_len")
     header = ["model", "patch"] + [f"{n}{'*' if n == train_len else ''}" for n in lengths]
     if train_len in lengths and len(lengths) > 1:
@@ -72,8 +72,11 @@ def recovery_table(results: dict) -> str:
 
 def summary_table(results: dict) -> str:
     """The short table `retrofit demo` prints: metric by length, per model."""
-    _, label = _metric(results["evaluation"])
-    return f"{label} by length (* = trained length)\n" + comparison_table(results)
+    key, label = _metric(results["evaluation"])
+    text = f"{label} by length (* = trained length)\n" + comparison_table(results)
+    if key == "counting":
+        text += "\n\nL1 relative to the mean true count (counts grow with length)\n" + comparison_table(results, "relative_l1")
+    return text
 
 
 def write_experiment_report(results: dict, out) -> Path:
@@ -96,6 +99,11 @@ def write_experiment_report(results: dict, out) -> Path:
              f"- Failed or diverged arms: {json.dumps(failed) if failed else 'none'}", "",
              f"## {label} by context length", "", "`*` marks the trained length; the last column is the "
              "longest length's value divided by the trained length's.", "", comparison_table(results), ""]
+    if _metric(evaluation)[0] == "counting":
+        lines += ["### L1 relative to the mean true count", "",
+                  "The count to predict grows with the length, so absolute L1 grows even for a model that "
+                  "extrapolates; L1 / mean count is flat for one that does.", "",
+                  comparison_table(results, "relative_l1"), ""]
     if series:
         lines += ["## Recovery: metric at the trained length during finetuning", "", recovery_table(results), "",
                   "![recovery](recovery.png)", ""]

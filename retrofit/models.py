@@ -185,14 +185,15 @@ def max_learned_positions(model) -> int | None:
     return int(getattr(model.config, family.max_learned_positions))
 
 
-def _retrofit_tensors(source: str, kind: str, revision: str | None) -> dict[str, torch.Tensor]:
+def _retrofit_tensors(source: str, kind: str, revision: str | None,
+                      local_files_only: bool = False) -> dict[str, torch.Tensor]:
     """Every saved tensor of the norm modules (keys containing '.retrofit.'), from all safetensors shards."""
     from safetensors.torch import load_file
     if kind == "folder":
         files = sorted(glob.glob(os.path.join(os.path.expanduser(source), "*.safetensors")))
     else:
         from transformers.utils import cached_file
-        local = {"local_files_only": True} if not hub_reachable() else {}
+        local = {"local_files_only": True} if local_files_only or not hub_reachable() else {}
         index = cached_file(source, "model.safetensors.index.json", revision=revision,
                             _raise_exceptions_for_missing_entries=False, **local)
         if index:
@@ -224,8 +225,9 @@ def from_pretrained(source: str, *, revision: str | None = None, dtype=None, dev
     if kind == "gguf":
         raise RetrofitError(f"{source} is a GGUF file, not a retrofit checkpoint; use retrofit.load_model")
     where, _ = _location(source, kind)
-    if kind == "folder" and (Path(where) / "adapter_config.json").is_file():
-        from .adapters import load_adapter
+    from .adapters import is_adapter, load_adapter
+    if (kind == "folder" and (Path(where) / "adapter_config.json").is_file()) or \
+            (kind == "hub" and is_adapter(source, revision)):
         return load_adapter(where, revision=revision, dtype=dtype, device_map=device_map)
     config = load_config(source, revision)
     record = getattr(config, "retrofit", None)

@@ -37,7 +37,8 @@ _PASSKEY_ROW = {"type": "object", "required": ["length", "depth", "accuracy", "t
 _COUNTING_BUCKET = {"type": "object", "required": ["start", "end", "l1", "tokens"],
                     "properties": {"start": _INT, "end": _INT, "l1": _NUM, "tokens": _INT}}
 _COUNTING_ROW = {"type": "object", "required": ["length", "l1", "mse", "sequences"],
-                 "properties": {"length": _INT, "l1": _NUM, "mse": _NUM, "sequences": _INT,
+                 "properties": {"length": _INT, "l1": _NUM, "mse": _NUM, "sequences": _INT, "mean_count": _NUM,
+                                "relative_l1": _NUM,
                                 "by_position": {"type": "array", "items": _COUNTING_BUCKET}}}
 _MODEL = {
     "type": "object", "required": ["name", "model_type", "lengths"],

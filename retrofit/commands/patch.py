@@ -45,6 +45,8 @@ def add_arguments(parser):
     parser.add_argument("--check-tokens", type=int, default=512, help="tokens of --check-text to use (default 512)")
     parser.add_argument("--out", help="folder to save the patched model (and tokenizer) to")
     parser.add_argument("--dtype", default=None, help="float32 (default) | bfloat16 | float16")
+    parser.add_argument("--push-to-hub", metavar="REPO", default=None,
+                        help="after saving, push to this Hub repository (OWNER/NAME); see `retrofit push`")
 
 
 def _read_tokens(tokenizer, path: str, limit: int) -> torch.Tensor:
@@ -92,9 +94,13 @@ def run(args) -> int:
         raise RetrofitError("--calibrate sets AVNorm gains; it needs --norm avnorm")
     if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
         raise RetrofitError(f"{args.out} exists and is not empty; choose another --out or remove it")
+    if args.push_to_hub:  # a bad repo id or a missing token fails before any loading
+        from ..hub import check_repo, find_token
+        check_repo(args.push_to_hub)
+        find_token()
     model = load_model(args.source, dtype=args.dtype)
     needs_tokens = args.calibrate or args.check_text
-    tokenizer = load_tokenizer(args.source) if (needs_tokens or args.out) else None
+    tokenizer = load_tokenizer(args.source) if (needs_tokens or args.out or args.push_to_hub) else None
     check = _read_tokens(tokenizer, args.check_text, args.check_tokens) if args.check_text else None
     before = text_loss(model, check) if check is not None else None
     report = patch(model, args.norm, nope=args.nope, **options)
@@ -109,4 +115,22 @@ def run(args) -> int:
     if args.out:
         save_atomically(model, tokenizer, args.out)
         print(f"saved to {args.out}  (load with retrofit.from_pretrained({args.out!r}))")
+    if args.push_to_hub:
+        _push(model, tokenizer, args)
     return 0
+
+
+def _push(model, tokenizer, args) -> None:
+    """Push the saved folder (or, without --out, a temporary one) with the card naming this command."""
+    from ..hub import hub_id_like, push
+    flags = [f"--{k.replace('_', '-')}" + ("" if getattr(args, k) is True else f" {getattr(args, k)}")
+             for k in NORM_FLAGS if getattr(args, k) is not None]
+    command = " ".join(["retrofit patch", Path(args.source).name if not hub_id_like(args.source) else args.source,
+                        f"--norm {args.norm}", *(["--nope"] if args.nope else []), *flags,
+                        *(["--calibrate FILE"] if args.calibrate else [])])
+    with tempfile.TemporaryDirectory(prefix="retrofit-patch-") as tmp:
+        folder = args.out or os.path.join(tmp, "model")
+        if not args.out:
+            save_atomically(model, tokenizer, folder)
+        url = push(folder, args.push_to_hub, base_model=args.source, command=command)  # a local base: its card's license
+    print(f"pushed to https://huggingface.co/{args.push_to_hub} ({url})")

@@ -1,0 +1,198 @@
+"""PEFT (LoRA) adapters on a patched model: save them with the patch, load them back on their base.
+
+    from retrofit.adapters import save_adapter, load_adapter
+    save_adapter(peft_model, "runs/x/adapter")        # adapter + retrofit.json + retrofit.safetensors
+    model = load_adapter("runs/x/adapter")             # base -> patch -> patch tensors -> PeftModel
+    model = retrofit.from_pretrained("runs/x/adapter") # the same (it calls load_adapter for such a folder)
+    merged = model.merge_and_unload()                  # a plain patched model: the patch stays
+
+An adapter folder is what PEFT writes (adapter_config.json, adapter_model.safetensors) plus:
+
+    retrofit.json          {"format", "retrofit_version", "base_model", "base_revision", "patch": config.retrofit}
+    retrofit.safetensors   the patch's own tensors as the base carries them (`...self_attn.retrofit.gain` ...)
+
+Why the second file: a patch parameter that was not trained (not in `modules_to_save`, e.g. calibrated
+AVNorm gains) is in no PEFT file, and rebuilding the patch from its record alone would reset it. When
+the patch was trained through `modules_to_save`, the adapter holds the trained copy and this file the
+base's original (what `disable_adapter()` runs). Folders written by PEFT alone inside a `retrofit train`
+run (run/adapter) are read too: the patch record then comes from the run's result.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import RetrofitError
+
+RECORD, TENSORS = "retrofit.json", "retrofit.safetensors"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+FORMAT = 1
+MARKER = ".retrofit."  # patch tensors: children named `retrofit` of the attention modules (retrofit.patch.CHILD)
+# Files an adapter repository on the Hub needs (tokenizer files ride along when present).
+ADAPTER_FILES = [ADAPTER_CONFIG, ADAPTER_WEIGHTS, RECORD, TENSORS, "tokenizer*", "special_tokens_map.json",
+                 "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "README.md"]
+
+
+def base_patch_tensors(model) -> dict:
+    """The patch's tensors as the base model holds them, named as in a plain patched checkpoint.
+
+    Through PEFT's modules_to_save wrapper `...retrofit.original_module.gain` is the base's value and
+    `...retrofit.modules_to_save.default.gain` the trained copy (saved by PEFT itself): keep the first."""
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tensors = {}
+    for name, value in core.state_dict().items():
+        if MARKER not in name or ".modules_to_save." in name:
+            continue
+        tensors[name.replace(".original_module.", ".")] = value.detach().contiguous().cpu()
+    return tensors
+
+
+def save_adapter(peft_model, folder, *, base_model: str | None = None, base_revision: str | None = None) -> Path:
+    """Write `peft_model`'s adapter and the patch of its base into `folder` (atomically: temp + rename).
+
+    base_model: where load_adapter finds the base (Hub id or folder); default: the adapter config's
+    base_model_name_or_path (what the base was loaded from)."""
+    from safetensors.torch import save_file
+
+    from .patch import patch_record
+    if not hasattr(peft_model, "peft_config") or not hasattr(peft_model, "get_base_model"):
+        raise RetrofitError(f"save_adapter takes a PEFT model (peft.get_peft_model), got {type(peft_model).__name__}")
+    record = patch_record(peft_model.get_base_model())
+    if record is None:
+        raise RetrofitError("the adapter's base model is not patched: save it with PEFT's save_pretrained")
+    config = peft_model.peft_config[peft_model.active_adapter]
+    base_model = base_model or config.base_model_name_or_path
+    if not base_model:
+        raise RetrofitError("the base model was not loaded from a Hub id or folder (it was built from a config), so "
+                            "an adapter cannot name it: pass base_model=..., or save the merged model instead")
+    out = Path(folder)
+    if out.exists() and any(out.iterdir()):
+        raise RetrofitError(f"{folder} exists and is not empty; choose another folder or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        saved_name = config.base_model_name_or_path
+        config.base_model_name_or_path = str(base_model)  # adapter_config.json names the same base as retrofit.json
+        try:
+            peft_model.save_pretrained(str(tmp))
+        finally:
+            config.base_model_name_or_path = saved_name
+        save_file(base_patch_tensors(peft_model), str(tmp / TENSORS))
+        meta = {"format": FORMAT, "retrofit_version": record.get("retrofit_version"), "base_model": str(base_model),
+                "base_revision": base_revision, "patch": record}
+        (tmp / RECORD).write_text(json.dumps(meta, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_record(folder) -> dict:
+    """retrofit.json of an adapter folder; for a `retrofit train` run's adapter/, built from result.json."""
+    folder = Path(folder)
+    if not (folder / ADAPTER_CONFIG).is_file():
+        raise RetrofitError(f"{folder} has no {ADAPTER_CONFIG}: it is not a PEFT adapter folder")
+    if (folder / RECORD).is_file():
+        meta = json.loads((folder / RECORD).read_text())
+        if meta.get("format", FORMAT) > FORMAT:
+            raise RetrofitError(f"{folder} was written by a newer retrofit (format {meta['format']}); upgrade retrofit")
+        return meta
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    run_summary = folder.parent / "result.json"
+    patch = json.loads(run_summary.read_text()).get("retrofit") if run_summary.is_file() else None
+    if not isinstance(patch, dict):
+        raise RetrofitError(f"{folder} is a PEFT adapter without a retrofit patch record ({RECORD}); "
+                            "load it with peft.PeftModel.from_pretrained, or save it with retrofit.adapters.save_adapter")
+    return {"format": FORMAT, "retrofit_version": patch.get("retrofit_version"),
+            "base_model": config.get("base_model_name_or_path"), "base_revision": config.get("revision"),
+            "patch": patch}
+
+
+def _download(repo: str, revision: str | None) -> Path:
+    """The adapter files of a Hub repository, from the cache when offline."""
+    from huggingface_hub import snapshot_download
+
+    from .models import _hub_error, hub_reachable
+    try:
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=ADAPTER_FILES,
+                                      local_files_only=not hub_reachable()))
+    except Exception as err:  # offline and not cached, no such repo, gated, HTTP errors
+        raise _hub_error(repo, err) from None
+
+
+def is_adapter(source, revision: str | None = None) -> bool:
+    """Whether `source` (folder or Hub id) is a PEFT adapter, i.e. holds adapter_config.json."""
+    path = Path(os.path.expanduser(str(source)))
+    if path.is_dir():
+        return (path / ADAPTER_CONFIG).is_file()
+    from transformers.utils import cached_file
+
+    from .models import hub_reachable
+    try:
+        return cached_file(str(source), ADAPTER_CONFIG, revision=revision, local_files_only=not hub_reachable(),
+                           _raise_exceptions_for_missing_entries=False) is not None
+    except Exception:
+        return False
+
+
+def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=None, is_trainable: bool = False):
+    """A PeftModel: the base from the record, patched as recorded, the patch tensors, then the adapter.
+
+    source: an adapter folder or a Hub repository holding one (revision applies to that repository;
+    the base's own revision is recorded in retrofit.json)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from .models import load_model
+    from .patch import patch_from_record, patch_record
+    path = Path(os.path.expanduser(str(source)))
+    folder = path if path.is_dir() else _download(str(source), revision)
+    meta = read_record(folder)
+    if not meta.get("base_model"):
+        raise RetrofitError(f"{source} does not name its base model (base_model_name_or_path is empty); "
+                            f"set it in {ADAPTER_CONFIG}")
+    base = load_model(meta["base_model"], dtype=dtype, device_map=device_map, revision=meta.get("base_revision"))
+    record, existing = meta["patch"], patch_record(base)
+    if existing is None:
+        patch_from_record(base, record)
+    elif not _same_patch(existing, record):
+        raise RetrofitError(f"the base {meta['base_model']} is patched with {existing['norm']}, the adapter was "
+                            f"trained on {record['norm']}: point base_model at the unpatched or matching model")
+    expected = {k for k in base.state_dict() if MARKER in k}
+    saved = load_file(str(folder / TENSORS)) if (folder / TENSORS).is_file() else {}
+    in_adapter = _adapter_patch_keys(folder)
+    missing = {k for k in expected - saved.keys() if k not in in_adapter}
+    if missing and existing is None:
+        raise RetrofitError(f"{source} lacks {len(missing)} patch tensors (e.g. {sorted(missing)[0]}): neither "
+                            f"{TENSORS} nor the adapter holds them; save it with retrofit.adapters.save_adapter")
+    base.load_state_dict({k: v for k, v in saved.items() if k in expected}, strict=False)
+    try:
+        model = PeftModel.from_pretrained(base, str(folder), is_trainable=is_trainable)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise RetrofitError(f"could not load the adapter in {source}: {str(err).strip().splitlines()[0][:200]}") from None
+    return model if is_trainable else model.eval()
+
+
+def _same_patch(a: dict, b: dict) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("norm", "options", "nope"))
+
+
+def _adapter_patch_keys(folder: Path) -> set:
+    """Patch tensors the adapter itself carries (modules_to_save), named as in the base model."""
+    weights = folder / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        return set()
+    from safetensors import safe_open
+    with safe_open(str(weights), "pt") as f:
+        names = list(f.keys())
+    return {n.removeprefix("base_model.model.") for n in names if MARKER in n}
+
+
+__all__ = ["base_patch_tensors", "is_adapter", "load_adapter", "read_record", "save_adapter"]

@@ -1,0 +1,426 @@
+"""`retrofit push SOURCE --repo OWNER/NAME`: publish a patched checkpoint, a training run or an adapter.
+
+    retrofit push runs/llama-avnorm --repo me/smollm2-avnorm [--private] [--revision main]
+    retrofit push runs/lora-run --repo me/smollm2-avnorm-lora           # a LoRA run: its adapter (+ patch)
+    retrofit push runs/lora-run --repo me/smollm2-avnorm --merged       # ... or the merged model
+    retrofit push runs/llama-avnorm --repo me/smollm2-avnorm --dry-run staged/   # write it, upload nothing
+
+What goes up: safetensors weights, config.json with its `retrofit` section, the tokenizer, README.md (a
+model card: metadata, what was patched and why, how to load, a run's recipe and loss curve, the `retrofit
+eval` table and plots when found), recipe.yaml, eval/; an adapter with retrofit.json + retrofit.safetensors
+(retrofit/adapters.py). The pushed config.json sets `"attn_implementation": "retrofit.from_pretrained"`,
+so plain transformers refuses it by name instead of silently running it unpatched
+(docs/plain-transformers.md); retrofit's loader overrides it. The only network call is `upload_folder`;
+the token (`hf auth login` or HF_TOKEN) is never printed, logged or written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER, RECORD, TENSORS, read_record
+from .errors import RetrofitError
+
+GUARD = "retrofit.from_pretrained"  # never registered: plain transformers refuses it by name
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+MODEL_FILES = ("generation_config.json", "model.safetensors.index.json", "task.json", "task_head.safetensors")
+EVAL_FILES = ("results.md", "results.json", "results.csv")
+WHY = {
+    "softmax": "the unpatched baseline, published for comparison: softmax weights sum to 1, so as the context "
+               "grows they spread out and each head's output variance falls roughly as 1/L (variance collapse).",
+    "avnorm": "softmax weights sum to 1, so a head that averages more values as the context grows outputs a "
+              "smaller and smaller vector (its variance falls roughly as 1/L: variance collapse), and the layers "
+              "after it see a scale they were never trained on. AVNorm normalizes each head's output per token, "
+              "so its scale no longer depends on the context length.",
+    "psoftmax": "exp(s) is divided by its Lp norm instead of its sum; with p = 2 the squared weights sum to 1, "
+                "so a head averaging L values keeps their variance at every length instead of collapsing as 1/L.",
+    "ssmax": "Scalable-Softmax multiplies the logits by s*log(n) (n = keys the query sees), so attention stays "
+             "as peaked over many keys as over few, instead of flattening as the context grows.",
+    "softmax1": "softmax+1 puts a sink in the denominator, so a head can attend to nothing rather than being "
+                "forced to spread its weight over irrelevant tokens of a long context.",
+}
+NOPE_WHY = ("Positional information was removed (NoPE): lengths beyond those seen in training carry no "
+            "out-of-distribution position signal.")
+
+
+# ---- the one network call -------------------------------------------------------------------------------------------
+
+def upload_folder(folder, repo: str, *, private: bool, revision: str | None, token: str) -> str:
+    """Create `repo` if needed (and the branch `revision`), upload `folder` as one commit; returns its URL."""
+    from huggingface_hub import HfApi
+    api = HfApi(token=token)
+    api.create_repo(repo, private=private, exist_ok=True)
+    if revision and revision != "main":
+        api.create_branch(repo, branch=revision, exist_ok=True)
+    commit = api.upload_folder(repo_id=repo, folder_path=str(folder), revision=revision,
+                               commit_message="Upload retrofit checkpoint")
+    return str(getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo}")
+
+
+# ---- checks before any work -----------------------------------------------------------------------------------------
+
+def check_repo(repo: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    try:
+        validate_repo_id(repo)
+    except HFValidationError:
+        repo = None
+    if not repo or "/" not in repo:
+        raise RetrofitError("--repo must be a Hub repository id OWNER/NAME, e.g. me/gpt2-avnorm")
+
+
+def find_token() -> str:
+    from huggingface_hub import get_token
+    token = get_token()
+    if not token:
+        raise RetrofitError("no Hugging Face token: run `hf auth login` or set HF_TOKEN (or use --dry-run DIR)")
+    return token
+
+
+def hub_id_like(name) -> bool:
+    """A Hub id (gpt2, org/name), not a local path."""
+    name = str(name or "")
+    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not Path(os.path.expanduser(name)).exists()
+
+
+# ---- what SOURCE holds ----------------------------------------------------------------------------------------------
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _locate(source) -> tuple[Path | None, Path | None, Path | None]:
+    """(model folder with a retrofit config, adapter folder, run folder), each None when absent."""
+    path = Path(os.path.expanduser(str(source)))
+    if not path.is_dir():
+        raise RetrofitError(f"{source}: push takes a local folder (a run, a patched checkpoint or an adapter)")
+    adapter = next((p for p in (path, path / "adapter") if (p / ADAPTER_CONFIG).is_file()), None)
+    config = _json(path / "config.json")
+    if config and not isinstance(config.get("retrofit"), dict) and adapter is None:
+        raise RetrofitError(f"{source} is not a retrofit checkpoint (its config.json has no 'retrofit' section); "
+                            "push plain models with `hf upload`")
+    model = path if isinstance(config.get("retrofit"), dict) else None
+    runs = (path, path.parent) if adapter == path else (path,)
+    run = next((p for p in runs if (p / "recipe.yaml").is_file() or (p / "result.json").is_file()), None)
+    if model is None and adapter is None:
+        raise RetrofitError(f"{source} holds neither a model (config.json) nor an adapter ({ADAPTER_CONFIG})")
+    return model, adapter, run
+
+
+def _place(src: Path, dst: Path, link: bool) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if link:
+        try:
+            os.link(src, dst)  # staging for an upload: no second copy of the weights
+            return
+        except OSError:
+            pass
+    shutil.copy2(src, dst)
+
+
+def _copy_tokenizer(folders, stage: Path, link: bool) -> None:
+    for folder in folders:
+        found = [folder / n for n in TOKENIZER_FILES if (folder / n).is_file()]
+        for f in found:
+            _place(f, stage / f.name, link)
+        if found:
+            return
+
+
+def _stage_model(model_dir: Path, stage: Path, link: bool) -> dict:
+    weights = sorted(model_dir.glob("model*.safetensors"))
+    if not weights:
+        raise RetrofitError(f"{model_dir} has no safetensors weights; load it with retrofit.from_pretrained and "
+                            "save it again with save_pretrained")
+    for f in weights + [model_dir / n for n in MODEL_FILES if (model_dir / n).is_file()]:
+        _place(f, stage / f.name, link)
+    config = _json(model_dir / "config.json")
+    config["attn_implementation"] = GUARD
+    (stage / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _copy_tokenizer([model_dir], stage, link)
+    return {"kind": "model", "record": config["retrofit"], "model_type": config.get("model_type"),
+            "task": _json(model_dir / "task.json"),
+            "base_model": config.get("_name_or_path"), "patch_files": weights}
+
+
+def _stage_adapter(adapter_dir: Path, model_dir: Path | None, run: Path | None, stage: Path, link: bool,
+                   base_model: str | None) -> dict:
+    from safetensors.torch import save_file
+
+    from .adapters import _adapter_patch_keys
+    from .models import _retrofit_tensors
+    from .norms import get_norm
+    if not (adapter_dir / ADAPTER_WEIGHTS).is_file():
+        raise RetrofitError(f"{adapter_dir} has no {ADAPTER_WEIGHTS}; save the adapter with safetensors")
+    meta = read_record(adapter_dir)
+    recorded = meta.get("base_model")
+    meta["base_model"] = base_model or recorded
+    if not hub_id_like(meta["base_model"]):
+        raise RetrofitError(f"the adapter's base model is {meta['base_model'] or 'not named'}, which Hub users cannot "
+                            "load: pass --base-model HUB_ID (the same base on the Hub), or push --merged")
+    adapter_config = _json(adapter_dir / ADAPTER_CONFIG)
+    adapter_config["base_model_name_or_path"] = meta["base_model"]
+    (stage / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
+    (stage / RECORD).write_text(json.dumps(meta, indent=2) + "\n")
+    _place(adapter_dir / ADAPTER_WEIGHTS, stage / ADAPTER_WEIGHTS, link)
+    if (adapter_dir / TENSORS).is_file():
+        _place(adapter_dir / TENSORS, stage / TENSORS, link)
+    elif get_norm(meta["patch"]["norm"]).has_parameters and not _adapter_patch_keys(adapter_dir):
+        # A run's adapter/ without the patch (not trained, so not in modules_to_save): untrained, they equal
+        # the run's merged model's; without that model they are lost.
+        if model_dir is None:
+            raise RetrofitError(f"{adapter_dir} holds neither the patch's parameters nor {TENSORS}, and there is no "
+                                "merged model next to it to take them from; re-save it with retrofit.adapters.save_adapter")
+        save_file(_retrofit_tensors(str(model_dir), "folder", None), str(stage / TENSORS))
+    _copy_tokenizer([adapter_dir] + ([run] if run else []), stage, link)
+    model_type = _json(run / "result.json").get("model_type") if run else None
+    return {"kind": "adapter", "record": meta["patch"], "model_type": model_type, "base_model": meta["base_model"],
+            "recorded_base": recorded,
+            "patch_files": [stage / (TENSORS if (stage / TENSORS).is_file() else ADAPTER_WEIGHTS)]}
+
+
+def _stage_merged(adapter_dir: Path, run: Path | None, stage: Path, link: bool) -> dict:
+    from .adapters import load_adapter
+    merged = load_adapter(adapter_dir).merge_and_unload()
+    merged.save_pretrained(str(stage / ".merged"))
+    info = _stage_model(stage / ".merged", stage, link=False)
+    shutil.rmtree(stage / ".merged")
+    _copy_tokenizer([adapter_dir] + ([run] if run else []), stage, link)
+    info["base_model"] = read_record(adapter_dir).get("base_model")
+    info["patch_files"] = sorted(stage.glob("model*.safetensors"))
+    return info
+
+
+def _params_added(files) -> int:
+    from safetensors import safe_open
+    total = 0
+    for f in files:
+        with safe_open(str(f), "pt") as handle:
+            total += sum(math.prod(handle.get_slice(k).get_shape()) for k in handle.keys() if MARKER in k)
+    return total
+
+
+def _base_license(where) -> str | None:
+    """The license in the model card of a folder or of a Hub id in the local cache (no network call)."""
+    from huggingface_hub import ModelCard, try_to_load_from_cache
+    path = Path(os.path.expanduser(str(where)))
+    card = path / "README.md" if path.is_dir() else None
+    if card is None and hub_id_like(where):
+        cached = try_to_load_from_cache(str(where), "README.md")
+        card = Path(cached) if isinstance(cached, str) else None
+    if card is None or not card.is_file():
+        return None
+    try:
+        return ModelCard.load(card).data.license or None
+    except Exception:  # a README without YAML metadata
+        return None
+
+
+# ---- the folder to upload -------------------------------------------------------------------------------------------
+
+def stage(source, out, *, repo: str, merged: bool = False, base_model: str | None = None, license: str | None = None,
+          eval_dir=None, command: str | None = None, link: bool = False) -> dict:
+    """Write into the empty folder `out` exactly what `push` uploads; returns what the model card was made from."""
+    model_dir, adapter_dir, run = _locate(source)
+    out = Path(out)
+    if eval_dir is not None and not (Path(eval_dir) / "results.md").is_file():
+        raise RetrofitError(f"--eval {eval_dir}: no results.md there (write one with `retrofit eval --out DIR`)")
+    if merged and model_dir is None:
+        info = _stage_merged(adapter_dir, run, out, link)
+    elif adapter_dir is not None and not merged:
+        info = _stage_adapter(adapter_dir, model_dir, run, out, link, base_model)
+    else:
+        info = _stage_model(model_dir, out, link)
+    src = Path(os.path.expanduser(str(source)))
+    recipe, run_source = (run / "recipe.yaml" if run else None), None
+    if recipe is not None and recipe.is_file():
+        import yaml
+        _place(recipe, out / "recipe.yaml", link=False)
+        info["recipe_text"] = recipe.read_text()
+        run_source = ((yaml.safe_load(info["recipe_text"]) or {}).get("model") or {}).get("source")
+    experiment_eval = run.parent.parent / "eval" if run and run.parent.name == "arms" else None  # retrofit experiment
+    bases = [b for b in (base_model, info.pop("recorded_base", None), info["base_model"], run_source) if b]
+    info.update(repo=repo, command=command, merged=merged and adapter_dir is not None, base_model=next(iter(bases), None),
+                params_added=_params_added(info.pop("patch_files")),
+                license=license or next(filter(None, map(_base_license, [src, *bases])), None),
+                summary=_json(run / "result.json") if run else {},
+                curve=_training_curve(run / "log.jsonl", out) if run and (run / "log.jsonl").is_file() else None,
+                eval_md=_stage_eval(eval_dir, [p for p in (src, run, run and run / "eval", experiment_eval) if p], out))
+    (out / "README.md").write_text(model_card(info))
+    return info
+
+
+def _training_curve(log: Path, out: Path) -> str | None:
+    from .report import line_plot
+    from .train.runlog import read_log
+    records = read_log(log)
+    series = {"train loss": [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]}
+    for key in sorted({k for r in records for k in r if k.startswith("eval/loss@")}, key=lambda k: int(k.split("@")[1])):
+        series[f"eval loss, length {key.split('@')[1]}"] = [(r["step"], r[key]) for r in records if key in r]
+    series = {k: tuple(zip(*v)) for k, v in series.items() if v}
+    if not series:
+        return None
+    line_plot(series, out / "training_loss.png", xlabel="step", ylabel="loss", log2x=False)
+    return "training_loss.png"
+
+
+def _stage_eval(eval_dir, candidates, out: Path) -> str | None:
+    """Copy results.{md,json,csv} and plots into out/eval/; returns the markdown for the card (tables, plots)."""
+    found = Path(eval_dir) if eval_dir else next((p for p in candidates if (p / "results.md").is_file()), None)
+    if found is None:
+        return None
+    for f in [found / n for n in EVAL_FILES if (found / n).is_file()] + sorted(found.glob("*.png")):
+        _place(f, out / "eval" / f.name, link=False)
+    text = (found / "results.md").read_text()
+    body = text[text.find("\n## "):] if "\n## " in text else text  # tables and plots, not the local file paths
+    body = re.sub(r"!\[([^\]]*)\]\((?!https?:|/)([^)]+)\)", r"![\1](eval/\2)", body)
+    return body.replace("\n## ", "\n### ").strip()
+
+
+# ---- the model card -------------------------------------------------------------------------------------------------
+
+def model_card(info: dict) -> str:
+    from huggingface_hub import ModelCardData
+
+    from .norms import get_norm
+    record, repo, adapter = info["record"], info["repo"], info["kind"] == "adapter"
+    norm = record["norm"]
+    base = info["base_model"] if hub_id_like(info["base_model"]) else None
+    tags = ["retrofit", norm, "attention-normalization", "length-extrapolation"] + (["nope"] if record.get("nope") else [])
+    tags += ["lora", "peft"] if adapter else []
+    data = ModelCardData(library_name="peft" if adapter else "transformers", base_model=base, license=info["license"],
+                         tags=tags, pipeline_tag="text-generation")
+    options = ", ".join(f"{k}={v}" for k, v in (record.get("options") or {}).items()) or "none"
+    formula = get_norm(norm).formula.replace("|", "\\|")  # a bare | would split the table cell
+    calibration = record.get("calibration")
+    what = "a LoRA adapter (with the patch recorded)" if adapter else ("the merged model" if info["merged"] else "the model")
+    lines = [
+        f"# {repo.split('/')[-1]}", "",
+        f"{base or info.get('model_type') or 'A causal language model'} with its attention normalization replaced by "
+        f"**{norm}**{' and its positional information removed (NoPE)' if record.get('nope') else ''}, made with "
+        f"retrofit. This repository holds {what}.", "",
+        "## What was patched, and why", "",
+        "| | |", "|---|---|",
+        f"| norm | `{norm}`: {get_norm(norm).summary} |",
+        f"| formula | `{formula}` |",
+        f"| options | {options} |",
+        f"| positions | {'removed (NoPE)' if record.get('nope') else 'kept'} |",
+        f"| attention kernel | wraps `{record.get('base_attn_implementation', 'sdpa')}` |",
+        f"| parameters added | {info['params_added']:,} |",
+        f"| calibration | {json.dumps(calibration) if calibration else 'none'} |",
+        f"| retrofit version | {record.get('retrofit_version')} |", "",
+        f"Why: {WHY.get(norm, get_norm(norm).summary)}" + (f" {NOPE_WHY}" if record.get("nope") else ""), "",
+        "## How to load", "",
+        "```python",
+        "import retrofit  # pip install retrofit",
+        f'model = retrofit.from_pretrained("{repo}")  # also: revision=..., dtype=..., device_map=...',
+        "```", "",
+    ]
+    if adapter:
+        lines += [f"This loads the base `{info['base_model']}`, applies the patch recorded in `retrofit.json` "
+                  "and then the adapter: a `PeftModel`. `model.merge_and_unload()` gives a "
+                  "plain patched model.", ""]
+    elif (info.get("task") or {}).get("task") == "counting":
+        lines += ["This run trained a counting head (`task.json`, `task_head.safetensors`): "
+                  f"`retrofit.train.load_run(huggingface_hub.snapshot_download(\"{repo}\"))` loads LM and head.", ""]
+    if not adapter:
+        lines += ["Plain `transformers.AutoModelForCausalLM.from_pretrained` refuses this checkpoint on purpose "
+                  f"(config.json asks for attention implementation `{GUARD}`): without retrofit the model would "
+                  "run its original attention and silently drop the patch's weights.", ""]
+    lines += _training_section(info) + _eval_section(info)
+    return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines).rstrip() + "\n"
+
+
+def _training_section(info: dict) -> list[str]:
+    lines = ["## How it was trained", ""]
+    summary, recipe = info["summary"], info.get("recipe_text")
+    if not summary and not info["curve"]:
+        made = f"`{info['command']}`" if info.get("command") else "`retrofit patch`"
+        return lines + [f"Not finetuned: the patch was applied to the pretrained weights with {made}"
+                        + (", with calibrated gains." if (info["record"].get("calibration")) else "."), ""]
+    if summary:
+        loss = summary.get("final_loss")
+        lines += [f"{summary.get('steps')} optimizer steps on {summary.get('processes', 1)} process(es)"
+                  + (f", final training loss {loss:.4g}" if isinstance(loss, (int, float)) else "")
+                  + (". Merged from the LoRA adapter." if info["merged"] else "."), ""]
+    if info["curve"]:
+        lines += [f"![training loss]({info['curve']})", ""]
+    return lines + (["The recipe it ran (`recipe.yaml`; rerun with `retrofit train recipe.yaml`):", "", "```yaml",
+                     recipe.rstrip(), "```", ""] if recipe else [])
+
+
+def _eval_section(info: dict) -> list[str]:
+    if not info["eval_md"]:
+        return []
+    return ["## Evaluation", "", "Length extrapolation by `retrofit eval` (full report: `eval/results.md`).", "",
+            info["eval_md"], ""]
+
+
+# ---- push -----------------------------------------------------------------------------------------------------------
+
+def push(source, repo: str, *, private: bool = False, revision: str | None = None, merged: bool = False,
+         base_model: str | None = None, license: str | None = None, eval_dir=None, dry_run=None,
+         command: str | None = None) -> str:
+    """Stage SOURCE and upload it to `repo` (or, with dry_run=DIR, write the staged folder there atomically).
+    Returns the commit URL, or the dry-run folder."""
+    check_repo(repo)
+    token = None if dry_run else find_token()
+    kwargs = dict(repo=repo, merged=merged, base_model=base_model, license=license, eval_dir=eval_dir, command=command)
+    if dry_run:
+        out = Path(dry_run)
+        if out.exists() and any(out.iterdir()):
+            raise RetrofitError(f"--dry-run {dry_run} exists and is not empty; choose another folder or remove it")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            stage(source, tmp, **kwargs)
+            if out.exists():
+                out.rmdir()
+            os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return str(out)
+    parent = Path(os.path.expanduser(str(source))).resolve().parent  # same filesystem: weights are hard-linked
+    with tempfile.TemporaryDirectory(prefix=".retrofit-push-", dir=parent if os.access(parent, os.W_OK) else None) as tmp:
+        stage(source, tmp, link=True, **kwargs)
+        try:
+            return upload_folder(tmp, repo, private=private, revision=revision, token=token)
+        except RetrofitError:
+            raise
+        except Exception as err:  # offline, 401/403, rate limits: one line, never the token
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0].replace(token, "***")[:200]
+            raise RetrofitError(f"could not push to {repo} on the Hugging Face Hub ({reason}); check your network "
+                                "and token, or write the folder with --dry-run DIR") from None
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("source", help="a run folder (retrofit train), a patched checkpoint or an adapter folder")
+    parser.add_argument("--repo", required=True, help="Hub repository OWNER/NAME (created if missing)")
+    parser.add_argument("--private", action="store_true", help="create the repository private")
+    parser.add_argument("--revision", default=None, help="branch to push to (created if missing; default main)")
+    parser.add_argument("--merged", action="store_true", help="LoRA runs: push the merged model, not the adapter")
+    parser.add_argument("--base-model", default=None, help="Hub id of the base model (for the card and adapters)")
+    parser.add_argument("--license", default=None, help="license for the card (default: the base model's, when known)")
+    parser.add_argument("--eval", dest="eval_dir", default=None, help="folder written by `retrofit eval --out`")
+    parser.add_argument("--dry-run", metavar="DIR", default=None, help="write the folder that would be uploaded, upload nothing")
+
+
+def run(args) -> int:
+    where = push(args.source, args.repo, private=args.private, revision=args.revision, merged=args.merged,
+                 base_model=args.base_model, license=args.license, eval_dir=args.eval_dir, dry_run=args.dry_run)
+    if args.dry_run:
+        files = sorted(p for p in Path(where).rglob("*") if p.is_file())
+        for p in files:
+            print(f"{p.stat().st_size:>12,}  {p.relative_to(where)}")
+        print(f"wrote {where} ({len(files)} files); nothing was uploaded (would go to {args.repo})")
+    else:
+        print(f"pushed {args.source} to https://huggingface.co/{args.repo} ({where})")
+    return 0

@@ -1,0 +1,172 @@
+"""`retrofit bench train`: tokens/s of retrofit's training loop vs Hugging Face Trainer, same everything.
+
+    retrofit bench train                                     # small random GPT-2, CPU, fp32, both loops
+    retrofit bench train --model-type llama --norm avnorm --batch 8 --seq-len 256 --precision bf16 --out b.json
+
+Both loops train the same freshly initialized model (same seed, same config, optionally patched) on
+the same random tokens, with the same batch, precision, fused AdamW (the Trainer default), warmup +
+cosine and clipping, and no evaluation or checkpointing. Each logs every `--warmup` steps (a host sync in both); tokens/s is
+measured from the first such log to the last, so start-up and the first steps are excluded. The
+loops alternate `--repeats` times in this one process; the ratio compares medians (robust to a
+neighbour's burst on a shared machine; the JSON also keeps every repeat, the best, and the load
+average). Target: retrofit >= 1.0x Trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import RetrofitError
+
+SIZES = {  # small enough for a CPU, with a real vocabulary so the LM head costs what it costs
+    "gpt2": dict(n_embd=128, n_layer=2, n_head=4, n_positions=1024, vocab_size=50257,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096, vocab_size=50257),
+}
+LOOPS = ("retrofit", "hf-trainer")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-type", default="gpt2", choices=sorted(SIZES), help="model built from a small config")
+    parser.add_argument("--norm", default=None, help="patch both models with this norm first (default: unpatched)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=12, help="steps per loop and repeat (a multiple of --warmup)")
+    parser.add_argument("--warmup", type=int, default=3, help="steps excluded from timing; also the log interval")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each loop; medians are compared")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--cpu", action="store_true", help="stay on CPU even when a GPU is present")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); "
+                        "1 is steadier on a shared machine")
+    parser.add_argument("--out", default="bench-train.json", help="where to write the JSON results")
+
+
+class RandomTokens:
+    """The data interface of retrofit.data for uniform random tokens (the same rows the Trainer gets)."""
+
+    task = "lm"
+
+    def __init__(self, rows):
+        self.rows = rows  # (N, T) LongTensor
+
+    def batch(self, step, rows, length):
+        ids = self.rows[(step * rows) % len(self.rows):][:rows]
+        return {"input_ids": ids, "labels": ids}
+
+    def eval_batches(self, length, batches, batch_size):
+        return []
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _model(args):
+    import retrofit
+    from ..models import model_from_config
+    model = model_from_config(args.model_type, seed=0, **SIZES[args.model_type])
+    if args.norm:
+        retrofit.patch(model, args.norm)
+    return model
+
+
+def _rows(args, vocab: int):
+    import torch
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (args.batch * args.steps, args.seq_len), generator=g)
+
+
+def run_retrofit(args, rows, workdir: Path) -> list[float]:
+    from ..recipe import recipe_from_dict
+    from ..train import train
+    # The model and data are passed in directly; the recipe's tokenizer/files are never read.
+    recipe = recipe_from_dict({
+        "name": "bench", "model": {"config": {"model_type": args.model_type}, "tokenizer": "unused"},
+        "data": {"task": "lm", "seq_len": args.seq_len, "files": ["unused"]},
+        "train": {"steps": args.steps, "batch_size": args.batch, "micro_batch_size": args.batch, "lr": 1e-4,
+                  "warmup_steps": args.warmup, "precision": args.precision, "log_every": args.warmup,
+                  "progress": False, "cpu": args.cpu},
+        "output": {"dir": str(workdir)}})
+    stamps = []  # (step, time) at every log
+    train(recipe, model=_model(args), data=RandomTokens(rows), callbacks=[
+        lambda event, step, info: stamps.append((step, time.perf_counter())) if event == "step" else None])
+    return stamps
+
+
+def run_trainer(args, rows, workdir: Path) -> list[float]:
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    stamps = []
+
+    class Stamp(TrainerCallback):
+        def on_log(self, targs, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:  # not the end-of-training summary, which is logged after the last step
+                stamps.append((state.global_step, time.perf_counter()))
+
+    dataset = [{"input_ids": r, "labels": r} for r in rows]
+    targs = TrainingArguments(
+        output_dir=str(workdir), per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=1e-4,
+        warmup_steps=args.warmup, lr_scheduler_type="cosine", weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0,
+        bf16=args.precision == "bf16", use_cpu=not on_gpu,  # optim: Trainer's default, adamw_torch_fused
+        logging_steps=args.warmup, save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+        log_level="error", dataloader_num_workers=0, seed=0)
+    Trainer(model=_model(args), args=targs, train_dataset=dataset, callbacks=[Stamp()]).train()
+    return stamps
+
+
+def _tokens_per_s(stamps: list[tuple[int, float]], args) -> float:
+    """Tokens per second between the first and the last log (step, time)."""
+    if len(stamps) < 2:
+        raise RetrofitError("bench train: too few timed steps; raise --steps to at least 2 x --warmup")
+    (first_step, first), (last_step, last) = stamps[0], stamps[-1]
+    return (last_step - first_step) * args.batch * args.seq_len / (last - first)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps % args.warmup or args.steps < 2 * args.warmup:
+        raise RetrofitError("--steps must be a multiple of --warmup and at least 2 x --warmup")
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    vocab = SIZES[args.model_type]["vocab_size"]
+    rows = _rows(args, vocab)
+    measured = {loop: [] for loop in LOOPS}
+    for repeat in range(args.repeats):
+        for loop in LOOPS:
+            with tempfile.TemporaryDirectory() as workdir:
+                fn = run_retrofit if loop == "retrofit" else run_trainer
+                measured[loop].append(_tokens_per_s(fn(args, rows, Path(workdir) / "run"), args))
+            print(f"repeat {repeat + 1}/{args.repeats} {loop:10} {measured[loop][-1]:12,.0f} tokens/s", flush=True)
+    import os
+    import statistics
+    median = {loop: statistics.median(v) for loop, v in measured.items()}
+    ratio = median["retrofit"] / median["hf-trainer"]
+    result = {
+        "benchmark": "train", "device": device, "model_type": args.model_type, "sizes": SIZES[args.model_type],
+        "norm": args.norm, "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps,
+        "timed_steps": args.steps - args.warmup, "precision": args.precision, "threads": torch.get_num_threads(),
+        "load_average": os.getloadavg()[0], "cpus": os.cpu_count(),
+        "loops": {loop: {"tokens_per_s_median": round(median[loop], 1), "tokens_per_s_best": round(max(v), 1),
+                         "repeats": [round(x, 1) for x in v]} for loop, v in measured.items()},
+        "ratio": round(ratio, 3), "target": 1.0, "meets_target": ratio >= 1.0,
+    }
+    print(f"\n| loop       | tokens/s median | best | all {args.repeats} repeats |")
+    print("|------------|----------------:|-----:|---------------|")
+    for loop, v in measured.items():
+        print(f"| {loop:10} | {median[loop]:15,.0f} | {max(v):4,.0f} | {', '.join(f'{x:,.0f}' for x in v)} |")
+    print(f"\nretrofit / Trainer = {ratio:.2f}x (medians; target >= 1.0x) — {args.model_type}"
+          f"{' + ' + args.norm if args.norm else ''}, batch {args.batch} x {args.seq_len}, {args.precision}, {device}, "
+          f"load average {result['load_average']:.1f} on {result['cpus']} CPUs")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0

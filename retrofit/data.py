@@ -1,0 +1,405 @@
+"""Training data: packed token blocks from text (Hub or local files) and two generated tasks.
+
+    data = build_data(recipe.data, tokenizer, seed=0, eval_lengths=[64, 128])
+    batch = data.batch(step, rows=8, length=64)      # a step's global batch: dict of (rows, length) tensors
+    data.eval_batches(length=128, batches=2, batch_size=4)
+    state = data.state_dict(); data.load_state_dict(state)   # resume at exactly the same position
+
+    counting_batch(batch_size=4, length=32768, alphabet=8, seed=0)   # any length, e.g. for evaluation
+    passkey_batch(tokenizer, batch_size=4, length=2048, depth=0.5, seed=0)
+
+Text is tokenized with the model's tokenizer, documents joined with EOS after each, and cut into
+blocks of `seq_len` tokens. The validation set is deterministic: `val_files`/`val_split`, or else the
+first `val_blocks` blocks of the stream (held out before any shuffling). Every process builds the same
+global batch and trains on its slice, so a run's numbers do not depend on the number of processes.
+
+Batches are dicts. `lm`: input_ids (B, T), labels (B, T) = input_ids (the loss predicts t+1 from t).
+`passkey`: input_ids, labels (-100 except the answer tokens). `counting`: input_ids, counts (B, T) float,
+the running count of the target symbol (position 0, which holds the target, carries no count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import RetrofitError
+from .recipe import DataSection
+
+BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def _generator(*seeds: int) -> torch.Generator:
+    """A torch generator seeded by mixing several integers (e.g. run seed, step) without collisions."""
+    mixed = np.random.SeedSequence([int(s) % 2**63 for s in seeds]).generate_state(1, np.uint64)[0]
+    return torch.Generator().manual_seed(int(mixed))
+
+
+# ---- counting: the L2-softmax post's task ---------------------------------------------------------------------------
+
+def counting_batch(batch_size: int, length: int, *, alphabet: int = 8, seed: int = 0,
+                   generator: torch.Generator | None = None) -> dict:
+    """Position 0 holds the target symbol; positions 1.. are uniform symbols from 0..alphabet-1.
+
+    counts[b, t] = number of positions 1..t whose symbol equals the target (counts[:, 0] = 0, unused).
+    The same (batch_size, length, alphabet, seed) always gives the same batch.
+    """
+    if length < 2 or batch_size < 1:
+        raise RetrofitError(f"counting needs length >= 2 and batch_size >= 1, got {length} and {batch_size}")
+    g = generator or _generator(seed, length, alphabet)
+    ids = torch.randint(0, alphabet, (batch_size, length), generator=g)  # (B, T)
+    hits = (ids[:, 1:] == ids[:, :1]).float()                             # (B, T-1)
+    counts = torch.cat([torch.zeros(batch_size, 1), hits.cumsum(1)], 1)   # (B, T)
+    return {"input_ids": ids, "counts": counts}
+
+
+class CountingData:
+    task = "counting"
+
+    def __init__(self, alphabet: int, seed: int):
+        self.alphabet, self.seed = alphabet, seed
+
+    def batch(self, step: int, rows: int, length: int) -> dict:
+        return counting_batch(rows, length, alphabet=self.alphabet, generator=_generator(self.seed, 1, step, length))
+
+    def eval_batches(self, length: int, batches: int, batch_size: int) -> list[dict]:
+        return [counting_batch(batch_size, length, alphabet=self.alphabet, generator=_generator(self.seed, 2, i, length))
+                for i in range(batches)]
+
+    def calibration(self, tokens: int, length: int) -> list[dict]:
+        rows = max(1, -(-tokens // length))
+        return [counting_batch(rows, length, alphabet=self.alphabet, generator=_generator(self.seed, 3, length))]
+
+    def state_dict(self) -> dict:
+        return {}  # generated from (seed, step): nothing to remember
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+# ---- passkey: a number hidden in filler text -----------------------------------------------------------------------
+
+PASSKEY_INTRO = "There is a pass key hidden inside a lot of irrelevant text. Find it and remember it. "
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+PASSKEY_QUESTION = "What is the pass key? The pass key is"
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def passkey_example(tokenizer, length: int, depth: float, key: str) -> dict:
+    """Exactly `length` tokens: intro, filler with the key at `depth` (0..1), the question, the answer."""
+    intro, question = _encode(tokenizer, PASSKEY_INTRO), _encode(tokenizer, PASSKEY_QUESTION)
+    needle = _encode(tokenizer, f"The pass key is {key}. Remember it. {key} is the pass key. ")
+    answer = _encode(tokenizer, f" {key}")
+    room = length - len(intro) - len(needle) - len(question) - len(answer)
+    if room < 0:
+        raise RetrofitError(f"passkey length {length} is too short: at least {length - room} tokens are needed")
+    unit = _encode(tokenizer, PASSKEY_FILLER)
+    filler = (unit * (room // max(len(unit), 1) + 1))[:room]
+    at = round(depth * room)
+    ids = intro + filler[:at] + needle + filler[at:] + question + answer
+    labels = [-100] * (length - len(answer)) + answer
+    return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "answer": key}
+
+
+def passkey_batch(tokenizer, batch_size: int, length: int, *, depth: float | None = None, digits: int = 5,
+                  seed: int = 0, generator: torch.Generator | None = None) -> dict:
+    """input_ids (B, T), labels (B, T) with -100 except the answer tokens, answers (list of str).
+    depth None draws a uniform depth per example."""
+    g = generator or _generator(seed, length, digits)
+    rows = []
+    for _ in range(batch_size):
+        key = str(int(torch.randint(10 ** (digits - 1), 10 ** digits, (1,), generator=g)))
+        d = float(torch.rand(1, generator=g)) if depth is None else depth
+        rows.append(passkey_example(tokenizer, length, d, key))
+    return {"input_ids": torch.stack([r["input_ids"] for r in rows]),
+            "labels": torch.stack([r["labels"] for r in rows]), "answers": [r["answer"] for r in rows]}
+
+
+class PasskeyData:
+    task = "passkey"
+
+    def __init__(self, tokenizer, digits: int, depth: float | None, seed: int):
+        self.tokenizer, self.digits, self.depth, self.seed = tokenizer, digits, depth, seed
+
+    def _batch(self, rows, length, g):
+        b = passkey_batch(self.tokenizer, rows, length, depth=self.depth, digits=self.digits, generator=g)
+        return {"input_ids": b["input_ids"], "labels": b["labels"]}
+
+    def batch(self, step: int, rows: int, length: int) -> dict:
+        return self._batch(rows, length, _generator(self.seed, 1, step, length))
+
+    def eval_batches(self, length: int, batches: int, batch_size: int) -> list[dict]:
+        return [self._batch(batch_size, length, _generator(self.seed, 2, i, length)) for i in range(batches)]
+
+    def calibration(self, tokens: int, length: int) -> list[dict]:
+        return [self._batch(max(1, -(-tokens // length)), length, _generator(self.seed, 3, length))]
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+# ---- text: Hub datasets and local files, packed into blocks ---------------------------------------------------------
+
+def _expand_files(patterns: list[str], key: str) -> list[str]:
+    files = []
+    for pattern in patterns:
+        matched = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        if not matched:
+            raise RetrofitError(f"data.{key}: no such file: {pattern}")
+        files.extend(matched)
+    suffixes = {Path(f).suffix.lower() for f in files}
+    unknown = suffixes - BUILDERS.keys()
+    if unknown:
+        raise RetrofitError(f"data.{key}: cannot read {', '.join(sorted(unknown))} files; use .txt, .jsonl or .parquet")
+    if len({BUILDERS[s] for s in suffixes}) > 1:
+        raise RetrofitError(f"data.{key}: mixes file types ({', '.join(sorted(suffixes))}); use one type per list")
+    return files
+
+
+def open_texts(section: DataSection, *, split: str | None = None, files: list[str] | None = None,
+               streaming: bool | None = None):
+    """The rows of a Hub split or of local files, as a datasets (Iterable)Dataset. Local files are always
+    streamed (read once, no cache written); Hub data streams when `section.streaming`."""
+    import datasets
+    if files is not None:
+        paths = _expand_files(files, "files" if files is section.files else "val_files")
+        builder = BUILDERS[Path(paths[0]).suffix.lower()]
+        extra = {"sample_by": "document"} if builder == "text" else {}  # one .txt file = one document
+        return datasets.load_dataset(builder, data_files=paths, split="train", streaming=True,
+                                     cache_dir=section.cache_dir, **extra)
+    name = section.dataset
+    try:
+        return datasets.load_dataset(name, section.config, split=split or section.split,
+                                     streaming=section.streaming if streaming is None else streaming,
+                                     cache_dir=section.cache_dir)
+    except ConnectionError as err:
+        raise RetrofitError(f"cannot reach Hub dataset {name!r} (offline?): {str(err).splitlines()[0][:160]}; "
+                            "use data.files with local files instead") from None
+    except Exception as err:  # DatasetNotFoundError, a bad config or split name: datasets' own first line
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise RetrofitError(f"could not load Hub dataset {name!r}: {first}") from None
+
+
+def documents(rows, text_field: str, max_docs: int | None = None):
+    """Yield the non-empty texts of `rows`; a missing column is an error naming the columns."""
+    for i, row in enumerate(rows):
+        if max_docs is not None and i >= max_docs:
+            return
+        if text_field not in row:
+            raise RetrofitError(f"data.text_field {text_field!r} is not a column; columns: {', '.join(row)}")
+        text = row[text_field]
+        if text:
+            yield text
+
+
+def _tokenize(tokenizer, texts: list[str], eos: int) -> list[int]:
+    out = []
+    for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
+        out.extend(ids)
+        out.append(eos)
+    return out
+
+
+def tokenize_all(texts, tokenizer, eos: int, chunk: int = 256) -> torch.Tensor:
+    """Every text tokenized with EOS after each, concatenated: (N,) int64."""
+    parts, batch = [], []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == chunk:
+            parts.append(torch.tensor(_tokenize(tokenizer, batch, eos), dtype=torch.int64))
+            batch = []
+    if batch:
+        parts.append(torch.tensor(_tokenize(tokenizer, batch, eos), dtype=torch.int64))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+class TokenBlocks:
+    """Blocks held in memory; position = blocks consumed; a seeded reshuffle every epoch."""
+
+    def __init__(self, blocks: torch.Tensor, shuffle: bool, seed: int):
+        self.blocks, self.shuffle, self.seed = blocks, shuffle, seed  # (N, seq_len)
+        self.consumed, self._perm = 0, (None, None)
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if self._perm[0] != epoch:
+            n = len(self.blocks)
+            perm = torch.randperm(n, generator=_generator(self.seed, 4, epoch)) if self.shuffle else torch.arange(n)
+            self._perm = (epoch, perm)
+        return self._perm[1]
+
+    def take(self, n: int) -> torch.Tensor:
+        idx = []
+        for k in range(self.consumed, self.consumed + n):
+            epoch, i = divmod(k, len(self.blocks))
+            idx.append(int(self._order(epoch)[i]))
+        self.consumed += n
+        return self.blocks[idx]
+
+    def peek(self, n: int) -> torch.Tensor:
+        return self.blocks[:n]
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = int(state["consumed"])
+
+
+class StreamBlocks:
+    """Blocks packed on the fly from a streamed dataset. Position = the dataset's own state_dict at a
+    document-batch boundary plus the tokens read but not yet emitted. One pass; no shuffling (a streamed
+    corpus such as FineWeb-Edu is already mixed, and a shuffle buffer could not be resumed exactly)."""
+
+    def __init__(self, dataset, text_field: str, tokenizer, eos: int, seq_len: int, docs_per_read: int = 64):
+        self.dataset, self.text_field, self.tokenizer, self.eos = dataset, text_field, tokenizer, eos
+        self.seq_len, self.docs_per_read = seq_len, docs_per_read
+        self.buffer: list[int] = []
+        self.ds_state = None
+        self.emitted = 0  # tokens handed out so far
+        self._iter = None
+
+    def _read(self) -> bool:
+        if self._iter is None:
+            if self.ds_state is not None:
+                self.dataset.load_state_dict(self.ds_state)
+            self._iter = iter(self.dataset)
+        texts = []
+        try:
+            for row in self._iter:
+                texts.extend(documents([row], self.text_field))
+                if len(texts) == self.docs_per_read:
+                    break
+        except (ConnectionError, TimeoutError) as err:
+            raise RetrofitError(f"lost the connection while streaming the dataset ({type(err).__name__}); "
+                                "continue later with `retrofit train RECIPE --resume RUN_DIR`") from None
+        if not texts:
+            return False
+        self.ds_state = self.dataset.state_dict()
+        self.buffer.extend(_tokenize(self.tokenizer, texts, self.eos))
+        return True
+
+    def ensure(self, tokens: int) -> None:
+        while len(self.buffer) < tokens:
+            if not self._read():
+                raise RetrofitError(f"the streamed data ran out after {self.emitted + len(self.buffer)} tokens "
+                                    f"(needed {tokens - len(self.buffer)} more); use more data or fewer steps")
+
+    def take(self, n: int, length: int | None = None) -> torch.Tensor:
+        length = length or self.seq_len
+        self.ensure(n * length)
+        out, self.buffer = self.buffer[: n * length], self.buffer[n * length:]
+        self.emitted += n * length
+        return torch.tensor(out, dtype=torch.int64).view(n, length)
+
+    def state_dict(self) -> dict:
+        return {"dataset": self.ds_state, "buffer": list(self.buffer), "emitted": self.emitted}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ds_state, self.buffer, self._iter = state["dataset"], list(state["buffer"]), None
+        self.emitted = int(state["emitted"])
+
+
+class LMData:
+    task = "lm"
+
+    def __init__(self, train, val: torch.Tensor, seq_len: int):
+        self.train, self.val, self.seq_len = train, val, seq_len  # val: (V, eval length)
+
+    def batch(self, step: int, rows: int, length: int) -> dict:
+        """`rows` sequences of `length` cut from rows*length/seq_len blocks (staged lengths keep tokens constant)."""
+        blocks = self.train.take(rows * length // self.seq_len)  # (n, seq_len)
+        ids = blocks.reshape(rows, length)
+        return {"input_ids": ids, "labels": ids}
+
+    def eval_batches(self, length: int, batches: int, batch_size: int) -> list[dict]:
+        if length > self.val.shape[1]:
+            raise RetrofitError(f"validation blocks hold {self.val.shape[1]} tokens, fewer than eval length {length}")
+        ids = self.val[: batches * batch_size, :length]
+        return [{"input_ids": c, "labels": c} for c in ids.split(batch_size)]
+
+    def calibration(self, tokens: int, length: int) -> list[dict]:
+        n = max(1, -(-tokens // length))
+        source = self.train.peek(n) if isinstance(self.train, TokenBlocks) else self.val[:, :length]
+        ids = source[:n, :length]
+        return [{"input_ids": c} for c in ids.split(8)]
+
+    def state_dict(self) -> dict:
+        return self.train.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.train.load_state_dict(state)
+
+
+def _eos(tokenizer) -> int:
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    if eos is None:
+        raise RetrofitError("the tokenizer has no EOS (or SEP) token to put between documents; use another tokenizer")
+    return int(eos)
+
+
+def _blocks(tokens: torch.Tensor, length: int) -> torch.Tensor:
+    n = len(tokens) // length
+    return tokens[: n * length].view(n, length)
+
+
+def build_lm(section: DataSection, tokenizer, *, seed: int, val_len: int) -> LMData:
+    """Packed text blocks of section.seq_len for training, and validation blocks of val_len tokens."""
+    if tokenizer is None:
+        raise RetrofitError("the lm task needs a tokenizer: set model.tokenizer (a Hub id or folder)")
+    eos, seq_len = _eos(tokenizer), section.seq_len
+    what = section.dataset or ", ".join(section.files)
+    rows = open_texts(section, files=section.files)
+    separate_val = section.val_files is not None or section.val_split is not None
+    if separate_val:  # read only the first val_blocks blocks of it, however large the split is
+        val_rows = open_texts(section, files=section.val_files, split=section.val_split, streaming=True)
+        val_stream, val = StreamBlocks(val_rows, section.text_field, tokenizer, eos, val_len), []
+        with contextlib.suppress(RetrofitError):  # fewer blocks than asked for: use what there is
+            for _ in range(section.val_blocks):
+                val.append(val_stream.take(1))
+        if not val:
+            raise RetrofitError(f"validation data has fewer than {val_len} tokens; add text or shorten eval.lengths")
+        val = torch.cat(val)
+    if section.streaming:
+        stream = StreamBlocks(rows, section.text_field, tokenizer, eos, seq_len)
+        if not separate_val:
+            val = stream.take(section.val_blocks, val_len)
+        stream.ensure(seq_len)  # fail now, not at step 1, on an empty stream
+        return LMData(stream, val, seq_len)
+    tokens = tokenize_all(documents(rows, section.text_field, section.max_docs), tokenizer, eos)
+    held = 0 if separate_val else section.val_blocks * val_len
+    if not separate_val:
+        val = _blocks(tokens[:held], val_len)
+    train = _blocks(tokens[held:], seq_len)
+    if len(train) == 0:
+        raise RetrofitError(f"data {what} gave {len(tokens)} tokens: not enough for {section.val_blocks} validation "
+                            f"blocks of {val_len} and one training block of {seq_len}; add text or lower "
+                            "data.seq_len / data.val_blocks")
+    return LMData(TokenBlocks(train, section.shuffle, seed), val, seq_len)
+
+
+def build_data(section: DataSection, tokenizer=None, *, seed: int = 0, eval_lengths=()):
+    """The data object for section.task (see the module docstring for its methods)."""
+    if section.task == "counting":
+        return CountingData(section.counting.alphabet, seed)
+    if section.task == "passkey":
+        if tokenizer is None:
+            raise RetrofitError("the passkey task needs a tokenizer: set model.tokenizer (a Hub id or folder)")
+        return PasskeyData(tokenizer, section.passkey.digits, section.passkey.depth, seed)
+    return build_lm(section, tokenizer, seed=seed, val_len=max([section.seq_len, *eval_lengths]))
+
+
+__all__ = [
+    "CountingData", "LMData", "PasskeyData", "StreamBlocks", "TokenBlocks", "build_data", "counting_batch",
+    "documents", "open_texts", "passkey_batch", "passkey_example", "tokenize_all",
+]

@@ -1,0 +1,246 @@
+"""Setting up a run: the accelerator, the model (loaded or built, patched, calibrated, LoRA), the optimizer.
+
+Every function here is called by `retrofit.train.train` in this order, and each can be called on its
+own (the experiment driver builds a base once and finetunes several arms from it):
+
+    accelerator = make_accelerator(recipe.train, run_dir)
+    model, tokenizer = load_base(recipe)                # Hub | folder | .gguf | run folder | config
+    report = apply_patch(model, recipe.patch)           # None when patch.norm is null
+    check_lengths(model, recipe)                        # GPT-2: 1024 learned positions unless nope
+    model = wrap_task(model, recipe.data.task)          # counting -> CountingModel (backbone + head)
+    calibrate_patch(model, data, recipe)
+    model = apply_peft(model, recipe.train.peft)
+    optimizer = make_optimizer(model, recipe.train)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import RetrofitError
+from ..recipe import PatchSection, PeftSection, Recipe, TrainSection
+from .tasks import CountingModel, language_model, load_run
+
+
+# ---- processes -------------------------------------------------------------------------------------------------------
+
+def resolve_precision(precision: str, cpu: bool) -> str:
+    """accelerate's mixed_precision value: auto = bf16 on a GPU that supports it, else fp32 ("no")."""
+    on_gpu = torch.cuda.is_available() and not cpu
+    if precision == "auto":
+        return "bf16" if on_gpu and torch.cuda.is_bf16_supported() else "no"
+    if precision == "fp16" and not on_gpu:
+        raise RetrofitError("train.precision fp16 needs a GPU; use fp32 or bf16 on CPU")
+    return {"fp32": "no"}.get(precision, precision)
+
+
+def make_accelerator(train: TrainSection, run_dir, trackers=()):
+    """An Accelerator that cannot silently run N independent copies.
+
+    Under torchrun / `accelerate launch --multi_gpu` on a machine without CUDA, a plain Accelerator()
+    ignores WORLD_SIZE and every process trains alone (see ../shared/DESIGN.md); so cpu=True is forced
+    there (gloo), and the process count accelerate sees must equal WORLD_SIZE.
+    """
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from .runlog import JsonlTracker
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cpu = train.cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or (
+        world > 1 and not torch.cuda.is_available())
+    # Several runs in one process (tests, the experiment driver) each choose their own precision.
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    accelerator = Accelerator(
+        cpu=cpu, mixed_precision=resolve_precision(train.precision, cpu), project_dir=str(run_dir),
+        log_with=[JsonlTracker(Path(run_dir) / "log.jsonl"), *trackers],
+        dynamo_backend="inductor" if train.compile else "no",
+    )
+    if accelerator.num_processes != world:
+        raise RetrofitError(f"WORLD_SIZE is {world} but accelerate runs {accelerator.num_processes} process(es): "
+                            "launch with torchrun --nproc_per_node N or accelerate launch --multi_gpu --num_processes N")
+    return accelerator
+
+
+def accumulation(train: TrainSection, processes: int) -> int:
+    per_step = train.micro_batch_size * processes
+    if train.batch_size % per_step:
+        raise RetrofitError(f"train.batch_size {train.batch_size} is not a multiple of micro_batch_size "
+                            f"{train.micro_batch_size} x {processes} process(es); change one of them")
+    return train.batch_size // per_step
+
+
+# ---- the model -------------------------------------------------------------------------------------------------------
+
+def load_base(recipe: Recipe):
+    """(model, tokenizer) as the recipe's model section says, before any patch or head is added."""
+    from ..models import model_from_config
+    m = recipe.model
+    if m.source is None:
+        cfg = dict(m.config)
+        model = model_from_config(cfg.pop("model_type"), attn_implementation=m.attn_implementation,
+                                  seed=recipe.train.seed, **cfg)
+        model.to(getattr(torch, m.dtype))
+    else:
+        model = load_run(m.source, dtype=m.dtype, attn_implementation=m.attn_implementation, revision=m.revision)
+    return model, recipe_tokenizer(recipe)
+
+
+def recipe_tokenizer(recipe: Recipe):
+    """model.tokenizer, else the source's own; None for counting (token ids are the symbols)."""
+    from ..models import load_tokenizer
+    m = recipe.model
+    if m.tokenizer is not None:
+        return tokenizer_folder(m.tokenizer) if Path(m.tokenizer).expanduser().is_dir() else load_tokenizer(m.tokenizer)
+    if recipe.data.task == "counting":
+        return None
+    tokenizer = load_tokenizer(m.source) if m.source is not None else None
+    if tokenizer is None:
+        raise RetrofitError(f"{m.source} has no tokenizer and data.task {recipe.data.task} needs one: set model.tokenizer")
+    return tokenizer
+
+
+def tokenizer_folder(folder: str):
+    """A folder holding only tokenizer files (no model config.json), e.g. GPT-2's vocab.json + merges.txt."""
+    from transformers import AutoTokenizer, GPT2TokenizerFast
+    path = Path(folder).expanduser()
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as err:
+        if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+            return GPT2TokenizerFast.from_pretrained(str(path))
+        raise RetrofitError(f"model.tokenizer {folder}: no tokenizer there ({str(err).splitlines()[0][:120]})") from None
+
+
+def apply_patch(model: nn.Module, patch: PatchSection):
+    """Patch as the recipe says; a model that already carries this exact patch keeps it (and its trained
+    parameters); a different patch replaces it. patch.norm null leaves the model as loaded."""
+    import retrofit
+    from ..norms import make_options
+    if patch.norm is None:
+        return None
+    lm = language_model(model)
+    wanted = {"norm": patch.norm, "options": dataclasses.asdict(make_options(patch.norm, **patch.options())),
+              "nope": patch.nope}
+    record = retrofit.patch_record(lm)
+    if record and all(record.get(k) == v for k, v in wanted.items()):
+        return None
+    if retrofit.is_patched(lm):
+        retrofit.unpatch(lm)
+    return retrofit.patch(lm, patch.norm, nope=patch.nope, **patch.options())
+
+
+def check_lengths(model: nn.Module, recipe: Recipe) -> None:
+    """Refuse, before training, lengths the model cannot represent (learned absolute positions)."""
+    from ..models import max_learned_positions
+    lm = language_model(model)
+    longest = max([recipe.data.seq_len, *recipe.eval_lengths()])
+    limit = max_learned_positions(lm)
+    if limit is not None and longest > limit:
+        raise RetrofitError(f"length {longest} (data.seq_len / eval.lengths) exceeds {lm.config.model_type}'s {limit} "
+                            "learned positions; set patch.nope: true (with a patch.norm) or use shorter lengths")
+    if recipe.data.task == "counting" and lm.config.vocab_size < recipe.data.counting.alphabet:
+        raise RetrofitError(f"the model's vocabulary ({lm.config.vocab_size}) is smaller than "
+                            f"data.counting.alphabet ({recipe.data.counting.alphabet})")
+
+
+def wrap_task(model: nn.Module, task: str) -> nn.Module:
+    """counting trains a regression head on the backbone; other tasks use the LM itself."""
+    if task == "counting":
+        return model if isinstance(model, CountingModel) else CountingModel(model)
+    return language_model(model)
+
+
+def calibrate_patch(model: nn.Module, data, recipe: Recipe) -> dict | None:
+    """Calibrated AVNorm gains from the recipe's own data (see retrofit/calibrate.py for why)."""
+    import retrofit
+    tokens = recipe.patch.calibration_tokens(pretrained=recipe.model.source is not None)
+    if not tokens or recipe.patch.norm != "avnorm":
+        return None
+    batches = data.calibration(tokens, recipe.data.seq_len)
+    return retrofit.calibrate(language_model(model), batches)
+
+
+def apply_peft(model: nn.Module, peft: PeftSection | None) -> nn.Module:
+    """LoRA on the language model; the patch's `retrofit` children train too (modules_to_save)."""
+    if peft is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+    lm = language_model(model)
+    patched = any(n.endswith(".retrofit") and any(True for _ in m.parameters()) for n, m in lm.named_modules())
+    config = LoraConfig(r=peft.r, lora_alpha=peft.alpha, lora_dropout=peft.dropout, task_type="CAUSAL_LM",
+                        target_modules=peft.target_modules,
+                        modules_to_save=["retrofit"] if peft.train_patch and patched else None)
+    try:
+        wrapped = get_peft_model(lm, config)
+    except ValueError as err:  # no target module matched, unknown model type for default targets
+        raise RetrofitError(f"train.peft: {str(err).splitlines()[0]}") from None
+    if isinstance(model, CountingModel):
+        model.lm = wrapped
+        return model
+    return wrapped
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    lm = language_model(model)
+    kwargs = {"use_reentrant": False}  # the reentrant variant needs inputs that require grad (PEFT, frozen embeddings)
+    enable = getattr(lm, "activation_checkpointing_enable", None)  # transformers >= 5.x name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    lm.config.use_cache = False
+
+
+# ---- the optimizer and its schedule ---------------------------------------------------------------------------------
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: never biases, norm weights, patch gains (all 1-D) or embedding tables."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay, seen = [], [], set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.Optimizer:
+    groups = param_groups(model, train.weight_decay)
+    if not any(g["params"] for g in groups):
+        raise RetrofitError("the model has no trainable parameter")
+    kwargs = dict(lr=train.lr, betas=tuple(train.betas), eps=train.adam_eps)
+    try:  # the fused kernel: ~10x the default per-parameter loop on CPU, the fastest on CUDA too
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except (RuntimeError, TypeError, ValueError):  # a device or dtype it does not cover
+        return torch.optim.AdamW(groups, **kwargs)
+
+
+def lr_at(step: int, train: TrainSection) -> float:
+    """Learning rate of update `step` (0-based): linear warmup, then cosine to lr * min_lr_ratio."""
+    if step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
+    return train.lr * (train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def seq_len_at(step: int, recipe: Recipe) -> int:
+    """Staged length (L2-softmax post): init_len doubling every double_every steps, up to data.seq_len."""
+    train, seq_len = recipe.train, recipe.data.seq_len
+    if train.init_len is None:
+        return seq_len
+    return min(seq_len, train.init_len * 2 ** (step // train.double_every))
+
+
+def describe(model: nn.Module) -> str:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"{total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable"

@@ -1,0 +1,46 @@
+"""`retrofit train RECIPE [section.key=value ...] [--out DIR] [--resume RUN_DIR]`.
+
+    retrofit train recipes/train-tiny-counting.yaml
+    retrofit train recipes/demo.yaml train.steps=200 patch.norm=psoftmax patch.p=2
+    accelerate launch -m retrofit train recipes/gpt2-avnorm-retrofit.yaml   # DDP / FSDP / DeepSpeed
+    retrofit train RECIPE --resume runs/x                                   # continue where it stopped
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import RetrofitError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", nargs="?", help="YAML recipe (see recipes/)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="override recipe fields, e.g. train.steps=200 patch.norm=psoftmax patch.p=2")
+    parser.add_argument("--out", help="run folder (overrides output.dir)")
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the run in RUN_DIR from its newest complete checkpoint")
+    parser.add_argument("--keys", action="store_true", help="list every recipe key with its default and meaning, then exit")
+    parser.epilog = "Overrides go before the options: retrofit train RECIPE train.steps=10 --out runs/x"
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..recipe import documentation, load_recipe
+    if args.keys:
+        for key, default, doc in documentation():
+            print(f"{key:32} {default:14} {doc}")
+        return 0
+    if args.recipe is None:
+        raise RetrofitError("name a recipe: retrofit train RECIPE [section.key=value ...] (see recipes/)")
+    overrides = list(args.overrides)
+    if args.out and args.resume:
+        raise RetrofitError("pass either --out or --resume (which names the run folder), not both")
+    if args.out or args.resume:
+        overrides.append(f"output.dir={args.out or args.resume}")
+    recipe = load_recipe(args.recipe, overrides)
+    from .loop import train
+    result = train(recipe, resume=bool(args.resume))
+    last = result.losses.get(max(result.losses)) if result.losses else None
+    print(f"done: {result.steps} steps" + (f", final loss {last:.4g}" if last is not None else "")
+          + f"; model in {result.run_dir}")
+    return 0

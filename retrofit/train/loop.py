@@ -1,0 +1,232 @@
+"""The training loop: one function, `train(recipe)`, from a recipe to a saved run folder.
+
+    result = train(load_recipe("recipes/train-tiny-counting.yaml"))
+    result = train(recipe, model=my_model, resume=True, callbacks=[on_event])
+
+Each optimizer step takes the step's global batch (built identically on every process), trains this
+process's slice of it in `micro_batch_size` pieces (no gradient sync until the last), and divides
+every loss sum by the global item count, so the gradient is the exact mean over the global batch for
+any number of processes or accumulation steps. The learning rate is a pure function of the step, so
+a resumed run needs only model, optimizer, RNG and data position to continue identically.
+
+callbacks: callables `fn(event, step, info)` with event "step" (info: metrics), "eval" (info:
+metrics, model), "checkpoint" (info: path) and "end" (info: model, before it is saved). The
+experiment driver evaluates on a finetune schedule with `eval.at_steps: [0, 10, 20, 50]` and an
+"eval" callback that runs its own evaluation on info["model"].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..data import build_data
+from ..errors import RetrofitError
+from ..recipe import Recipe, flat, save_recipe
+from . import build, checkpoint
+from .tasks import evaluate, items, language_model, loss_sum, save_model
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int                                                   # optimizer steps completed
+    losses: dict[int, float] = field(default_factory=dict)      # step -> mean training loss of its log window
+    evals: dict[int, dict] = field(default_factory=dict)        # step -> eval metrics
+    resumed_from: int | None = None
+    model: nn.Module | None = None                               # the trained model, as saved
+
+
+def run_dir_of(recipe: Recipe) -> Path:
+    return Path(recipe.output.dir or f"runs/{recipe.name or 'run'}")
+
+
+def _check_run_dir(run_dir: Path, resume: bool) -> None:
+    held = [n for n in ("result.json", "log.jsonl", "config.json", checkpoint.FOLDER) if (run_dir / n).exists()]
+    if resume and not run_dir.is_dir():
+        raise RetrofitError(f"nothing to resume: {run_dir} does not exist")
+    if held and not resume:
+        raise RetrofitError(f"{run_dir} already holds a run ({held[0]}); pass --resume {run_dir} to continue it "
+                            "or choose another output.dir")
+
+
+def _eval_due(step: int, recipe: Recipe) -> bool:
+    every = recipe.eval.every
+    return step in recipe.eval.at_steps or bool(every and step % every == 0) or step == recipe.train.steps
+
+
+def setup(recipe: Recipe, accelerator, *, model=None, tokenizer=None, data=None):
+    """Model (loaded, patched, checked, task head, calibrated, LoRA) and data, before anything trains."""
+    from accelerate.utils import set_seed
+    set_seed(recipe.train.seed)
+    if model is None:
+        model, tokenizer = build.load_base(recipe)
+    elif tokenizer is None and data is None:  # data passed in code brings its own tokens
+        tokenizer = build.recipe_tokenizer(recipe)
+    report = build.apply_patch(model, recipe.patch)
+    build.check_lengths(model, recipe)
+    model = build.wrap_task(model, recipe.data.task)
+    if data is None:
+        data = build_data(recipe.data, tokenizer, seed=recipe.train.seed, eval_lengths=recipe.eval_lengths())
+    calibration = build.calibrate_patch(model, data, recipe) if report is not None else None
+    model = build.apply_peft(model, recipe.train.peft)
+    if recipe.train.gradient_checkpointing:
+        build.enable_gradient_checkpointing(model)
+    if report is not None:
+        accelerator.print(str(report) + (f"\ncalibration       {calibration}" if calibration else ""))
+    return model, tokenizer, data
+
+
+def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, data=None, resume: bool = False,
+          callbacks=()) -> TrainResult:
+    """Train as `recipe` says and save the run; see the module docstring. Long by design: it is the loop,
+    read top to bottom (setup, resume, steps with log/eval/checkpoint, final save)."""
+    run_dir = run_dir_of(recipe)
+    _check_run_dir(run_dir, resume)
+    trackers = list(recipe.output.trackers)
+    if "wandb" in trackers:
+        import importlib.util
+        if importlib.util.find_spec("wandb") is None:
+            raise RetrofitError("output.trackers has wandb but it is not installed: pip install wandb")
+    acc = build.make_accelerator(recipe.train, run_dir, trackers)
+    acc.wait_for_everyone()  # every process has checked the run folder before the main one writes to it
+    t = recipe.train
+    world, rank = acc.num_processes, acc.process_index
+    accum = build.accumulation(t, world)
+    if acc.distributed_type.name == "DEEPSPEED" and accum != 1:
+        raise RetrofitError("with DeepSpeed set train.micro_batch_size = batch_size / processes (no accumulation)")
+    if resume and (run_dir / "recipe.yaml").is_file():  # before anything loads: same recipe or a clear error
+        from ..recipe import load_recipe
+        checkpoint.check_same_recipe(flat(load_recipe(run_dir / "recipe.yaml")), flat(recipe), run_dir)
+    done = run_dir / "result.json"
+    if resume and done.is_file() and json.loads(done.read_text()).get("steps") == t.steps:
+        acc.print(f"{run_dir} already finished {t.steps} steps; nothing to do")
+        return TrainResult(run_dir, t.steps)
+
+    from_recipe = model is None  # a LoRA adapter can only be rebuilt on a base the recipe describes
+    model, tokenizer, data = setup(recipe, acc, model=model, tokenizer=tokenizer, data=data)
+    model.train()
+    optimizer = build.make_optimizer(model, t)
+    model, optimizer = acc.prepare(model, optimizer)
+    task, recipe_flat, start = recipe.data.task, flat(recipe), 0
+    if resume:
+        found = checkpoint.complete_checkpoints(run_dir)
+        if found:
+            meta = checkpoint.load_checkpoint(acc, found[-1][1], recipe_flat)
+            data.load_state_dict(meta["data"])
+            start = meta["step"]
+            acc.print(f"resumed from {found[-1][1]} (step {start})")
+        else:
+            acc.print(f"no complete checkpoint in {run_dir}: starting at step 0")
+    result = TrainResult(run_dir, start, resumed_from=start if resume else None)
+
+    if acc.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_recipe(recipe, run_dir / "recipe.yaml")
+    acc.init_trackers(recipe.output.project,
+                      config={k: ("null" if v is None else v) for k, v in recipe_flat.items()})
+    tokens_per_step = t.batch_size * recipe.data.seq_len
+    acc.print(f"{build.describe(model)} | {world} process(es) on {acc.device}, precision {acc.mixed_precision} | "
+              f"{tokens_per_step} tokens/step, accumulation {accum} | steps {start}->{t.steps} | run {run_dir}")
+
+    def notify(event, step, **info):
+        for fn in callbacks:
+            fn(event, step, {"accelerator": acc, **info})
+
+    def run_eval(step):
+        metrics = evaluate(model, data, task, recipe.eval_lengths(), recipe.eval.batches, recipe.eval.batch_size, acc)
+        if metrics:
+            acc.log(metrics, step=step)
+            result.evals[step] = metrics
+        notify("eval", step, metrics=metrics, model=acc.unwrap_model(model))
+
+    if start == 0 and 0 in recipe.eval.at_steps:
+        run_eval(0)
+
+    from tqdm.auto import tqdm
+    bar = tqdm(total=t.steps, initial=start, unit="step", dynamic_ncols=True,
+               disable=not (acc.is_main_process and t.progress))
+    window_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
+    window_items, window_tokens, window_start = 0, 0, time.perf_counter()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for step in range(start, t.steps):
+        length = build.seq_len_at(step, recipe)
+        rows = t.batch_size * recipe.data.seq_len // length        # global rows at this length
+        batch = data.batch(step, rows, length)                       # the global batch, identical on every process
+        n_items = items(batch, task)
+        per_process, per_micro = rows // world, rows // world // accum
+        lr = build.lr_at(step, t)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for i in range(accum):
+            lo = rank * per_process + i * per_micro
+            part = {k: v[lo: lo + per_micro].to(acc.device) for k, v in batch.items() if torch.is_tensor(v)}
+            sync = contextlib.nullcontext() if i == accum - 1 else acc.no_sync(model)
+            with sync:
+                loss = loss_sum(model, part, task)
+                acc.backward(loss * (world / n_items))  # DDP averages over processes: world/n makes it the global mean
+            window_loss += loss.detach().double()
+        grad_norm = acc.clip_grad_norm_(params, t.grad_clip) if t.grad_clip > 0 else None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        done_steps = step + 1
+        window_items, window_tokens = window_items + n_items, window_tokens + rows * length
+
+        if done_steps % t.log_every == 0 or done_steps == t.steps:
+            mean = float(acc.reduce(window_loss, "sum")) / window_items
+            if not math.isfinite(mean):
+                raise RetrofitError(f"the training loss is {mean} at step {done_steps}; lower train.lr or check the data")
+            elapsed = time.perf_counter() - window_start
+            metrics = {"loss": mean, "lr": lr, "seq_len": length, "tokens": done_steps * tokens_per_step,
+                       "tokens_per_s": window_tokens / max(elapsed, 1e-9)}
+            if grad_norm is not None:
+                metrics["grad_norm"] = float(grad_norm)
+            acc.log(metrics, step=done_steps)
+            result.losses[done_steps] = mean
+            bar.set_postfix(loss=f"{mean:.4g}", tok_s=f"{metrics['tokens_per_s']:.3g}", len=length, refresh=False)
+            notify("step", done_steps, metrics=metrics)
+            window_loss.zero_()
+            window_items, window_tokens, window_start = 0, 0, time.perf_counter()
+        bar.update(1)
+        result.steps = done_steps
+        if _eval_due(done_steps, recipe):
+            run_eval(done_steps)
+        if recipe.output.save_every and done_steps % recipe.output.save_every == 0 and done_steps < t.steps:
+            path = checkpoint.save_checkpoint(acc, run_dir, done_steps, data.state_dict(), recipe_flat,
+                                              recipe.output.keep)
+            notify("checkpoint", done_steps, path=path)
+    bar.close()
+
+    notify("end", result.steps, model=acc.unwrap_model(model))
+    result.model = save_final(acc, model, run_dir, tokenizer, recipe, result, from_recipe)
+    acc.end_training()
+    return result
+
+
+def save_final(acc, model, run_dir: Path, tokenizer, recipe: Recipe, result: TrainResult,
+               from_recipe: bool = True) -> nn.Module:
+    """The final model (save_pretrained, safetensors, patch in config.json) and result.json."""
+    acc.wait_for_everyone()
+    unwrapped = acc.unwrap_model(model, keep_torch_compile=False)
+    sharded = acc.distributed_type.name in ("FSDP", "DEEPSPEED")
+    peft = recipe.train.peft
+    state = acc.get_state_dict(model) if sharded and peft is None else None  # FSDP: gathered on every rank
+    saved = unwrapped
+    if acc.is_main_process:
+        saved = save_model(unwrapped, run_dir, tokenizer=tokenizer, peft_save=peft.save if peft else None,
+                           state_dict=state)
+        last = max(result.evals) if result.evals else None
+        summary = {"steps": result.steps, "final_loss": result.losses.get(max(result.losses)) if result.losses else None,
+                   "eval": result.evals.get(last), "model_type": language_model(saved).config.model_type,
+                   "retrofit": getattr(language_model(saved).config, "retrofit", None),
+                   "processes": acc.num_processes, "model_from_recipe": from_recipe}
+        (run_dir / "result.json").write_text(json.dumps(summary, indent=2, default=str))
+    acc.wait_for_everyone()
+    return saved

@@ -1,0 +1,77 @@
+"""The run's log: an accelerate tracker that appends one JSON object per line to run/log.jsonl.
+
+    {"event": "config", "config": {"train.lr": 0.0003, ...}}
+    {"step": 10, "loss": 2.31, "lr": 0.0003, "seq_len": 64, "tokens": 5120, "tokens_per_s": 41000.0, ...}
+    {"step": 20, "eval/loss@64": 2.2}
+
+Lines are flushed as written, so a killed run leaves a readable log; a resumed run appends (steps
+after the checkpoint appear again: readers keep the last line per step, as `read_log` does).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from accelerate.tracking import GeneralTracker
+
+
+class JsonlTracker(GeneralTracker):
+    name = "jsonl"
+    requires_logging_directory = False
+    main_process_only = True
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = Path(path)
+        self.file = None
+
+    @property
+    def tracker(self):
+        return self.file
+
+    def start(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a")
+
+    def _write(self, record: dict) -> None:
+        if self.file is None:
+            self.start()
+        self.file.write(json.dumps(record, default=str) + "\n")
+        self.file.flush()
+
+    def store_init_configuration(self, values: dict):
+        self._write({"event": "config", "time": time.time(), "config": values})
+
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        self._write({"step": step, **{k: _plain(v) for k, v in values.items()}})
+
+    def finish(self):
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def read_log(path) -> list[dict]:
+    """Step records of a log.jsonl, last one per (step, kind) wins (a resumed run re-logs some steps)."""
+    latest: dict[tuple, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+        if record.get("step") is None:
+            continue
+        kind = "eval" if any(k.startswith("eval/") for k in record) else "train"
+        latest[(record["step"], kind)] = record
+    return [latest[k] for k in sorted(latest)]

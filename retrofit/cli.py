@@ -64,7 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
-    args = parser.parse_intermixed_args(argv)  # overrides may come before or after --out
+    args, rest = parser.parse_known_args(argv)
+    # dotted overrides (train.steps=200) may also follow the options: argparse leaves those over
+    if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
+        args.overrides = list(args.overrides or []) + rest
+    elif rest:
+        parser.parse_args(argv)  # reports the unrecognized arguments as usual (one line, exit 2)
     if getattr(args, "_missing", None):
         print(f"retrofit: error: {args._missing}", file=sys.stderr)
         return 2

@@ -329,14 +329,6 @@ def load_any_tokenizer(source):
     vocab.json + merges.txt folder (no tokenizer_config.json) is read as byte-level BPE, GPT-2 style."""
     if source is None or hasattr(source, "get_vocab") or not isinstance(source, (str, Path)):
         return source if hasattr(source, "get_vocab") else None  # a loaded model carries no tokenizer
-    folder = Path(source)
-    if folder.is_dir() and not (folder / "config.json").exists():
-        from transformers import AutoTokenizer, GPT2TokenizerFast
-        if (folder / "tokenizer_config.json").exists() or (folder / "tokenizer.json").exists():
-            return AutoTokenizer.from_pretrained(folder)
-        if (folder / "vocab.json").exists() and (folder / "merges.txt").exists():
-            return GPT2TokenizerFast.from_pretrained(folder)
-        raise RetrofitError(f"{source} holds no tokenizer files (tokenizer.json, or vocab.json + merges.txt)")
     from .models import load_tokenizer
     return load_tokenizer(source)
 

@@ -98,25 +98,16 @@ def recipe_tokenizer(recipe: Recipe):
     from ..models import load_tokenizer
     m = recipe.model
     if m.tokenizer is not None:
-        return tokenizer_folder(m.tokenizer) if Path(m.tokenizer).expanduser().is_dir() else load_tokenizer(m.tokenizer)
+        tokenizer = load_tokenizer(m.tokenizer)
+        if tokenizer is None:
+            raise RetrofitError(f"model.tokenizer {m.tokenizer}: no tokenizer there")
+        return tokenizer
     if recipe.data.task == "counting":
         return None
     tokenizer = load_tokenizer(m.source) if m.source is not None else None
     if tokenizer is None:
         raise RetrofitError(f"{m.source} has no tokenizer and data.task {recipe.data.task} needs one: set model.tokenizer")
     return tokenizer
-
-
-def tokenizer_folder(folder: str):
-    """A folder holding only tokenizer files (no model config.json), e.g. GPT-2's vocab.json + merges.txt."""
-    from transformers import AutoTokenizer, GPT2TokenizerFast
-    path = Path(folder).expanduser()
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as err:
-        if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
-            return GPT2TokenizerFast.from_pretrained(str(path))
-        raise RetrofitError(f"model.tokenizer {folder}: no tokenizer there ({str(err).splitlines()[0][:120]})") from None
 
 
 def apply_patch(model: nn.Module, patch: PatchSection):

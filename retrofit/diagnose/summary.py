@@ -1,0 +1,170 @@
+"""From per-(layer, head) arrays to the JSON result: every head's numbers plus summaries across heads.
+
+The result of one model, as written to diagnose.json:
+
+    per_head   {key: [[value per head] per layer]}, means over rows and windows: keys "L/entropy",
+               "L/dist/true/N", "L/sep/ratio/N", "grad/eps/T" (the max over rows is summarized only)
+    summary    vanishing / variance / distance / separability / gradient: medians across heads, the
+               KS critical N per length, the separability plateau, the 1/T slope
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+
+from . import measures
+from .collect import Accumulator, Plan
+
+# How each measure is read for each normalization (written into the report). Measures 3 and 4 (Theorems
+# 1 and 2) take any weights as they are; where a norm changes the reading of 1, 2 or 5 it is said here.
+GENERALIZATION = {
+    "softmax": "the paper's setting: every measure as defined.",
+    "avnorm": "weights are softmax, so 1, 3, 4, 5 are the paper's; 2 measures the head output after the per-head "
+              "norm (`out`) as well as the softmax average before it (`AV`).",
+    "psoftmax": "weights exp(s)/||exp(s)||_p do not sum to 1: 1 reports the entropy of the renormalized row and "
+                "Corollary 1 becomes n^(-1/p) e^(+-2a); 2: ||A||_2^2 = 1 at p = 2, so the prediction no longer "
+                "shrinks; 3 uses the weight left outside the top-N set where the paper has 1 - abar_N; 5 perturbs "
+                "exp(l/T)/||exp(l/T)||_p (Corollary 3's 1/(4T) is softmax's, Lemma 2 is the general bound).",
+    "ssmax": "weights are softmax(s log(n) l): L enters theta, so Lemma 1's premise fails by design; Corollary 1 "
+             "is applied to the effective logits (a -> s log(n) a); 5 perturbs the logits l before the s log(n) "
+             "factor, so T = 1 is the model as it is.",
+    "softmax1": "weights exp(s)/(exp(b)+sum exp(s)) sum to less than 1 (the sink takes the rest): 1 reports the "
+                "entropy of the renormalized row and the sink-aware Corollary 1 bounds; 3 uses the weight left "
+                "outside the top-N set; 5 divides the sink logit by T too.",
+}
+
+
+def _round(a, digits=5):
+    """(layers, H) array -> nested lists of floats with `digits` significant digits (None for nan/inf)."""
+    return [[float(f"{v:.{digits}g}") if math.isfinite(v) else None for v in row] for row in np.asarray(a, float)]
+
+
+def _clean(obj):
+    """nan/inf -> None and numpy scalars -> floats, so diagnose.json is strict JSON."""
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    return obj
+
+
+def _median(a) -> float:
+    a = np.asarray(a, dtype=float)
+    a = a[np.isfinite(a)]
+    return float(np.median(a)) if a.size else math.nan
+
+
+def _mean(a) -> float:
+    a = np.asarray(a, dtype=float)
+    a = a[np.isfinite(a)]
+    return float(a.mean()) if a.size else math.nan
+
+
+def _quantiles(a, qs=(0.1, 0.25, 0.5, 0.75, 0.9)) -> list[float]:
+    a = np.asarray(a, dtype=float)
+    a = a[np.isfinite(a)]
+    return [float(np.quantile(a, q)) for q in qs] if a.size else [math.nan] * len(qs)
+
+
+def summarize(acc: Accumulator, plan: Plan, meta: dict) -> dict:
+    """The JSON result for one model: meta (label, source, norm...) + per_head + summary."""
+    def shown(key):  # the KS search's extra N values stay out of the per-head arrays (summarized below)
+        parts = key.split("/")
+        if parts[-1] == "cor1_holds":  # a theorem: 1 everywhere (summary.vanishing keeps the fraction)
+            return False
+        return not (len(parts) == 4 and parts[1] == "dist" and int(parts[3]) not in plan.figure_ns(int(parts[0])))
+
+    per_head = {k: _round(acc.mean(k)) for k in sorted(acc.sums) if shown(k)}
+    Lmax = plan.lengths[-1]
+
+    vanishing, variance = {}, {}
+    for L in plan.lengths:
+        m = {k: acc.mean(f"{L}/{k}") for k in ("entropy", "max_weight", "min_weight", "sq_norm", "mass", "cor1_exponent",
+                                                "cor1_holds", "cor1_upper_use", "cor1_lower_use", "logit_range", "var_pred", "var_value",
+                                                "var_out_raw", "var_out")}
+        vanishing[L] = {"log_L": math.log(L), "entropy": _median(m["entropy"]), "entropy_mean": _mean(m["entropy"]),
+                        "inv_L": 1 / L, "max_weight": _median(m["max_weight"]), "min_weight": _median(m["min_weight"]),
+                        "mass": _median(m["mass"]),
+                        "cor1_exponent": _median(m["cor1_exponent"]), "cor1_holds": _mean(m["cor1_holds"]),
+                        "cor1_upper_use": _median(m["cor1_upper_use"]), "cor1_lower_use": _median(m["cor1_lower_use"]),
+                        "logit_range": _median(m["logit_range"])}
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = m["var_out_raw"] / m["var_pred"]
+        variance[L] = {"sq_norm": _median(m["sq_norm"]), "var_value": _median(m["var_value"]),
+                       "var_pred": _median(m["var_pred"]), "var_out_raw": _median(m["var_out_raw"]),
+                       "var_out": _median(m["var_out"]), "measured_over_pred": _median(ratio)}
+
+    def dist_row(L, N):
+        keys = ("true", "expected", "eps", "expected_printed", "bound")
+        return {k: _median(acc.mean(f"{L}/dist/{k}/{N}")) for k in keys}
+
+    by_length = {L: dist_row(L, plan.distance_n) for L in plan.lengths if plan.distance_n in plan.figure_ns(L)}
+    by_n = {N: dist_row(Lmax, N) for N in plan.figure_ns(Lmax)}
+    critical = {}
+    for L in plan.lengths:
+        ns = plan.ks_ns(L)
+        true = {N: acc.mean(f"{L}/dist/true/{N}") for N in ns}
+        critical[L] = {}
+        for name, key in (("printed", "expected_printed"), ("exact", "expected")):
+            n_crit, pvalues = measures.critical_n(true, {N: acc.mean(f"{L}/dist/{key}/{N}") for N in ns},
+                                                  plan.ks_alpha)
+            critical[L][name] = {"critical_n": n_crit, "fraction": None if n_crit is None else n_crit / L,
+                                 "pvalues": {N: round(p, 6) for N, p in pvalues.items()}}
+
+    def median_fraction(name):
+        return _median([c[name]["fraction"] for c in critical.values() if c[name]["fraction"] is not None])
+
+    separability = {}
+    for N in plan.usable(Lmax, plan.separability_ns):
+        ratio = acc.mean(f"{Lmax}/sep/ratio/{N}")
+        separability[N] = {"ratio_quantiles": _quantiles(ratio), "ratio_mean": _mean(ratio),
+                           "lower": _mean(acc.mean(f"{Lmax}/sep/lower/{N}")),
+                           "upper": _mean(acc.mean(f"{Lmax}/sep/upper/{N}")),
+                           "upper_holds": _mean(acc.mean(f"{Lmax}/sep/upper_holds/{N}"))}
+    big = [N for N in separability if N >= 16]
+    plateau = _mean([separability[N]["ratio_quantiles"][2] for N in big]) if big else math.nan
+
+    temps = list(plan.temperatures)
+    gradient = {"temperatures": temps, "length": Lmax,
+                "paper_bound": [float(b) for b in measures.corollary3_bound(temps)],
+                "sup_bound": [1 / (2 * t) for t in temps], "by_eps": {}}
+    for eps in plan.epsilons:
+        gmax = [float(np.nanmax(acc.max(f"grad/{eps:g}/{t:.6g}"))) for t in temps]
+        gmed = [_median(acc.mean(f"grad/{eps:g}/{t:.6g}")) for t in temps]
+        small = [i for i, t in enumerate(temps) if t <= 0.1]
+        gradient["by_eps"][f"{eps:g}"] = {
+            "max": gmax, "median": gmed,
+            "slope_small_T_max": measures.loglog_slope([temps[i] for i in small], [gmax[i] for i in small]),
+            "slope_small_T_median": measures.loglog_slope([temps[i] for i in small], [gmed[i] for i in small]),
+            "above_paper_bound": int(sum(g > b * (1 + 1e-6) for g, b in zip(gmax, gradient["paper_bound"]))),
+        }
+
+    # Per layer at the largest length: means over that layer's heads.
+    sep_n = max([N for N in separability if N <= 16], default=None)
+    layer_keys = {"entropy": f"{Lmax}/entropy", "max_weight": f"{Lmax}/max_weight", "sq_norm": f"{Lmax}/sq_norm",
+                  "var_out": f"{Lmax}/var_out", "var_out_raw": f"{Lmax}/var_out_raw",
+                  "dist_true": f"{Lmax}/dist/true/{plan.distance_n}"}
+    if sep_n is not None:
+        layer_keys["sep_ratio"] = f"{Lmax}/sep/ratio/{sep_n}"
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-nan layer stays nan
+        by_layer = {k: np.nanmean(acc.mean(key), axis=1).tolist() for k, key in layer_keys.items() if key in acc.sums}
+    by_layer.update(length=Lmax, sep_n=sep_n)
+
+    summary = {
+        "vanishing": vanishing, "variance": variance, "by_layer": by_layer,
+        "distance": {"n": plan.distance_n, "length": Lmax, "by_length": by_length, "by_n": by_n,
+                     "critical": critical, "critical_fraction_printed": median_fraction("printed"),
+                     "critical_fraction_exact": median_fraction("exact")},
+        "separability": {"length": Lmax, "by_n": separability, "plateau": plateau, "plateau_ns": big},
+        "gradient": gradient,
+    }
+    norm = meta.get("norm") or "softmax"
+    return {**meta, "generalization": GENERALIZATION.get(norm, ""), "layers": acc.shape[0], "heads": acc.shape[1],
+            "lengths": plan.lengths, "queries": {L: q for L, (_, q) in plan.rows_by_length.items()},
+            "summary": _clean(summary), "per_head": per_head}

@@ -15,10 +15,11 @@ class Family:
     positions: str              # "learned" (absolute table added to the embeddings) or "rotary"
     positions_path: str         # dotted path, from the CausalLM model, of the module that makes them
     max_learned_positions: str | None = None  # config key bounding learned positions (None: unbounded)
+    final_norm: str = "model.norm"  # dotted path of the norm before the LM head
 
 
 FAMILIES: dict[str, Family] = {
-    "gpt2": Family("GPT2Attention", "learned", "transformer.wpe", "n_positions"),
+    "gpt2": Family("GPT2Attention", "learned", "transformer.wpe", "n_positions", "transformer.ln_f"),
     "llama": Family("LlamaAttention", "rotary", "model.rotary_emb"),
     "mistral": Family("MistralAttention", "rotary", "model.rotary_emb"),
     "qwen2": Family("Qwen2Attention", "rotary", "model.rotary_emb"),

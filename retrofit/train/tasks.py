@@ -1,7 +1,7 @@
 """What each task computes, how a trained run is saved, and how it comes back.
 
     lm, passkey   cross-entropy of token t+1 from position t (labels -100 are ignored)
-    counting      L1 between the running count and a linear head on the backbone's last hidden state
+    counting      L1 between the running count and a linear head on the residual stream before the final norm
 
     model = load_run("runs/counting")            # CountingModel: model(input_ids) -> counts (B, T)
     model = load_run("runs/gpt2-avnorm")         # the patched LM (same as retrofit.from_pretrained)
@@ -28,8 +28,11 @@ HEAD_FILE, TASK_FILE, ADAPTER_DIR = "task_head.safetensors", "task.json", "adapt
 class CountingModel(nn.Module):
     """A causal LM's backbone plus a regression head: input_ids (B, T) -> predicted counts (B, T), fp32.
 
-    The LM head is not used; when it is not tied to the embeddings it is frozen so that DDP sees no
-    parameter without a gradient."""
+    The head reads the residual stream *before* the backbone's final norm: the count grows with the
+    length, and after an RMS/LayerNorm the hidden state has a fixed magnitude, so a linear readout of
+    it is bounded by |w|*sqrt(d) and could never follow a count beyond the trained range, whatever the
+    attention does. The LM head and that final norm are not used; they are frozen (the head unless
+    tied to the embeddings) so that DDP sees no parameter without a gradient."""
 
     def __init__(self, lm: nn.Module, head: nn.Linear | None = None):
         super().__init__()
@@ -39,6 +42,9 @@ class CountingModel(nn.Module):
         out, inp = lm.get_output_embeddings(), lm.get_input_embeddings()
         if out is not None and out.weight is not inp.weight:
             out.requires_grad_(False)
+        norm = final_norm(lm.get_base_model() if hasattr(lm, "get_base_model") else lm)
+        if norm is not None:  # read past (see above): no gradient reaches it
+            norm.requires_grad_(False)
 
     @property
     def config(self):
@@ -46,8 +52,28 @@ class CountingModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         core = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm  # through PEFT
-        hidden = core.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        captured = {}
+        norm = final_norm(core)
+        hook = norm.register_forward_pre_hook(lambda m, args: captured.update(h=args[0])) if norm is not None else None
+        try:
+            out = core.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            if hook is not None:
+                hook.remove()
+        hidden = captured.get("h", out.last_hidden_state)  # (B, T, C)
         return self.head(hidden).squeeze(-1).float()  # (B, T)
+
+
+def final_norm(lm: nn.Module) -> nn.Module | None:
+    """The norm before the LM head, from the family table (None for families not in it)."""
+    from ..families import family_of
+    family = family_of(lm.config)
+    if family is None:
+        return None
+    try:
+        return lm.get_submodule(family.final_norm)
+    except AttributeError:
+        return None
 
 
 def language_model(model: nn.Module) -> nn.Module:

@@ -1,8 +1,22 @@
-"""Attention kernels for the norms that change the weights: p-softmax, Scalable-Softmax, softmax+1.
+"""Exact, memory-efficient attention for the norms that change the weights: p-softmax, Scalable-Softmax, softmax+1.
 
-All take SDPA's conventions: q (B, H, Tq, D), k/v (B, Hkv, Tk, D); `causal` aligns bottom-right
-(queries are the last Tq positions, as with a KV cache); `attn_mask` is bool (True = attend) or
-additive float, broadcastable to (B, H, Tq, Tk). Rows with no visible key give 0.
+    out = psoftmax_attention(q, k, v, p=2.0)            # weights exp(s) / ||exp(s)||_p
+    out = ssmax_attention(q, k, v, s_param)             # logits * s_h * log(n), n = visible keys
+    out = softmax1_attention(q, k, v, sink)             # weights exp(s) / (exp(b_h) + sum exp(s))
+
+All take SDPA's conventions: q (B, H, Tq, D), k/v (B, Hkv, Tk, D); out (B, H, Tq, D) in q's dtype;
+`causal` aligns bottom-right (queries are the last Tq of the Tk positions, as with a KV cache);
+`attn_mask` is bool (True = attend) or additive float (hidden = dtype min or -inf), broadcastable to
+(B, H, Tq, Tk), and may be combined with `causal`; with `enable_gqa`, query head h uses kv head
+h // (H // Hkv). A row with no visible key gives 0 and zero (finite) gradients.
+
+Every kernel computes out_i = sum_j exp(s_ij - N_i) v_j for a row normalizer N, never with a T x T
+tensor (memory O(T) in forward and backward), in fp32 for fp16/bf16 inputs. Backends, picked per call:
+  triton_psoftmax  CUDA with Triton importable: one fused flash-style kernel, forward and backward.
+  cpu_fused        CPU, p = 1 (softmax, ssmax, softmax+1): PyTorch's fused flash kernel + its LSE.
+  blockwise        everything else (any p, any device): bounded blocks of plain PyTorch ops.
+Softmax+1 is softmax with N = logaddexp(LSE, b_h), i.e. out = softmax_out * sigmoid(LSE - b_h); its
+gradient flows to q, k, v and the sink through the same backward (see cpu_fused.py).
 """
 
 from __future__ import annotations
@@ -11,63 +25,141 @@ import math
 
 import torch
 
+from . import blockwise, cpu_fused
 from .masks import causal_mask, combine_causal, visible_counts
 
-
-def _expand(q, k, v, enable_gqa):
-    if k.shape[1] != q.shape[1]:
-        if not enable_gqa:
-            raise ValueError("q and k have different head counts: pass enable_gqa=True")
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    return k, v
+# None = pick per call; "blockwise" / "cpu_fused" / "triton" force one (tests and benchmarks).
+FORCE_BACKEND: str | None = None
+_TRITON_UNSET = object()
+_triton = _TRITON_UNSET
 
 
-def _logits(q, k, scale, causal, attn_mask):
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale
-    allowed = torch.ones_like(s, dtype=torch.bool)
-    if causal:
-        allowed = allowed & causal_mask(q.shape[2], k.shape[2], q.device)
+def triton_backend():
+    """retrofit.kernels.triton_psoftmax when Triton imports, else None (importing retrofit never needs Triton)."""
+    global _triton
+    if _triton is _TRITON_UNSET:
+        try:
+            from . import triton_psoftmax
+            _triton = triton_psoftmax if triton_psoftmax.AVAILABLE else None
+        except Exception:  # a broken Triton install must not break the CPU path
+            _triton = None
+    return _triton
+
+
+def _backend(q, k, v, p: float, mask):
+    if FORCE_BACKEND is not None:
+        return {"blockwise": blockwise, "cpu_fused": cpu_fused, "triton": triton_backend()}[FORCE_BACKEND]
+    if q.shape[2] == 0 or k.shape[2] == 0:  # nothing to attend: blockwise returns zeros (fused CPU op crashes)
+        return blockwise
+    if q.is_cuda and triton_backend() is not None and triton_backend().supports(q, v, mask):
+        return triton_backend()
+    if p == 1.0 and cpu_fused.available(q, v):
+        return cpu_fused
+    return blockwise
+
+
+class _Attention(torch.autograd.Function):
+    """out = A v with A = exp(s - N); N from the backend's p-normalizer, or logaddexp(LSE, sink) for softmax+1."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, p, scale, causal, mask, backend):
+        out, norm = backend.forward(q, k, v, p, scale, causal, mask)  # (B, H, Tq, Dv), (B, H, Tq); ours to modify
+        if sink is not None:  # softmax+1: sum exp(s) -> exp(b_h) + sum exp(s), i.e. N -> logaddexp(N, b_h)
+            with_sink = torch.logaddexp(norm, sink.detach().to(norm.dtype).view(1, -1, 1))
+            rescale = torch.exp(norm - with_sink).unsqueeze(-1)  # sigmoid(LSE - b_h), (B, H, Tq, 1)
+            out = out.mul_(rescale) if out.dtype == rescale.dtype else (out.to(rescale.dtype) * rescale).to(q.dtype)
+            norm = with_sink
+        ctx.save_for_backward(q, k, v, out, norm, sink)
+        ctx.args = (p, scale, causal, mask, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, norm, sink = ctx.saved_tensors
+        p, scale, causal, mask, backend = ctx.args
+        dq, dk, dv = backend.backward(dout.contiguous(), q, k, v, out, norm, p, scale, causal, mask)
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            # dN/db_h = exp(b_h - N_i) and d out_i/dN_i = -out_i:  dL/db_h = -sum_{b,i} exp(b_h - N_i) dO_i . out_i
+            delta = (dout.to(norm.dtype) * out.to(norm.dtype)).sum(-1)  # (B, H, Tq)
+            weight = torch.exp(sink.detach().to(norm.dtype).view(1, -1, 1) - norm)
+            dsink = -(weight * delta).sum((0, 2)).to(sink.dtype)
+        return dq, dk, dv, dsink, None, None, None, None, None
+
+
+def _check(q, k, v, attn_mask, enable_gqa, name):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{name}: q, k, v must be (B, H, T, D); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if not q.dtype == k.dtype == v.dtype or not q.is_floating_point():
+        raise ValueError(f"{name}: q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    (B, H, Tq, D), (Bk, Hkv, Tk, Dk) = q.shape, k.shape
+    if Bk != B or v.shape[:3] != k.shape[:3] or Dk != D:
+        raise ValueError(f"{name}: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if Hkv != H and not enable_gqa:
+        raise ValueError(f"{name}: q has {H} heads and k {Hkv}: pass enable_gqa=True for grouped-query attention")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"{name}: {H} query heads cannot share {Hkv} kv heads evenly")
     if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            allowed = allowed & attn_mask
-        else:
-            s = s + attn_mask.float()
-            allowed = allowed & (attn_mask > torch.finfo(attn_mask.dtype).min / 2)
-    return s.masked_fill(~allowed, float("-inf")), allowed
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise ValueError(f"{name}: attn_mask must be bool (True = attend) or additive float; got {attn_mask.dtype}")
+        want = (B, H, Tq, Tk)
+        got = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
+        if len(got) != 4 or any(g not in (1, w) for g, w in zip(got, want)):
+            raise ValueError(f"{name}: attn_mask {tuple(attn_mask.shape)} does not broadcast to (B, H, Tq, Tk) "
+                             f"= {want}")
+
+
+def _attention(q, k, v, p, sink, scale, causal, attn_mask):
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    backend = _backend(q, k, v, p, attn_mask)
+    return _Attention.apply(q, k, v, sink, p, scale, bool(causal), attn_mask, backend)
 
 
 def psoftmax_attention(q, k, v, p=2.0, *, scale=None, causal=True, attn_mask=None, enable_gqa=False):
-    """weights = exp(s) / ||exp(s)||_p over the visible keys (p=1: softmax)."""
-    k, v = _expand(q, k, v, enable_gqa)
-    s, allowed = _logits(q, k, scale, causal, attn_mask)
-    m = s.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
-    e = torch.exp(s - m)
-    w = e / e.pow(p).sum(-1, keepdim=True).pow(1.0 / p).clamp_min(1e-30)
-    return (w @ v.float()).to(q.dtype)
+    """p-softmax attention: weights exp(s) / ||exp(s)||_p over the visible keys (p = 1: softmax).
+
+    Equivalently A = exp(s - LSE(p s) / p): a row of A has unit p-norm, so its entries are not a
+    distribution for p > 1 (their sum grows with the number of comparable keys).
+    """
+    _check(q, k, v, attn_mask, enable_gqa, "psoftmax_attention")
+    p = float(p)
+    if not p > 0 or math.isinf(p):
+        raise ValueError(f"psoftmax_attention: p must be a finite number > 0; got {p}")
+    return _attention(q, k, v, p, None, scale, causal, attn_mask)
 
 
 def ssmax_attention(q, k, v, s_param, *, scale=None, causal=True, attn_mask=None, enable_gqa=False):
-    """Scalable-Softmax: logits times s_h * log(n), n = keys visible to that query."""
-    n = visible_counts(attn_mask, causal, q.shape[2], k.shape[2], q.device)
-    factor = s_param.float().view(-1, 1) * torch.log(n)
-    while factor.dim() < 3:
-        factor = factor.unsqueeze(0)
-    q = (q.float() * factor.unsqueeze(-1)).to(q.dtype)
-    return psoftmax_attention(q, k, v, 1.0, scale=scale, causal=causal, attn_mask=attn_mask, enable_gqa=enable_gqa)
+    """Scalable-Softmax: softmax of logits times s_h * log(n_i), n_i = keys query i may see (visible_counts).
+
+    A per-query, per-head scaling of q, then softmax attention: q'_hi = q_hi * s_h * log(n_i). The
+    scaling is ordinary autograd (gradient to q and s_param); fp16/bf16 inputs run in fp32.
+    """
+    _check(q, k, v, attn_mask, enable_gqa, "ssmax_attention")
+    H, Tq, Tk = q.shape[1], q.shape[2], k.shape[2]
+    if s_param.numel() != H:
+        raise ValueError(f"ssmax_attention: s_param must have one value per query head ({H}); "
+                         f"got {tuple(s_param.shape)}")
+    ct = blockwise.compute_dtype(q.dtype)
+    n = visible_counts(attn_mask, causal, Tq, Tk, q.device)  # broadcastable to (B, H, Tq), >= 1
+    factor = s_param.to(ct).view(H, 1) * torch.log(n.to(ct))  # (.., H, Tq)
+    q_scaled = q.to(ct) * factor.unsqueeze(-1)  # (B, H, Tq, D)
+    out = _attention(q_scaled, k.to(ct), v.to(ct), 1.0, None, scale, causal, attn_mask)
+    return out.to(q.dtype)
 
 
 def softmax1_attention(q, k, v, sink, *, scale=None, causal=True, attn_mask=None, enable_gqa=False):
-    """softmax+1: weights = exp(s) / (exp(b_h) + sum exp(s)), b_h the per-head sink logit."""
-    k, v = _expand(q, k, v, enable_gqa)
-    s, allowed = _logits(q, k, scale, causal, attn_mask)
-    b = sink.float().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
-    m = torch.maximum(s.amax(-1, keepdim=True), b)
-    e = torch.exp(s - m)
-    w = e / (torch.exp(b - m) + e.sum(-1, keepdim=True))
-    return (w @ v.float()).to(q.dtype)
+    """softmax+1 with a learned sink: weights exp(s) / (exp(b_h) + sum exp(s)); b_h = sink[h] (b = 0: softmax+1).
+
+    out = softmax_out * sigmoid(LSE - b_h): attention may put mass on "nothing" (the sink), so a row
+    can sum to less than 1. Gradients reach q, k, v and the sink.
+    """
+    _check(q, k, v, attn_mask, enable_gqa, "softmax1_attention")
+    if sink.numel() != q.shape[1]:
+        raise ValueError(f"softmax1_attention: sink must have one value per query head ({q.shape[1]}); "
+                         f"got {tuple(sink.shape)}")
+    return _attention(q, k, v, 1.0, sink.reshape(-1), scale, causal, attn_mask)
 
 
 __all__ = ["psoftmax_attention", "ssmax_attention", "softmax1_attention", "visible_counts", "causal_mask",
-           "combine_causal"]
+           "combine_causal", "triton_backend", "FORCE_BACKEND"]

@@ -156,13 +156,12 @@ def load_tokenizer(source: str, revision: str | None = None):
     """The tokenizer that ships with `source` (Hub id, model folder, .gguf), or None when it has none.
     A folder of tokenizer files only also works; a bare vocab.json + merges.txt is read as GPT-2's BPE."""
     path = Path(os.path.expanduser(resolve_source(source)))
-    if path.is_dir() and not (path / "config.json").is_file():
+    if path.is_dir() and not (path / "config.json").is_file():  # tokenizer files only (else: not a model folder)
         from transformers import GPT2TokenizerFast
         if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
             return AutoTokenizer.from_pretrained(str(path))
         if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
             return GPT2TokenizerFast.from_pretrained(str(path))
-        raise RetrofitError(f"{source} holds no tokenizer files (tokenizer.json, or vocab.json + merges.txt)")
     kind = source_kind(source)
     where, extra = _location(source, kind)
     try:

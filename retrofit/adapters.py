@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from .atomic import atomic_folder
 from .errors import RetrofitError
 
 RECORD, TENSORS = "retrofit.json", "retrofit.safetensors"
@@ -70,11 +69,7 @@ def save_adapter(peft_model, folder, *, base_model: str | None = None, base_revi
         raise RetrofitError("the base model was not loaded from a Hub id or folder (it was built from a config), so "
                             "an adapter cannot name it: pass base_model=..., or save the merged model instead")
     out = Path(folder)
-    if out.exists() and any(out.iterdir()):
-        raise RetrofitError(f"{folder} exists and is not empty; choose another folder or remove it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         saved_name = config.base_model_name_or_path
         config.base_model_name_or_path = str(base_model)  # adapter_config.json names the same base as retrofit.json
         try:
@@ -85,12 +80,6 @@ def save_adapter(peft_model, folder, *, base_model: str | None = None, base_revi
         meta = {"format": FORMAT, "retrofit_version": record.get("retrofit_version"), "base_model": str(base_model),
                 "base_revision": base_revision, "patch": record}
         (tmp / RECORD).write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

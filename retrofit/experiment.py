@@ -23,7 +23,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -180,7 +180,6 @@ def hardware() -> dict:
 
 def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict:
     """Run every stage that is not finished yet; returns the experiment results (also DIR/results.json)."""
-    from .evaluate import evaluate_models
     from .report import write_report
     from .experiment_report import write_experiment_report
     if not isinstance(recipe, Recipe):

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER, RECORD, TENSORS, read_record
+from .atomic import atomic_folder
 from .errors import RetrofitError
 
 GUARD = "retrofit.from_pretrained"  # never registered: plain transformers refuses it by name
@@ -374,20 +375,9 @@ def push(source, repo: str, *, private: bool = False, revision: str | None = Non
     token = None if dry_run else find_token()
     kwargs = dict(repo=repo, merged=merged, base_model=base_model, license=license, eval_dir=eval_dir, command=command)
     if dry_run:
-        out = Path(dry_run)
-        if out.exists() and any(out.iterdir()):
-            raise RetrofitError(f"--dry-run {dry_run} exists and is not empty; choose another folder or remove it")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        try:
+        with atomic_folder(dry_run, "--dry-run") as tmp:
             stage(source, tmp, **kwargs)
-            if out.exists():
-                out.rmdir()
-            os.replace(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return str(out)
+        return str(Path(dry_run))
     parent = Path(os.path.expanduser(str(source))).resolve().parent  # same filesystem: weights are hard-linked
     with tempfile.TemporaryDirectory(prefix=".retrofit-push-", dir=parent if os.access(parent, os.W_OK) else None) as tmp:
         stage(source, tmp, link=True, **kwargs)

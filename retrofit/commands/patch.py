@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_folder
 from ..calibrate import calibrate
 from ..errors import RetrofitError
 from ..models import load_model, load_tokenizer
@@ -67,21 +67,10 @@ def text_loss(model, ids: torch.Tensor) -> float:
 
 def save_atomically(model, tokenizer, out: str) -> None:
     """Write to a temporary sibling folder, then rename: a crash never leaves a half-written model."""
-    out_path = Path(out)
-    if out_path.exists() and any(out_path.iterdir()):
-        raise RetrofitError(f"{out} exists and is not empty; choose another --out or remove it")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent)
-    try:
+    with atomic_folder(out, "--out") as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if out_path.exists():
-            out_path.rmdir()
-        os.replace(tmp, out_path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def run(args) -> int:

@@ -11,11 +11,13 @@ kernel, when Triton is importable), `ssmax` and `softmax1` (retrofit, default di
 
 Every (implementation, T) runs in a fresh child process: first a small warm-up (pages in code, compiles
 Triton), then peak memory of one forward and one forward+backward, then the timings: the best of
---repeats runs (on a shared machine the best run is the least disturbed). Peak memory on CPU is the
-resident-set high-water mark above the level just before the call (Linux resets the mark through
-/proc/self/clear_refs; elsewhere ru_maxrss is used, which can only over-report); on CUDA it is the
-allocator's peak above what was allocated before. `naive` is skipped where its T x T tensors would
-not fit in half the available memory.
+--repeats runs (on a shared machine the best run is the least disturbed), each alternating with an
+SDPA run on the same inputs. The "/ sdpa" time columns divide by that paired SDPA time, taken under
+the same load (the sdpa rows are SDPA's own children; the memory ratio uses them). Peak memory on
+CPU is the resident-set high-water mark above the level just before the call (Linux resets the mark
+through /proc/self/clear_refs; elsewhere ru_maxrss is used, which can only over-report); on CUDA it
+is the allocator's peak above what was allocated before. `naive` is skipped where its T x T tensors
+would not fit in half the available memory.
 """
 
 from __future__ import annotations
@@ -129,12 +131,19 @@ class _Peak:
 
 
 def measure(config: dict) -> dict:
-    """Run one configuration in this process: warm up, peak memory, then timings. Returns the result row."""
+    """Run one configuration in this process: warm up, peak memory, then timings. Returns the result row.
+
+    The timed runs alternate with SDPA on the same inputs (sdpa, impl, sdpa, impl, ...), so the ratio
+    to SDPA compares runs made under the same load: on a shared machine, separate processes minutes
+    apart can differ by 2x for the same kernel.
+    """
     import torch
 
     device, T = config["device"], config["seq"]
     dtype = getattr(torch, config["dtype"])
-    fn = _function(config["impl"], config["p"], config["heads"], device)
+    impls = {"impl": _function(config["impl"], config["p"], config["heads"], device)}
+    if config["impl"] != "sdpa":
+        impls["sdpa"] = _function("sdpa", config["p"], config["heads"], device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def tensors(length, seed=0):
@@ -143,35 +152,39 @@ def measure(config: dict) -> dict:
         qkv = [torch.randn(shape, generator=g, device=device, dtype=dtype).requires_grad_() for _ in range(3)]
         return qkv, torch.randn(shape, generator=g, device=device, dtype=dtype)
 
-    def forward(qkv):
+    def forward(fn, qkv, grad):
         with torch.no_grad():
             fn(*qkv)
         sync()
 
-    def forward_backward(qkv, grad):
+    def forward_backward(fn, qkv, grad):
         for x in qkv:
             x.grad = None
         fn(*qkv).backward(grad)
         sync()
 
     small, small_grad = tensors(min(T, 256))
-    forward_backward(small, small_grad)  # warm-up: code paged in, kernels compiled
+    for fn in impls.values():
+        forward_backward(fn, small, small_grad)  # warm-up: code paged in, kernels compiled
     qkv, grad = tensors(T)
     peak = _Peak(device)
-    row = dict(config, memory_kind=peak.kind, fwd_peak_mb=round(peak(lambda: forward(qkv)), 1))
+    fn = impls["impl"]
+    row = dict(config, memory_kind=peak.kind, fwd_peak_mb=round(peak(lambda: forward(fn, qkv, grad)), 1))
     if not config["forward_only"]:
-        row["fwd_bwd_peak_mb"] = round(peak(lambda: forward_backward(qkv, grad)), 1)
-    for name, run in [("fwd", lambda: forward(qkv))] + (
-            [] if config["forward_only"] else [("fwd_bwd", lambda: forward_backward(qkv, grad))]):
-        times = []
+        row["fwd_bwd_peak_mb"] = round(peak(lambda: forward_backward(fn, qkv, grad)), 1)
+    for name, run in [("fwd", forward)] + ([] if config["forward_only"] else [("fwd_bwd", forward_backward)]):
+        times = {key: [] for key in impls}
         for _ in range(config["repeats"]):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-            if sum(times) > 60:  # slow configurations: fewer repeats
+            for key, f in reversed(impls.items()):  # sdpa first, then the implementation
+                start = time.perf_counter()
+                run(f, qkv, grad)
+                times[key].append(time.perf_counter() - start)
+            if sum(times["impl"]) > 60:  # slow configurations: fewer repeats
                 break
-        row[f"{name}_ms"] = round(min(times) * 1000, 2)
-        row[f"{name}_all_ms"] = [round(t * 1000, 2) for t in times]
+        row[f"{name}_ms"] = round(min(times["impl"]) * 1000, 2)
+        row[f"{name}_all_ms"] = [round(t * 1000, 2) for t in times["impl"]]
+        if "sdpa" in times:
+            row[f"{name}_sdpa_ms"] = round(min(times["sdpa"]) * 1000, 2)  # the paired baseline
     return row
 
 
@@ -236,9 +249,12 @@ def _child(config: dict, timeout: int) -> dict:
 
 
 def _ratio(row, base, key):
-    if base is None or row.get(key) is None or not base.get(key):
+    """row[key] over SDPA's: the paired SDPA time from the same child when there is one, else the sdpa row's."""
+    paired = key.replace("_ms", "_sdpa_ms")
+    denominator = row.get(paired) if key.endswith("_ms") and row.get(paired) else (base or {}).get(key)
+    if row.get(key) is None or not denominator:
         return None
-    return f"{row[key] / base[key]:.2f}x"
+    return f"{row[key] / denominator:.2f}x"
 
 
 def _table(rows: list[dict]) -> str:

@@ -11,10 +11,11 @@ All take SDPA's conventions: q (B, H, Tq, D), k/v (B, Hkv, Tk, D); out (B, H, Tq
 h // (H // Hkv). A row with no visible key gives 0 and zero (finite) gradients.
 
 Every kernel computes out_i = sum_j exp(s_ij - N_i) v_j for a row normalizer N, never with a T x T
-tensor (memory O(T) in forward and backward), in fp32 for fp16/bf16 inputs. Backends, picked per call:
+tensor (memory O(T) forward and backward), accumulating in fp32 for fp16/bf16. Backends, per call:
   triton_psoftmax  CUDA with Triton importable: one fused flash-style kernel, forward and backward.
   cpu_fused        CPU, p = 1 (softmax, ssmax, softmax+1): PyTorch's fused flash kernel + its LSE.
-  blockwise        everything else (any p, any device): bounded blocks of plain PyTorch ops.
+  blockwise        everything else (any p, any device): bounded blocks of plain PyTorch ops, on CPU
+                   shared out to torch.get_num_threads() worker threads (see blockwise.py for why).
 Softmax+1 is softmax with N = logaddexp(LSE, b_h), i.e. out = softmax_out * sigmoid(LSE - b_h); its
 gradient flows to q, k, v and the sink through the same backward (see cpu_fused.py).
 """

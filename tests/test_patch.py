@@ -269,3 +269,16 @@ def test_observe_sees_every_layer_on_unpatched_model():
         model(random_ids())
     assert [c[0] for c in calls] == [0, 1] and all(c[2] is None for c in calls)
     assert model.config._attn_implementation == "sdpa"  # restored
+
+
+def test_p_softmax_model_runs_under_inference_mode():
+    """Evaluation runs under torch.inference_mode; the kernel's worker threads must inherit it
+    (they once wrote into inference tensors from threads outside it and crashed)."""
+    _, model = patched_pair("llama", "psoftmax-p2", nope=False)
+    ids = random_ids(4, 300)
+    with torch.no_grad():
+        want = model(ids).logits
+    torch.set_num_threads(2)
+    with torch.inference_mode():
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -16,12 +16,7 @@ from tests.tiny import random_ids, tiny_model
 TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _randomize(model, pattern: str, seed: int, scale: float = 0.3) -> None:

@@ -29,12 +29,7 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TINY_LLAMA = {"model_type": "llama", **TINY["llama"]}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def publish_to_cache(folder, repo: str, cache: Path, revision: str | None = None) -> None:

@@ -278,7 +278,11 @@ def test_p_softmax_model_runs_under_inference_mode():
     ids = random_ids(4, 300)
     with torch.no_grad():
         want = model(ids).logits
-    torch.set_num_threads(2)
-    with torch.inference_mode():
-        got = model(ids).logits
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the kernel hands blocks to worker threads only with more than one
+    try:
+        with torch.inference_mode():
+            got = model(ids).logits
+    finally:
+        torch.set_num_threads(threads)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -21,6 +21,7 @@ import sys, json, torch
 sys.path.insert(0, sys.argv[1])
 import retrofit
 from tests.tiny import random_ids
+torch.set_num_threads(1)  # the same reduction order as the parent: bitwise comparisons
 out = {}
 for folder in json.loads(sys.argv[2]):
     model = retrofit.from_pretrained(folder)
@@ -32,6 +33,7 @@ for folder in json.loads(sys.argv[2]):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
+@pytest.mark.usefixtures("one_thread")  # matmul results depend on the thread count; the child uses 1 too
 def test_reload_in_fresh_process(family, tmp_path):
     cases = {}
     for norm_key in NORMS:

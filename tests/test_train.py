@@ -29,13 +29,7 @@ TINY_GPT2 = {"model_type": "gpt2", **TINY["gpt2"]}
 TINY_LLAMA = {"model_type": "llama", **TINY["llama"]}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one thread avoids oversubscription stalls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def subprocess_env() -> dict:

@@ -44,6 +44,12 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_vanishing(results, path):
     """Entropy and max weight vs L (one line per model), and Corollary 1's band against what is seen."""
     plt = _plt()
@@ -70,9 +76,7 @@ def plot_vanishing(results, path):
             title="Corollary 1: share of (1/n) e^(+-2 Delta/T) used")
     for ax in (ax1, ax2, ax3):
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_variance(results, path):
@@ -98,9 +102,7 @@ def plot_variance(results, path):
             title="Variance collapse (median across heads)")
     ax1.legend(fontsize=8)
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_distance(r, path):
@@ -133,9 +135,7 @@ def plot_distance(r, path):
     axes[2].set(xscale="log", yscale="log", xlabel="L", ylabel="critical top-N", title="(c) critical N")
     axes[2].legend(fontsize=8)
     fig.suptitle(f"{r['label']}: distance statistics (Theorem 1)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_separability(r, path):
@@ -156,9 +156,7 @@ def plot_separability(r, path):
     ax.set(ylim=(-0.05, 1.05), xlabel="top-N", ylabel="N_s / N",
            title=f"{r['label']}: geometric separability at L = {L} (Theorem 2)")
     ax.legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_gradient(r, path):
@@ -176,9 +174,7 @@ def plot_gradient(r, path):
            ylabel="g(T, eps)", title=f"{r['label']}: gradient sensitivity at L = {g['length']}")
     ax.set_ylim(bottom=max(1e-8, np.nanmin([np.nanmin(_floats(v["median"])) for v in g["by_eps"].values()]) / 2))
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_heads(r, path):

@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
+from .atomic import atomic_write_text
 from .errors import RetrofitError
+from .reference import ReferenceSection, load_reference
 from .recipe import PatchSection, Recipe, knob, load_recipe, register_section, save_recipe
 
 DEMO_RECIPE = Path(__file__).resolve().parent / "recipes" / "demo.yaml"
@@ -59,6 +61,8 @@ class ExperimentSection:
     eval_data: list[str] | None = knob(None, "lm: text (or .json token) files for the length evaluation")
     eval_max_tokens: int | None = knob(None, "lm: cap on tokens evaluated per length (null = all windows)")
     train_len: int | None = knob(None, "the length marked as 'trained' in the report; null = data.seq_len")
+    reference: ReferenceSection | None = knob(None, "a published loss table to compare directions with "
+                                                    "(retrofit.reference): file, control, arms, note")
 
     def __post_init__(self):
         if not self.arms:
@@ -145,11 +149,65 @@ def learned_limit(source: str) -> int | None:
     return int(getattr(config, family.max_learned_positions))
 
 
-def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: ExperimentSection, progress: bool) -> dict:
+def _finished_at(source: str) -> float:
+    """When a local checkpoint was finished (0 for Hub ids and packaged models, which do not change)."""
+    path = Path(source)
+    if (path / "result.json").is_file():
+        return (path / "result.json").stat().st_mtime
+    return path.stat().st_mtime if path.exists() else 0.0
+
+
+def _within(source: str, out: Path) -> str:
+    """A checkpoint of this experiment by its place in DIR (so a moved DIR keeps its evaluation)."""
+    try:
+        return Path(source).resolve().relative_to(out.resolve()).as_posix()
+    except ValueError:
+        return str(source)
+
+
+def _reusable(previous: dict | None, source: str, name: str, lengths: list[int], out: Path) -> dict | None:
+    """The entry of `name` in a previous evaluation of this experiment, cut to `lengths`, if it measured
+    this very checkpoint (evaluated after it was finished) at every one of them; else None."""
+    entry = next((m for m in (previous or {}).get("models", []) if m["name"] == name), None)
+    if entry is None or entry["evaluated_at"] < _finished_at(source):
+        return None
+    if entry.get("checkpoint", entry.get("source")) not in (_within(source, out), str(source)):
+        return None
+    entry = dict(entry)
+    for key in ("lengths", "counting", "passkey"):
+        if entry.get(key):
+            if not set(lengths) <= {r["length"] for r in entry[key]}:
+                return None
+            entry[key] = [r for r in entry[key] if r["length"] in lengths]
+    return entry
+
+
+def _previous_evaluation(path: Path, recipe: Recipe, exp: ExperimentSection) -> dict | None:
+    """DIR/eval/results.json of an earlier run, if it used the same data, token cap and trained length.
+    Each model entry carries `evaluated_at` (entries written without it date from the file)."""
+    if not path.is_file():
+        return None
+    previous = json.loads(path.read_text())
+    same = (previous.get("data", {}).get("files") == [str(p) for p in exp.eval_data or []]
+            and previous.get("settings", {}).get("max_tokens") == exp.eval_max_tokens
+            and previous.get("train_len") == (exp.train_len or recipe.data.seq_len))
+    if not same:
+        return None
+    for entry in previous["models"]:
+        entry.setdefault("evaluated_at", path.stat().st_mtime)
+    return previous
+
+
+def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: ExperimentSection, progress: bool,
+                 out: Path) -> dict:
     """Every model at every length it can take: a model with learned positions (a GPT-2 base next to
-    NoPE arms) is evaluated up to its table and the report shows '—' beyond."""
+    NoPE arms) is evaluated up to its table and the report shows '—' beyond. Each model's results are
+    saved to DIR/eval/results.json as soon as it is done, and a re-run reuses those of unchanged
+    checkpoints, so a crash in the last model's longest window does not redo the others."""
     from .evaluate import evaluate_models
     lengths = sorted(set(recipe.eval_lengths()))
+    saved = out / "eval" / "results.json"
+    previous = _previous_evaluation(saved, recipe, exp)
     merged = None
     for source, name in zip(sources, names):
         limit = learned_limit(source)
@@ -157,16 +215,23 @@ def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: Expe
         if not allowed:
             print(f"[experiment] {name}: every evaluation length exceeds its {limit} learned positions; skipped")
             continue
-        one = evaluate_models([source], names=[name], data=exp.eval_data, lengths=allowed,
-                              train_len=exp.train_len or recipe.data.seq_len, max_tokens=exp.eval_max_tokens,
-                              tokenizer=recipe.model.tokenizer, progress=progress)
-        if merged is None:
-            merged = one
+        entry = _reusable(previous, source, name, allowed, out)
+        if entry is not None:
+            print(f"[experiment] eval {name}: reusing its results in {saved}")
+            one = dict(previous, models=[entry])
         else:
-            merged["models"] += one["models"]
+            one = evaluate_models([source], names=[name], data=exp.eval_data, lengths=allowed,
+                                  train_len=exp.train_len or recipe.data.seq_len, max_tokens=exp.eval_max_tokens,
+                                  tokenizer=recipe.model.tokenizer, progress=progress)
+            one["models"][0] |= {"checkpoint": _within(source, out), "evaluated_at": time.time()}
+        merged = one if merged is None else dict(merged, models=merged["models"] + one["models"])
+        merged["lengths"] = lengths
+        if entry is None:  # progress on disk, keeping the earlier entries not yet reached
+            done = {m["name"] for m in merged["models"]}
+            later = [m for m in (previous or {}).get("models", []) if m["name"] not in done]
+            atomic_write_text(saved, json.dumps(dict(merged, models=merged["models"] + later), indent=1) + "\n")
     if merged is None:
         raise RetrofitError("no model could be evaluated at any of eval.lengths")
-    merged["lengths"] = lengths
     return merged
 
 
@@ -188,6 +253,7 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
     if exp is None:
         raise RetrofitError("this recipe has no experiment section (arms, base_steps, finetune_steps); "
                             "use `retrofit train` for a single run")
+    reference = load_reference(exp.reference, [a.name for a in exp.arms]) if exp.reference else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_recipe(recipe, out / "recipe.yaml")
@@ -207,7 +273,7 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
     done = [a.name for a in exp.arms if a.name not in failures]
     sources = ([base] if base else []) + [str(out / "arms" / n) for n in done]
     names = (["base"] if base else []) + done
-    evaluation = evaluate_all(sources, names, recipe, exp, progress)
+    evaluation = evaluate_all(sources, names, recipe, exp, progress, out)
     write_report(evaluation, out / "eval")
     timings["eval"] = time.perf_counter() - t0
     results = {"schema": "retrofit.experiment/1", "recipe": recipe.name, "hardware": hardware(),
@@ -215,8 +281,8 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
                "base": base, "arms": {a.name: {"patch": a.patch.options() | {"norm": a.patch.norm, "nope": a.patch.nope},
                                                "failed": failures.get(a.name),
                                                "recovery": recovery.get(a.name)} for a in exp.arms},
-               "evaluation": evaluation}
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+               "evaluation": evaluation, "reference": reference}
+    atomic_write_text(out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
     write_experiment_report(results, out)
     return results
 

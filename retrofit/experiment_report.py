@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .atomic import atomic_write_text
+from .reference import direction_markdown
 from .report import line_plot, markdown_table
 
 
@@ -107,8 +109,8 @@ def write_experiment_report(results: dict, out) -> Path:
     if series:
         lines += ["## Recovery: metric at the trained length during finetuning", "", recovery_table(results), "",
                   "![recovery](recovery.png)", ""]
+    if results.get("reference"):
+        lines += direction_markdown(results["reference"], by_length(evaluation), evaluation.get("train_len"))
     lines += ["## Plots", ""] + [f"![{p}](eval/{p})" for p in eval_plots]
     lines += ["", "Per-length details (windows, tokens, time, memory, by-position): [eval/results.md](eval/results.md)."]
-    path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return atomic_write_text(out / "report.md", "\n".join(lines) + "\n")

@@ -11,10 +11,12 @@ use matplotlib's Figure directly (the Agg canvas): no pyplot state, no display n
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from pathlib import Path
 
+from .atomic import atomic_write_text
 from .errors import RetrofitError
 
 # ---- the schema (a JSON Schema subset; `validate` below checks it without extra dependencies) -----------------
@@ -291,11 +293,12 @@ def write_report(results: dict, out_dir) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json", out / "results.csv", out / "results.md"]
-    paths[0].write_text(json.dumps(results, indent=1) + "\n")
-    with open(paths[1], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        writer.writerows(tidy_rows(results))
+    atomic_write_text(paths[0], json.dumps(results, indent=1) + "\n")
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=CSV_COLUMNS)
+    writer.writeheader()
+    writer.writerows(tidy_rows(results))
+    atomic_write_text(paths[1], table.getvalue())
     plots = []
     if any(m.get("lengths") for m in results["models"]):
         plots += [plot_loss_vs_length(results, out / "loss_vs_length.png"),
@@ -304,7 +307,7 @@ def write_report(results: dict, out_dir) -> list[Path]:
         plots.append(plot_passkey(results, out / "passkey.png"))
     if any(m.get("counting") for m in results["models"]):
         plots.append(plot_counting(results, out / "counting.png"))
-    paths[2].write_text(results_markdown(results, [p.name for p in plots]))
+    atomic_write_text(paths[2], results_markdown(results, [p.name for p in plots]))
     return paths + plots
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,14 +53,89 @@ def test_demo_writes_the_report(demo_run):
     assert f"report: {out / 'report.md'}" in stdout and "| base |" in stdout  # the terminal summary
 
 
-def test_rerun_skips_finished_stages(demo_run):
-    out, _ = demo_run
+def _count_evaluations(monkeypatch, fail_on=None) -> list:
+    """Replace evaluate_models with a wrapper that records model names (and can fail on one)."""
+    import retrofit.evaluate
+    real, seen = retrofit.evaluate.evaluate_models, []
+
+    def counted(sources, **kwargs):
+        seen.extend(kwargs["names"])
+        if fail_on in kwargs["names"]:
+            raise RetrofitError(f"out of memory at the longest length ({fail_on})")
+        return real(sources, **kwargs)
+
+    monkeypatch.setattr(retrofit.evaluate, "evaluate_models", counted)
+    return seen
+
+
+def test_rerun_skips_finished_stages(demo_run, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    shutil.copytree(demo_run[0], out)  # copy2 keeps the checkpoints' times
     before = {p: p.stat().st_mtime_ns for p in out.glob("*/result.json")} | \
              {p: p.stat().st_mtime_ns for p in out.glob("arms/*/result.json")}
+    evaluated = _count_evaluations(monkeypatch)
     results = experiment.run_experiment(experiment.DEMO_RECIPE, out, SHRINK, progress=False)
     after = {p: p.stat().st_mtime_ns for p in before}
     assert before == after  # nothing retrained
+    assert evaluated == []  # nor evaluated again
     assert results["arms"]["softmax"]["recovery"]
+    first = json.loads((demo_run[0] / "results.json").read_text())["evaluation"]["models"]
+    assert [m["counting"] for m in results["evaluation"]["models"]] == [m["counting"] for m in first]
+
+
+def test_a_retrained_arm_is_evaluated_again(demo_run, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    shutil.copytree(demo_run[0], out)
+    finished = out / "arms" / "ssmax" / "result.json"
+    os.utime(finished, (time.time() + 60, time.time() + 60))  # finished after its evaluation
+    evaluated = _count_evaluations(monkeypatch)
+    experiment.run_experiment(experiment.DEMO_RECIPE, out, SHRINK, progress=False)
+    assert evaluated == ["ssmax"]
+
+
+def test_a_crash_during_evaluation_keeps_the_models_already_done(demo_run, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    shutil.copytree(demo_run[0], out)
+    shutil.rmtree(out / "eval")
+    evaluated = _count_evaluations(monkeypatch, fail_on="avnorm-rms")
+    with pytest.raises(RetrofitError, match="out of memory"):
+        experiment.run_experiment(experiment.DEMO_RECIPE, out, SHRINK, progress=False)
+    assert evaluated == ["base", "softmax", "psoftmax-p2", "avnorm-rms"]
+    saved = json.loads((out / "eval" / "results.json").read_text())
+    assert [m["name"] for m in saved["models"]] == ["base", "softmax", "psoftmax-p2"]
+    monkeypatch.undo()  # no more failures; count afresh
+    evaluated = _count_evaluations(monkeypatch)
+    results = experiment.run_experiment(experiment.DEMO_RECIPE, out, SHRINK, progress=False)
+    assert evaluated == ["avnorm-rms", "ssmax", "softmax1"]
+    assert [m["name"] for m in results["evaluation"]["models"]] == ["base", "softmax", "psoftmax-p2",
+                                                                  "avnorm-rms", "ssmax", "softmax1"]
+
+
+def test_a_changed_evaluation_setting_evaluates_again(demo_run, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    shutil.copytree(demo_run[0], out)
+    evaluated = _count_evaluations(monkeypatch)
+    experiment.run_experiment(experiment.DEMO_RECIPE, out, SHRINK + ["experiment.train_len=128"], progress=False)
+    assert evaluated == ["base", "softmax", "psoftmax-p2", "avnorm-rms", "ssmax", "softmax1"]
+
+
+def test_the_report_compares_directions_with_a_reference(demo_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(demo_run[0], out)
+    table = {"context_lengths": [64, 128, 256], "pe": {"base": [1.0, 2.0, 3.0], "p2": [1.5, 1.0, 2.0]}}
+    (tmp_path / "ref.json").write_text(json.dumps(table))
+    reference = (f"experiment.reference={{file: {tmp_path / 'ref.json'}, control: pe.base, "
+                 "arms: {psoftmax-p2: pe.p2}, note: a made-up table}")
+    results = experiment.run_experiment(experiment.DEMO_RECIPE, out, SHRINK + [reference], progress=False)
+    assert results["reference"]["arms"]["psoftmax-p2"]["values"] == [1.5, 1.0, 2.0]
+    ours = {m["name"]: {r["length"]: r["l1"] for r in m["counting"]} for m in results["evaluation"]["models"]}
+    report = (out / "report.md").read_text()
+    assert "## Against the published table" in report and "a made-up table" in report
+    for n, published in ((64, +0.5), (128, -1.0)):  # 256 is not evaluated here: not in the table
+        delta = ours["psoftmax-p2"][n] - ours["softmax"][n]
+        agree = (0 if abs(delta) < 0.01 else delta > 0) == (published > 0)  # published: clear signs
+        assert f"| {n} | {n // 64:g} | {delta:+.3f} | {published:+.3f} | {'agrees' if agree else 'differs'} |" in report
+    assert "| 256 |" not in report.split("## Against")[1].split("## Plots")[0]
 
 
 def test_a_failing_arm_is_reported_and_the_others_run(tmp_path, monkeypatch):

@@ -204,15 +204,15 @@ def _tokens_label(x: float) -> str:
     return f"{x / 1024:g}K" if x >= 1024 else f"{x:g}"
 
 
-def draw_lines(ax, series: dict, *, xlabel, ylabel, title=None, log2x=True, vline=None, vline_label="train length"):
-    """series: label -> (xs, ys). Optional vertical line (the training length)."""
+def draw_lines(ax, series: dict, *, xlabel, ylabel, title=None, log2x=True, marks=()):
+    """series: label -> (xs, ys). marks: (x, label) vertical lines, e.g. the training length."""
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", markersize=3, label=str(label))
     if log2x:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(lambda x, _: _tokens_label(x))
-    if vline:
-        ax.axvline(vline, color="gray", linestyle="--", linewidth=1, label=f"{vline_label} ({vline})")
+    for (x, label), style in zip(marks, ("--", ":", "-.")):
+        ax.axvline(x, color="gray", linestyle=style, linewidth=1, label=f"{label} ({x})")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title:
@@ -229,12 +229,23 @@ def line_plot(series: dict, path, **kwargs) -> Path:
     return Path(path)
 
 
+def length_marks(results: dict) -> list[tuple[int, str]]:
+    """Vertical lines for length plots: the training length, and the models' max_position_embeddings
+    when they share one inside the plotted range (a RoPE model evaluated beyond its positions)."""
+    marks = [(results["train_len"], "train length")] if results.get("train_len") else []
+    limits = {m.get("max_position_embeddings") for m in results["models"]}
+    limit = limits.pop() if len(limits) == 1 else None
+    if limit and limit != results.get("train_len") and limit < max(results["lengths"], default=0):
+        marks.append((limit, "max_position_embeddings"))
+    return marks
+
+
 def plot_loss_vs_length(results: dict, path) -> Path:
     """Mean loss against context length: one line per model, log2 x-axis, the training length marked."""
     series = {m["name"]: ([r["length"] for r in m["lengths"]], [r["loss"] for r in m["lengths"]])
               for m in results["models"] if m.get("lengths")}
     return line_plot(series, path, xlabel="context length (tokens)", ylabel="mean next-token loss",
-                     title="Loss by context length", vline=results.get("train_len"))
+                     title="Loss by context length", marks=length_marks(results))
 
 
 def plot_loss_by_position(results: dict, path) -> Path:
@@ -246,7 +257,7 @@ def plot_loss_by_position(results: dict, path) -> Path:
         series = {f"L={r['length']}": ([b["end"] for b in r["by_position"]], [b["loss"] for b in r["by_position"]])
                   for r in m["lengths"]}
         draw_lines(ax, series, xlabel="position in window (tokens of context)", ylabel="loss",
-                   title=m["name"], vline=results.get("train_len"))
+                   title=m["name"], marks=length_marks(results))
     fig.savefig(path, dpi=120)
     return Path(path)
 
@@ -279,7 +290,7 @@ def plot_counting(results: dict, path) -> Path:
         series = {m["name"]: ([r["length"] for r in m["counting"]], [r[metric] for r in m["counting"]])
                   for m in models}
         draw_lines(ax, series, xlabel="sequence length", ylabel=metric.upper(), title=f"Counting {metric.upper()}",
-                   vline=results.get("train_len"))
+                   marks=length_marks(results))
         ax.set_yscale("log")
     fig.savefig(path, dpi=120)
     return Path(path)

@@ -112,3 +112,15 @@ def test_schema_document_names_every_field():
 
     missing = set(fields(RESULTS_SCHEMA)) - documented
     assert not missing, f"docs/results-schema.md does not describe {sorted(missing)}"
+
+
+def test_length_plots_mark_the_training_length_and_a_shared_position_limit():
+    from retrofit.report import length_marks
+    results = fake_results()  # trained at 32, both models have 64 positions, evaluated up to 128
+    assert length_marks(results) == [(32, "train length"), (64, "max_position_embeddings")]
+    results["models"][1]["max_position_embeddings"] = 128  # no shared limit: only the training length
+    assert length_marks(results) == [(32, "train length")]
+    results = fake_results()
+    results["lengths"] = [16, 32, 64]  # the limit is the last length: nothing beyond it to mark
+    results["train_len"] = None
+    assert length_marks(results) == []

@@ -15,12 +15,10 @@ positions at a time, so peak memory grows with L and never with L x vocab.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import hashlib
 import json
 import math
-import threading
 import time
 from pathlib import Path
 
@@ -28,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import RetrofitError
+from .memory import PeakMemory
 
 # Families whose CausalLM head transforms logits after the output projection, keyed by the config
 # attribute that turns it on. `check_head` catches any family missing from this table.
@@ -132,51 +131,6 @@ def check_head(model, ids: torch.Tensor) -> None:
     if ours.shape != theirs.shape or not torch.allclose(ours, theirs, atol=tol * (1 + theirs.abs().max().item())):
         raise RetrofitError(f"{type(model).__name__} makes its logits in a way `retrofit eval` does not know "
                             "(see LOGIT_TRANSFORMS in retrofit/evaluate.py): add its transform there")
-
-
-class PeakMemory:
-    """Peak memory (MiB) while the block runs: the CUDA allocator's peak, else process RSS sampled every 10 ms."""
-
-    def __init__(self, device="cpu"):
-        self.cuda = torch.device(device).type == "cuda"
-        self.kind = "cuda_allocated" if self.cuda else "rss"
-        self.start_mb = self.peak_mb = 0.0
-
-    @staticmethod
-    def rss_mb() -> float:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * (4096 / 2 ** 20)
-        except OSError:  # not Linux: psutil ships with accelerate
-            import psutil
-            return psutil.Process().memory_info().rss / 2 ** 20
-
-    def _sample(self):
-        while not self._stop.wait(0.01):
-            self.peak_mb = max(self.peak_mb, self.rss_mb())
-
-    def __enter__(self):
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-            self.start_mb = torch.cuda.memory_allocated() / 2 ** 20
-            return self
-        try:  # hand freed heap back to the OS, so one length's peak does not leak into the next
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-        self.start_mb = self.peak_mb = self.rss_mb()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.peak_mb = torch.cuda.max_memory_allocated() / 2 ** 20
-        else:
-            self._stop.set()
-            self._thread.join()
-            self.peak_mb = max(self.peak_mb, self.rss_mb())
 
 
 def _position_limit(model) -> int | None:

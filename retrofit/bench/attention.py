@@ -14,9 +14,9 @@ Triton), then peak memory of one forward and one forward+backward, then the timi
 --repeats runs (on a shared machine the best run is the least disturbed), each alternating with an
 SDPA run on the same inputs. The "/ sdpa" time columns divide by that paired SDPA time, taken under
 the same load (the sdpa rows are SDPA's own children; the memory ratio uses them). Peak memory on
-CPU is the resident-set high-water mark above the level just before the call (Linux resets the mark
-through /proc/self/clear_refs; elsewhere ru_maxrss is used, which can only over-report); on CUDA it
-is the allocator's peak above what was allocated before. `naive` is skipped where its T x T tensors
+CPU is the resident-set high-water mark above the level just before the call (retrofit.memory: Linux
+resets the mark through /proc/self/clear_refs; elsewhere the resident set is sampled); on CUDA it is
+the allocator's peak above what was allocated before. `naive` is skipped where its T x T tensors
 would not fit in half the available memory.
 """
 
@@ -92,42 +92,13 @@ def naive_psoftmax(q, k, v, p: float):
     return ((e / e.pow(p).sum(-1, keepdim=True).pow(1.0 / p)) @ v.float()).to(q.dtype)
 
 
-class _Peak:
-    """Peak memory (MB) that a call adds: CUDA allocator peak, or the CPU resident-set high-water mark."""
+def _added_mb(device: str, fn) -> float:
+    """Peak memory (MB) that a call adds above what was in use before it."""
+    from ..memory import PeakMemory
 
-    def __init__(self, device: str):
-        self.device = device
-        self.clear_refs = sys.platform.startswith("linux") and os.access("/proc/self/clear_refs", os.W_OK)
-        self.kind = ("cuda max_memory_allocated" if device == "cuda" else
-                     "VmHWM after clear_refs" if self.clear_refs else "ru_maxrss (may over-report)")
-
-    def __call__(self, fn) -> float:
-        import torch
-
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            fn()
-            torch.cuda.synchronize()
-            return (torch.cuda.max_memory_allocated() - base) / 2**20
-        if self.clear_refs:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current resident set
-            base = self._status("VmRSS")
-            fn()
-            return self._status("VmHWM") - base
-        import resource
-
-        base = self._status("VmRSS") if sys.platform.startswith("linux") else 0.0
+    with PeakMemory(device) as memory:
         fn()
-        scale = 1 / 2**20 if sys.platform == "darwin" else 1 / 2**10  # bytes on macOS, KB on Linux
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale - base
-
-    @staticmethod
-    def _status(key: str) -> float:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
+    return memory.added_mb
 
 
 def measure(config: dict) -> dict:
@@ -167,11 +138,13 @@ def measure(config: dict) -> dict:
     for fn in impls.values():
         forward_backward(fn, small, small_grad)  # warm-up: code paged in, kernels compiled
     qkv, grad = tensors(T)
-    peak = _Peak(device)
     fn = impls["impl"]
-    row = dict(config, memory_kind=peak.kind, fwd_peak_mb=round(peak(lambda: forward(fn, qkv, grad)), 1))
+    from ..memory import PeakMemory
+
+    row = dict(config, memory_kind=PeakMemory(device).method,
+               fwd_peak_mb=round(_added_mb(device, lambda: forward(fn, qkv, grad)), 1))
     if not config["forward_only"]:
-        row["fwd_bwd_peak_mb"] = round(peak(lambda: forward_backward(fn, qkv, grad)), 1)
+        row["fwd_bwd_peak_mb"] = round(_added_mb(device, lambda: forward_backward(fn, qkv, grad)), 1)
     for name, run in [("fwd", forward)] + ([] if config["forward_only"] else [("fwd_bwd", forward_backward)]):
         times = {key: [] for key in impls}
         for _ in range(config["repeats"]):

@@ -54,7 +54,8 @@ def measure(config: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from ..evaluate import PeakMemory, token_losses
+    from ..evaluate import token_losses
+    from ..memory import PeakMemory
 
     model = _model(config["model"]).to(config["device"])
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -75,9 +76,9 @@ def measure(config: dict) -> dict:
     seconds = time.perf_counter() - started
     return {**config, "model": config["model"] or "small-random-llama", "model_type": model.config.model_type,
             "vocab_size": vocab, "loss": round(loss, 6), "time_s": round(seconds, 2),
-            "tokens_per_s": round(config["length"] / seconds, 1), "memory_kind": memory.kind,
+            "tokens_per_s": round(config["length"] / seconds, 1), "memory_kind": memory.method,
             "start_memory_mb": round(memory.start_mb), "peak_memory_mb": round(memory.peak_mb),
-            "added_memory_mb": round(memory.peak_mb - memory.start_mb),
+            "added_memory_mb": round(memory.added_mb),
             "logits_mb": round(config["length"] * vocab * 4 / 2 ** 20)}
 
 

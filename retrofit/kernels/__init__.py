@@ -18,6 +18,10 @@ tensor (memory O(T) forward and backward), accumulating in fp32 for fp16/bf16. B
                    shared out to torch.get_num_threads() worker threads (see blockwise.py for why).
 Softmax+1 is softmax with N = logaddexp(LSE, b_h), i.e. out = softmax_out * sigmoid(LSE - b_h); its
 gradient flows to q, k, v and the sink through the same backward (see cpu_fused.py).
+
+`dropout_p` (as SDPA's; pass 0 outside training) drops attention weights after normalization. It
+runs on the blockwise backend, which regenerates the mask in the backward from a seed drawn from
+torch's default generator (so torch.manual_seed and activation checkpointing reproduce it).
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ def triton_backend():
     return _triton
 
 
-def _backend(q, k, v, p: float, mask):
+def _backend(q, k, v, p: float, mask, dropout):
+    if dropout is not None:  # the one backend that regenerates a dropout mask in its backward
+        return blockwise
     if FORCE_BACKEND is not None:
         return {"blockwise": blockwise, "cpu_fused": cpu_fused, "triton": triton_backend()}[FORCE_BACKEND]
     if q.shape[2] == 0 or k.shape[2] == 0:  # nothing to attend: blockwise returns zeros (fused CPU op crashes)
@@ -63,29 +69,30 @@ class _Attention(torch.autograd.Function):
     """out = A v with A = exp(s - N); N from the backend's p-normalizer, or logaddexp(LSE, sink) for softmax+1."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, p, scale, causal, mask, backend):
-        out, norm = backend.forward(q, k, v, p, scale, causal, mask)  # (B, H, Tq, Dv), (B, H, Tq); ours to modify
+    def forward(ctx, q, k, v, sink, p, scale, causal, mask, backend, dropout):
+        extra = {"dropout": dropout} if dropout is not None else {}
+        out, norm = backend.forward(q, k, v, p, scale, causal, mask, **extra)  # (B, H, Tq, Dv), (B, H, Tq); ours
         if sink is not None:  # softmax+1: sum exp(s) -> exp(b_h) + sum exp(s), i.e. N -> logaddexp(N, b_h)
             with_sink = torch.logaddexp(norm, sink.detach().to(norm.dtype).view(1, -1, 1))
             rescale = torch.exp(norm - with_sink).unsqueeze(-1)  # sigmoid(LSE - b_h), (B, H, Tq, 1)
             out = out.mul_(rescale) if out.dtype == rescale.dtype else (out.to(rescale.dtype) * rescale).to(q.dtype)
             norm = with_sink
         ctx.save_for_backward(q, k, v, out, norm, sink)
-        ctx.args = (p, scale, causal, mask, backend)
+        ctx.args = (p, scale, causal, mask, backend, extra)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, norm, sink = ctx.saved_tensors
-        p, scale, causal, mask, backend = ctx.args
-        dq, dk, dv = backend.backward(dout.contiguous(), q, k, v, out, norm, p, scale, causal, mask)
+        p, scale, causal, mask, backend, extra = ctx.args
+        dq, dk, dv = backend.backward(dout.contiguous(), q, k, v, out, norm, p, scale, causal, mask, **extra)
         dsink = None
         if sink is not None and ctx.needs_input_grad[3]:
             # dN/db_h = exp(b_h - N_i) and d out_i/dN_i = -out_i:  dL/db_h = -sum_{b,i} exp(b_h - N_i) dO_i . out_i
             delta = (dout.to(norm.dtype) * out.to(norm.dtype)).sum(-1)  # (B, H, Tq)
             weight = torch.exp(sink.detach().to(norm.dtype).view(1, -1, 1) - norm)
             dsink = -(weight * delta).sum((0, 2)).to(sink.dtype)
-        return dq, dk, dv, dsink, None, None, None, None, None
+        return dq, dk, dv, dsink, None, None, None, None, None, None
 
 
 def _check(q, k, v, attn_mask, enable_gqa, name):
@@ -111,13 +118,17 @@ def _check(q, k, v, attn_mask, enable_gqa, name):
                              f"= {want}")
 
 
-def _attention(q, k, v, p, sink, scale, causal, attn_mask):
+def _attention(q, k, v, p, sink, scale, causal, attn_mask, dropout_p):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    backend = _backend(q, k, v, p, attn_mask)
-    return _Attention.apply(q, k, v, sink, p, scale, bool(causal), attn_mask, backend)
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    dropout = blockwise.Dropout(dropout_p, int(torch.randint(2 ** 62, ()).item())) if dropout_p > 0 else None
+    backend = _backend(q, k, v, p, attn_mask, dropout)
+    return _Attention.apply(q, k, v, sink, p, scale, bool(causal), attn_mask, backend, dropout)
 
 
-def psoftmax_attention(q, k, v, p=2.0, *, scale=None, causal=True, attn_mask=None, enable_gqa=False):
+def psoftmax_attention(q, k, v, p=2.0, *, scale=None, causal=True, attn_mask=None, enable_gqa=False, dropout_p=0.0):
     """p-softmax attention: weights exp(s) / ||exp(s)||_p over the visible keys (p = 1: softmax).
 
     Equivalently A = exp(s - LSE(p s) / p): a row of A has unit p-norm, so its entries are not a
@@ -127,10 +138,10 @@ def psoftmax_attention(q, k, v, p=2.0, *, scale=None, causal=True, attn_mask=Non
     p = float(p)
     if not p > 0 or math.isinf(p):
         raise ValueError(f"psoftmax_attention: p must be a finite number > 0; got {p}")
-    return _attention(q, k, v, p, None, scale, causal, attn_mask)
+    return _attention(q, k, v, p, None, scale, causal, attn_mask, dropout_p)
 
 
-def ssmax_attention(q, k, v, s_param, *, scale=None, causal=True, attn_mask=None, enable_gqa=False):
+def ssmax_attention(q, k, v, s_param, *, scale=None, causal=True, attn_mask=None, enable_gqa=False, dropout_p=0.0):
     """Scalable-Softmax: softmax of logits times s_h * log(n_i), n_i = keys query i may see (visible_counts).
 
     A per-query, per-head scaling of q, then softmax attention: q'_hi = q_hi * s_h * log(n_i). The
@@ -145,11 +156,11 @@ def ssmax_attention(q, k, v, s_param, *, scale=None, causal=True, attn_mask=None
     n = visible_counts(attn_mask, causal, Tq, Tk, q.device)  # broadcastable to (B, H, Tq), >= 1
     factor = s_param.to(ct).view(H, 1) * torch.log(n.to(ct))  # (.., H, Tq)
     q_scaled = q.to(ct) * factor.unsqueeze(-1)  # (B, H, Tq, D)
-    out = _attention(q_scaled, k.to(ct), v.to(ct), 1.0, None, scale, causal, attn_mask)
+    out = _attention(q_scaled, k.to(ct), v.to(ct), 1.0, None, scale, causal, attn_mask, dropout_p)
     return out.to(q.dtype)
 
 
-def softmax1_attention(q, k, v, sink, *, scale=None, causal=True, attn_mask=None, enable_gqa=False):
+def softmax1_attention(q, k, v, sink, *, scale=None, causal=True, attn_mask=None, enable_gqa=False, dropout_p=0.0):
     """softmax+1 with a learned sink: weights exp(s) / (exp(b_h) + sum exp(s)); b_h = sink[h] (b = 0: softmax+1).
 
     out = softmax_out * sigmoid(LSE - b_h): attention may put mass on "nothing" (the sink), so a row
@@ -159,7 +170,7 @@ def softmax1_attention(q, k, v, sink, *, scale=None, causal=True, attn_mask=None
     if sink.numel() != q.shape[1]:
         raise ValueError(f"softmax1_attention: sink must have one value per query head ({q.shape[1]}); "
                          f"got {tuple(sink.shape)}")
-    return _attention(q, k, v, 1.0, sink.reshape(-1), scale, causal, attn_mask)
+    return _attention(q, k, v, 1.0, sink.reshape(-1), scale, causal, attn_mask, dropout_p)
 
 
 __all__ = ["psoftmax_attention", "ssmax_attention", "softmax1_attention", "visible_counts", "causal_mask",

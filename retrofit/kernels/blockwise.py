@@ -16,6 +16,12 @@ recomputes each block's logits from q and k (as flash attention does):
     dS    = A * dA - A^p * delta = A * (dA - A^(p-1) * delta)
     dq = scale dS k,   dk = scale dS^T q,   dv = A^T dO
 
+Attention dropout (training): each weight is kept with probability 1 - rate and scaled by
+1 / (1 - rate) after normalization, as SDPA does: out_i = sum_j A_ij M_ij v_j. N is unchanged, so
+the backward is the same with dA_ij = M_ij dO_i . v_j and dv = (A * M)^T dO (delta = dO . out still
+equals sum_j A_ij dA_ij). M is never stored: every block regenerates it from a generator seeded by
+(seed, batch row, kv head, first row), so forward and backward see the same mask.
+
 A row with no visible key has m = -inf; it is given m = 0, so its weights are exp(-inf) = 0, its
 output 0 and N = 0, and its gradients 0 (never NaN). fp16/bf16 inputs are computed in fp32.
 
@@ -31,6 +37,7 @@ same thread, so no two threads write the same memory and the result does not dep
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
@@ -52,6 +59,24 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+    """Attention-weight dropout for one kernel call: `rate` in (0, 1), `seed` drawn once per call."""
+
+    rate: float
+    seed: int
+
+    def keep(self, b: int, h0: int, h1: int, G: int, r0: int, c: int, end: int, dtype, device) -> torch.Tensor:
+        """M / (1 - rate) for kv heads h0:h1 (their G query heads each), rows r0:r0+c, keys :end: (hc, G*c, end)."""
+        parts = []
+        for h in range(h0, h1):
+            gen = torch.Generator(device=device)
+            gen.manual_seed(hash((self.seed, b, h, r0)) & (2 ** 63 - 1))  # int tuples hash the same in every run
+            parts.append(torch.rand(G * c, end, generator=gen, dtype=dtype, device=device))
+        u = torch.stack(parts)
+        return u.ge_(self.rate).to(dtype).mul_(1.0 / (1.0 - self.rate))
+
+
 @functools.lru_cache(maxsize=1)
 def _openmp() -> bool:
     """torch.set_num_threads is per-thread (OpenMP ICV + MKL's thread-local setting) only with OpenMP."""
@@ -65,7 +90,7 @@ def _threads(device: torch.device) -> int:
 class _Plan:
     """The block loop shared by forward and backward: shapes, block sizes, each block's mask bias, threads."""
 
-    def __init__(self, q, k, v, causal, mask):
+    def __init__(self, q, k, v, causal, mask, dropout: Dropout | None = None):
         self.threads = _threads(q.device)
         budget = BLOCK_ELEMS // self.threads  # every thread has a block in flight
         self.B, H, self.Tq, self.D = q.shape
@@ -77,7 +102,8 @@ class _Plan:
         rows = min(max(self.Tq, 1), MAX_ROWS)
         per_head = self.G * rows * max(self.Tk, 1)
         if per_head > budget:  # very long keys: fewer rows, still at least MIN_ROWS (so O(MIN_ROWS * T))
-            rows = min(rows, max(MIN_ROWS, budget // (self.G * self.Tk)))
+            # under dropout the row blocks seed the mask, so they must not depend on the thread count
+            rows = min(rows, max(MIN_ROWS, (BLOCK_ELEMS if dropout else budget) // (self.G * self.Tk)))
         self.rows = rows
         heads = max(1, min(self.Hkv, budget // (self.G * rows * max(self.Tk, 1))))
         # at least one (batch row, kv-head group) per thread, so the backward can share them out
@@ -183,9 +209,9 @@ def _layout(q, k, v):
     return ct, qg, k.to(ct).contiguous(), v.to(ct).contiguous()
 
 
-def forward(q, k, v, p: float, scale: float, causal: bool, mask):
+def forward(q, k, v, p: float, scale: float, causal: bool, mask, dropout: Dropout | None = None):
     """out (B, H, Tq, Dv) in q's dtype and N (B, H, Tq) in the compute dtype (0 on rows with no visible key)."""
-    plan = _Plan(q, k, v, causal, mask)
+    plan = _Plan(q, k, v, causal, mask, dropout)
     B, Hkv, G, Tq, D, Dv = plan.B, plan.Hkv, plan.G, plan.Tq, plan.D, plan.Dv
     ct, qg, kc, vc = _layout(q, k, v)
     zero = torch.zeros(1, 1, 1, dtype=ct, device=q.device)  # baddbmm's input, with beta = 0
@@ -213,6 +239,8 @@ def forward(q, k, v, p: float, scale: float, causal: bool, mask):
             den = s.mul_(p).exp_().sum(-1, keepdim=True).pow_(1.0 / p)
         if plan.may_be_empty:
             den.masked_fill_(den == 0, 1.0)  # only empty rows have den = 0 (the max term is 1 otherwise)
+        if dropout is not None:  # after the normalizer: N is that of the whole row
+            e.mul_(dropout.keep(b, h0, h1, G, r0, c, end, e.dtype, e.device))
         out[b, h0:h1, :, r0:r1] = torch.bmm(e, vc[b, h0:h1, :end]).view(hc, G, c, Dv)  # sum_j exp(s - m) v_j
         row_max[b, h0:h1, :, r0:r1] = m.view(hc, G, c)
         row_norm[b, h0:h1, :, r0:r1] = den.view(hc, G, c)
@@ -223,9 +251,9 @@ def forward(q, k, v, p: float, scale: float, causal: bool, mask):
     return out.view(B, Hkv * G, Tq, Dv).to(q.dtype), norm.view(B, Hkv * G, Tq)
 
 
-def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask):
+def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask, dropout: Dropout | None = None):
     """Gradients (dq, dk, dv) of sum(dout * out) for out = A V with A = exp(s - norm); see the module docstring."""
-    plan = _Plan(q, k, v, causal, mask)
+    plan = _Plan(q, k, v, causal, mask, dropout)
     B, Hkv, G, Tq, D, Dv = plan.B, plan.Hkv, plan.G, plan.Tq, plan.D, plan.Dv
     ct, qg, kc, vc = _layout(q, k, v)
     do = dout.to(ct).reshape(B, Hkv, G, Tq, Dv)
@@ -244,8 +272,13 @@ def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mas
                           kc[b, h0:h1, :end].transpose(1, 2), alpha=scale)  # s - N, (hc, G*c, end)
         plan.add_bias(s, b, h0, h1, r0, r1, end)
         a = s.exp_() if p in (1.0, 2.0) else torch.exp(s)  # A (hc, G*c, end); hidden keys: exp(-inf) = 0
-        dv[b, h0:h1, :end].baddbmm_(a.transpose(1, 2), dob)
         ds = torch.bmm(dob, vc[b, h0:h1, :end].transpose(1, 2))  # dA = dO v^T
+        if dropout is None:
+            dv[b, h0:h1, :end].baddbmm_(a.transpose(1, 2), dob)
+        else:
+            keep = dropout.keep(b, h0, h1, G, r0, c, end, a.dtype, a.device)
+            dv[b, h0:h1, :end].baddbmm_((a * keep).transpose(1, 2), dob)  # (A * M)^T dO
+            ds.mul_(keep)  # dA = M * dO v^T
         if p == 1.0:
             ds.sub_(delta).mul_(a)  # A (dA - delta)
         elif p == 2.0:

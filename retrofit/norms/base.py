@@ -75,26 +75,19 @@ def visible_keys(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
 
 
-_warned_dropout = set()
-
-
 def kernel_call(kernel, module, query, key, value, attention_mask, *extra, scaling=None, dropout=0.0,
                 is_causal=None, **kwargs):
     """Run one of retrofit.kernels' attention functions in a transformers attention function's place.
 
-    Returns (out (B, Tq, H, D), None) as transformers expects. Attention-weight dropout cannot be
-    applied without materializing the weights, so it is skipped (with a warning, once per norm).
+    Returns (out (B, Tq, H, D), None) as transformers expects. `dropout` is the attention-weight
+    dropout transformers passes (its models pass 0 outside training); applied only in training mode.
     """
-    if dropout and module.training and kernel.__name__ not in _warned_dropout:
-        _warned_dropout.add(kernel.__name__)
-        import warnings
-        warnings.warn(f"{kernel.__name__}: attention dropout ({dropout}) is not applied by retrofit's fused "
-                      "kernels; set the model's attention dropout to 0 to silence this", stacklevel=2)
     if kwargs.get("softcap") is not None:
         from ..errors import RetrofitError
         raise RetrofitError("this model soft-caps its attention logits, which retrofit's kernels do not do; "
                             "use norm avnorm or softmax for it")
     key, value, mask, causal = visible_keys(module, query, key, value, attention_mask, is_causal)
     out = kernel(query, key, value, *extra, scale=scaling, causal=causal, attn_mask=mask,
-                 enable_gqa=key.shape[1] != query.shape[1])  # (B, H, Tq, D)
+                 enable_gqa=key.shape[1] != query.shape[1],
+                 dropout_p=dropout if module.training else 0.0)  # (B, H, Tq, D)
     return out.transpose(1, 2).contiguous(), None

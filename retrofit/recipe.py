@@ -8,38 +8,24 @@ Sections: model, patch, data, train, eval, output. Every field carries its docum
 metadata); an unknown key is an error naming the closest valid key; wrong types and impossible
 values fail here, before any model is loaded. Other modules add top-level sections with
 `register_section("experiment", ExperimentSection)`; they land in `recipe.extras`.
-(Longer than most modules because it is the schema: over half its lines are documented fields.)
+The machinery that builds them from YAML (types, one-line errors, overrides) is retrofit.schema.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 
+from .atomic import atomic_write_text
 from .errors import RetrofitError
 from .norms import closest as _closest
-
-_MISSING = dataclasses.MISSING
-
-
-def knob(default=_MISSING, doc: str = "", *, factory=None):
-    """A recipe field with its documentation (`retrofit train RECIPE --keys` and the tests read it)."""
-    if factory is not None:
-        return field(default_factory=factory, metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
-
-
-def _need(ok: bool, message: str) -> None:
-    if not ok:
-        raise RetrofitError(message)
-
+from .schema import apply_overrides, build, knob, need
+from .schema import documentation as _documentation
 
 # ---- sections ------------------------------------------------------------------------------------------------------
 
@@ -58,9 +44,9 @@ class ModelSection:
                                                                 "for models without an sdpa path")
 
     def __post_init__(self):
-        _need(self.source is None or self.config is None,
+        need(self.source is None or self.config is None,
               "model: set either source (a pretrained model) or config (from scratch), not both")
-        _need(self.source is not None or self.config is not None,
+        need(self.source is not None or self.config is not None,
               "model: set source (Hub id, folder or .gguf) or config (model_type and sizes) to pretrain from scratch")
         if self.config is not None:
             _check_model_config(self.config)
@@ -70,14 +56,14 @@ def _check_model_config(config: dict) -> None:
     """model_type must be an AutoConfig type and every key a field of that config (a typo is silently kept otherwise)."""
     from transformers import CONFIG_MAPPING
     model_type = config.get("model_type")
-    _need(isinstance(model_type, str), "model.config needs model_type (e.g. gpt2, llama)")
-    _need(model_type in CONFIG_MAPPING, f"model.config.model_type {model_type!r} is not a transformers model type"
+    need(isinstance(model_type, str), "model.config needs model_type (e.g. gpt2, llama)")
+    need(model_type in CONFIG_MAPPING, f"model.config.model_type {model_type!r} is not a transformers model type"
           f"{_closest(model_type, CONFIG_MAPPING.keys())}")
     import inspect
     cls = CONFIG_MAPPING[model_type]
     valid = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {})) | set(inspect.signature(cls).parameters)
     for key in config:
-        _need(key in valid, f"model.config: {model_type} has no config key {key!r}{_closest(key, valid)}")
+        need(key in valid, f"model.config: {model_type} has no config key {key!r}{_closest(key, valid)}")
 
 
 NORM_OPTIONS = ("p", "kind", "affine", "eps", "gain", "s_init", "ref_len", "learnable")
@@ -108,13 +94,13 @@ class PatchSection:
         from .norms import make_options
         if self.norm is None:
             given = [k for k in NORM_OPTIONS if getattr(self, k) is not None]
-            _need(not given and not self.nope and not self.calibrate,
+            need(not given and not self.nope and not self.calibrate,
                   f"patch: {', '.join(given) or 'nope/calibrate'} given but patch.norm is null; set patch.norm "
                   "(softmax keeps attention unchanged)")
             return
         make_options(self.norm, **self.options())  # unknown norm / option of another norm / bad value -> RetrofitError
-        _need(self.calibrate is None or self.calibrate >= 0, f"patch.calibrate must be >= 0 tokens, got {self.calibrate}")
-        _need(not self.calibrate or self.norm == "avnorm",
+        need(self.calibrate is None or self.calibrate >= 0, f"patch.calibrate must be >= 0 tokens, got {self.calibrate}")
+        need(not self.calibrate or self.norm == "avnorm",
               f"patch.calibrate sets AVNorm gains, but patch.norm is {self.norm!r}; set patch.calibrate: 0")
 
     def calibration_tokens(self, pretrained: bool) -> int:
@@ -128,7 +114,7 @@ class CountingOptions:
     alphabet: int = knob(8, "symbols 0..alphabet-1; smaller = larger counts per length (the model's vocab must be >= this)")
 
     def __post_init__(self):
-        _need(self.alphabet >= 2, f"data.counting.alphabet must be >= 2, got {self.alphabet}")
+        need(self.alphabet >= 2, f"data.counting.alphabet must be >= 2, got {self.alphabet}")
 
 
 @dataclass
@@ -137,8 +123,8 @@ class PasskeyOptions:
     depth: float | None = knob(None, "where the key sits, 0 = start .. 1 = end; null = uniform random per example")
 
     def __post_init__(self):
-        _need(1 <= self.digits <= 20, f"data.passkey.digits must be in 1..20, got {self.digits}")
-        _need(self.depth is None or 0 <= self.depth <= 1, f"data.passkey.depth must be in [0, 1], got {self.depth}")
+        need(1 <= self.digits <= 20, f"data.passkey.digits must be in 1..20, got {self.digits}")
+        need(self.depth is None or 0 <= self.depth <= 1, f"data.passkey.depth must be in [0, 1], got {self.depth}")
 
 
 TASKS = ("lm", "counting", "passkey")
@@ -168,15 +154,15 @@ class DataSection:
     passkey: PasskeyOptions = knob(factory=PasskeyOptions, doc="passkey task options")
 
     def __post_init__(self):
-        _need(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
-        _need(self.val_blocks >= 0, f"data.val_blocks must be >= 0, got {self.val_blocks}")
-        _need(self.max_docs is None or self.max_docs > 0, f"data.max_docs must be > 0, got {self.max_docs}")
+        need(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
+        need(self.val_blocks >= 0, f"data.val_blocks must be >= 0, got {self.val_blocks}")
+        need(self.max_docs is None or self.max_docs > 0, f"data.max_docs must be > 0, got {self.max_docs}")
         if self.task == "lm":
-            _need((self.dataset is None) != (self.files is None),
+            need((self.dataset is None) != (self.files is None),
                   "data: the lm task needs exactly one of data.dataset (Hub) or data.files (local)")
-            _need(self.val_files is None or self.val_split is None, "data: set val_files or val_split, not both")
+            need(self.val_files is None or self.val_split is None, "data: set val_files or val_split, not both")
         else:
-            _need(self.dataset is None and self.files is None,
+            need(self.dataset is None and self.files is None,
                   f"data: the {self.task} task is generated; remove data.dataset/data.files")
 
 
@@ -192,8 +178,8 @@ class PeftSection:
                                                              "adapter: run/adapter only (small); both")
 
     def __post_init__(self):
-        _need(self.r >= 1, f"train.peft.r must be >= 1, got {self.r}")
-        _need(0 <= self.dropout < 1, f"train.peft.dropout must be in [0, 1), got {self.dropout}")
+        need(self.r >= 1, f"train.peft.r must be >= 1, got {self.r}")
+        need(0 <= self.dropout < 1, f"train.peft.dropout must be in [0, 1), got {self.dropout}")
 
 
 @dataclass
@@ -223,20 +209,20 @@ class TrainSection:
     peft: PeftSection | None = knob(None, "LoRA finetune instead of full; null = train all weights")
 
     def __post_init__(self):
-        _need(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
-        _need(self.lr >= 0, f"train.lr must be >= 0, got {self.lr}")
-        _need(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        _need(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
-        _need(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
-        _need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+        need(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
+        need(self.lr >= 0, f"train.lr must be >= 0, got {self.lr}")
+        need(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        need(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        need(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
               f"train.betas must be two numbers in [0, 1), got {self.betas}")
-        _need(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
-        _need(self.batch_size >= 1 and self.micro_batch_size >= 1, "train.batch_size and micro_batch_size must be >= 1")
-        _need(self.batch_size % self.micro_batch_size == 0,
+        need(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+        need(self.batch_size >= 1 and self.micro_batch_size >= 1, "train.batch_size and micro_batch_size must be >= 1")
+        need(self.batch_size % self.micro_batch_size == 0,
               f"train.batch_size {self.batch_size} must be a multiple of micro_batch_size {self.micro_batch_size}")
-        _need(self.log_every >= 1, f"train.log_every must be >= 1, got {self.log_every}")
+        need(self.log_every >= 1, f"train.log_every must be >= 1, got {self.log_every}")
         if self.init_len is not None:
-            _need(self.init_len >= 2 and self.double_every >= 1,
+            need(self.init_len >= 2 and self.double_every >= 1,
                   "train: staged length needs init_len >= 2 and double_every >= 1")
 
 
@@ -251,10 +237,10 @@ class EvalSection:
                                           "L tokens of held-out blocks); null = [data.seq_len]")
 
     def __post_init__(self):
-        _need(self.every >= 0, f"eval.every must be >= 0, got {self.every}")
-        _need(all(s >= 0 for s in self.at_steps), f"eval.at_steps must be >= 0, got {self.at_steps}")
-        _need(self.batches >= 1 and self.batch_size >= 1, "eval.batches and eval.batch_size must be >= 1")
-        _need(self.lengths is None or (self.lengths and all(n >= 2 for n in self.lengths)),
+        need(self.every >= 0, f"eval.every must be >= 0, got {self.every}")
+        need(all(s >= 0 for s in self.at_steps), f"eval.at_steps must be >= 0, got {self.at_steps}")
+        need(self.batches >= 1 and self.batch_size >= 1, "eval.batches and eval.batch_size must be >= 1")
+        need(self.lengths is None or (self.lengths and all(n >= 2 for n in self.lengths)),
               f"eval.lengths must be a non-empty list of lengths >= 2, got {self.lengths}")
 
 
@@ -270,10 +256,10 @@ class OutputSection:
     project: str = knob("retrofit", "tracker project name")
 
     def __post_init__(self):
-        _need(self.save_every >= 0, f"output.save_every must be >= 0, got {self.save_every}")
-        _need(self.keep >= 1, f"output.keep must be >= 1, got {self.keep}")
+        need(self.save_every >= 0, f"output.save_every must be >= 0, got {self.save_every}")
+        need(self.keep >= 1, f"output.keep must be >= 1, got {self.keep}")
         for t in self.trackers:
-            _need(t in TRACKERS, f"output.trackers: unknown tracker {t!r}{_closest(t, TRACKERS)}; "
+            need(t in TRACKERS, f"output.trackers: unknown tracker {t!r}{_closest(t, TRACKERS)}; "
                                  f"choose from {', '.join(TRACKERS)} (jsonl is always on)")
 
 
@@ -285,7 +271,7 @@ SECTION_PROVIDERS = {"experiment": "retrofit.experiment"}
 
 def register_section(name: str, cls: type) -> type:
     """Make `name:` a valid top-level recipe key, parsed into dataclass `cls` (found in recipe.extras[name])."""
-    _need(dataclasses.is_dataclass(cls), f"recipe section {name!r} must be a dataclass")
+    need(dataclasses.is_dataclass(cls), f"recipe section {name!r} must be a dataclass")
     EXTRA_SECTIONS[name] = cls
     return cls
 
@@ -305,17 +291,17 @@ class Recipe:
         data, train = self.data, self.train
         if train.init_len is not None:
             ratio = data.seq_len / train.init_len
-            _need(ratio >= 1 and ratio == 2 ** round(math.log2(ratio)),
+            need(ratio >= 1 and ratio == 2 ** round(math.log2(ratio)),
                   f"train.init_len {train.init_len} must be data.seq_len {data.seq_len} divided by a power of two")
         if self.model.config is not None and data.task == "counting":
             vocab = self.model.config.get("vocab_size")
-            _need(vocab is None or vocab >= data.counting.alphabet,
+            need(vocab is None or vocab >= data.counting.alphabet,
                   f"model.config.vocab_size {vocab} is smaller than data.counting.alphabet {data.counting.alphabet}")
         if data.task != "counting" and self.model.source is None:
-            _need(self.model.tokenizer is not None,
+            need(self.model.tokenizer is not None,
                   f"data.task {data.task} needs a tokenizer: set model.tokenizer (a Hub id or folder)")
         if data.task == "lm" and self.eval.lengths and data.val_files is None and data.val_split is None:
-            _need(data.val_blocks >= 1, "data.val_blocks must be >= 1 to evaluate without val_files/val_split")
+            need(data.val_blocks >= 1, "data.val_blocks must be >= 1 to evaluate without val_files/val_split")
 
     def eval_lengths(self) -> list[int]:
         return list(self.eval.lengths or [self.data.seq_len])
@@ -328,81 +314,8 @@ class Recipe:
 SECTIONS = {f.name: f for f in dataclasses.fields(Recipe) if f.name not in ("name", "extras")}
 
 
-# ---- building dataclasses from plain data, with one-line errors ----------------------------------------------------
-
-def _describe(tp) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
-    if origin is Literal:
-        return "one of " + ", ".join(map(str, args))
-    if origin is list:
-        plural = {int: "integers", float: "numbers", str: "strings", bool: "true/false values"}
-        return f"a list of {plural.get(args[0], _describe(args[0]))}" if args else "a list"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}.get(
-        tp, getattr(tp, "__name__", str(tp)))
-
-
-_SCALARS = {bool: bool, int: int, float: (int, float), str: str}
-
-
-def _coerce(value, tp, path: str):
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    bad = RetrofitError(f"{path} must be {_describe(tp)}, got {value!r}")
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None:
-            if type(None) in args:
-                return None
-            raise bad
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, path)
-            except RetrofitError as err:
-                last = err
-        raise last if len(args) == 2 else bad
-    if origin is Literal:
-        if value not in args:
-            raise RetrofitError(f"{path} must be one of {', '.join(map(str, args))}, got {value!r}"
-                                f"{_closest(value, map(str, args))}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise bad
-        return build(tp, value, path)
-    if origin is list or tp is list:
-        if not isinstance(value, list):
-            raise bad
-        return [_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)] if args else value
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise bad
-        return value
-    if tp in _SCALARS:  # bool is an int in Python, but `steps: true` is a mistake, not 1
-        if not isinstance(value, _SCALARS[tp]) or (isinstance(value, bool) and tp is not bool):
-            raise bad
-        return float(value) if tp is float else value
-    raise TypeError(f"recipe schema uses an unsupported type {tp!r} at {path}")
-
-
-def build(cls, data: dict, path: str):
-    """Build dataclass `cls` from a mapping; unknown keys name the closest valid key."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    for key in data:
-        if key not in names:
-            where = f"{path}." if path else ""
-            raise RetrofitError(f"unknown recipe key {where}{key}{_closest(key, names)}; valid keys"
-                                f"{' in ' + path if path else ''}: {', '.join(names)}")
-    kwargs = {k: _coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
-    return cls(**kwargs)
-
-
 def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
-    _need(isinstance(raw, dict), "a recipe must be a YAML mapping of sections (model, patch, data, train, eval, output)")
+    need(isinstance(raw, dict), "a recipe must be a YAML mapping of sections (model, patch, data, train, eval, output)")
     for key in raw:
         if key not in EXTRA_SECTIONS and key in SECTION_PROVIDERS:
             import importlib
@@ -413,10 +326,10 @@ def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
                     raise  # reported below as an unknown section when the provider itself is absent
     valid = ["name", *SECTIONS, *EXTRA_SECTIONS]
     for key in raw:
-        _need(key in valid, f"unknown recipe section {key!r}{_closest(key, valid)}; valid sections: {', '.join(valid)}")
+        need(key in valid, f"unknown recipe section {key!r}{_closest(key, valid)}; valid sections: {', '.join(valid)}")
     core = {k: v for k, v in raw.items() if k not in EXTRA_SECTIONS}
     for key, value in core.items():
-        _need(key == "name" or isinstance(value, dict), f"recipe section {key} must be a mapping, got {value!r}")
+        need(key == "name" or isinstance(value, dict), f"recipe section {key} must be a mapping, got {value!r}")
     core.setdefault("name", name)
     extras = {k: build(EXTRA_SECTIONS[k], v or {}, k) for k, v in raw.items() if k in EXTRA_SECTIONS}
     recipe = build(Recipe, core, "")
@@ -424,38 +337,23 @@ def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
     return recipe
 
 
-def apply_overrides(raw: dict, overrides) -> dict:
-    """`train.steps=200 patch.p=2` onto the raw mapping (values parsed as YAML: 2 -> int, [1,2] -> list)."""
-    for item in overrides:
-        _need("=" in item, f"override {item!r} must look like section.key=value (e.g. train.steps=200)")
-        dotted, text = item.split("=", 1)
-        keys = dotted.strip().split(".")
-        _need(all(keys), f"override {item!r} has an empty key")
-        try:
-            value = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError:
-            value = text
-        node = raw
-        for key in keys[:-1]:
-            if not isinstance(node.get(key), dict):
-                node[key] = {}
-            node = node[key]
-        node[keys[-1]] = value
-    return raw
-
-
 def load_recipe(path, overrides=()) -> Recipe:
     """Read a YAML recipe, apply dotted overrides, validate everything; errors are one line."""
     path = Path(path)
-    _need(path.is_file(), f"no such recipe file: {path}")
+    need(path.is_file(), f"no such recipe file: {path}")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise RetrofitError(f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
-    _need(isinstance(raw, dict), f"{path}: a recipe must be a YAML mapping of sections")
+    need(isinstance(raw, dict), f"{path}: a recipe must be a YAML mapping of sections")
     return recipe_from_dict(apply_overrides(raw, overrides), name=path.stem)
+
+
+def documentation(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) for every recipe field, nested sections included."""
+    return _documentation(cls, prefix)
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:
@@ -465,7 +363,7 @@ def recipe_to_dict(recipe: Recipe) -> dict:
 
 
 def save_recipe(recipe: Recipe, path) -> None:
-    Path(path).write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    atomic_write_text(path, yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
 
 
 def flat(recipe: Recipe) -> dict:
@@ -481,21 +379,6 @@ def flat(recipe: Recipe) -> dict:
 
     walk("", recipe_to_dict(recipe))
     return out
-
-
-def documentation(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, doc) for every field, nested sections included."""
-    rows = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        tp = hints[f.name]
-        nested = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
-        default = f.default if f.default is not _MISSING else "..."
-        rows.append((key, repr(default), f.metadata.get("doc", "")))
-        if nested:
-            rows.extend(documentation(nested[0], key + "."))
-    return rows
 
 
 __all__ = [

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import RetrofitError
-from .recipe import knob
+from .schema import knob
 
 
 @dataclass

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from retrofit.errors import RetrofitError
-from retrofit.recipe import build
+from retrofit.schema import build
 from retrofit.reference import ReferenceSection, direction_markdown, directions, load_reference
 
 TABLE = {"context_lengths": [64, 128, 256, 512],

@@ -1,0 +1,143 @@
+"""Dataclasses from plain YAML data, with one-line errors: the machinery under retrofit.recipe.
+
+    field: int = knob(3, "what it means")        # a documented field
+    build(Section, {"field": 4}, "section")      # -> Section(field=4); wrong type or key: RetrofitError
+    apply_overrides(raw, ["section.field=5"])    # dotted overrides onto the raw mapping, values as YAML
+    documentation(Section)                       # (dotted key, default, doc) rows, nested included
+
+Supported field types: bool, int, float, str, Any, dict, list[T], Literal[...], unions with None, and
+nested dataclasses. An unknown key names the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import field
+from typing import Any, Literal
+
+import yaml
+
+from .errors import RetrofitError
+from .norms import closest as _closest
+
+_MISSING = dataclasses.MISSING
+
+
+def knob(default=_MISSING, doc: str = "", *, factory=None):
+    """A recipe field with its documentation (`retrofit train RECIPE --keys` and the tests read it)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+def need(ok: bool, message: str) -> None:
+    if not ok:
+        raise RetrofitError(message)
+
+
+def _describe(tp) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin is list:
+        plural = {int: "integers", float: "numbers", str: "strings", bool: "true/false values"}
+        return f"a list of {plural.get(args[0], _describe(args[0]))}" if args else "a list"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+_SCALARS = {bool: bool, int: int, float: (int, float), str: str}
+
+
+def _coerce(value, tp, path: str):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    bad = RetrofitError(f"{path} must be {_describe(tp)}, got {value!r}")
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise bad
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, path)
+            except RetrofitError as err:
+                last = err
+        raise last if len(args) == 2 else bad
+    if origin is Literal:
+        if value not in args:
+            raise RetrofitError(f"{path} must be one of {', '.join(map(str, args))}, got {value!r}"
+                                f"{_closest(value, map(str, args))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise bad
+        return build(tp, value, path)
+    if origin is list or tp is list:
+        if not isinstance(value, list):
+            raise bad
+        return [_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)] if args else value
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise bad
+        return value
+    if tp in _SCALARS:  # bool is an int in Python, but `steps: true` is a mistake, not 1
+        if not isinstance(value, _SCALARS[tp]) or (isinstance(value, bool) and tp is not bool):
+            raise bad
+        return float(value) if tp is float else value
+    raise TypeError(f"recipe schema uses an unsupported type {tp!r} at {path}")
+
+
+def build(cls, data: dict, path: str):
+    """Build dataclass `cls` from a mapping; unknown keys name the closest valid key."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in data:
+        if key not in names:
+            where = f"{path}." if path else ""
+            raise RetrofitError(f"unknown recipe key {where}{key}{_closest(key, names)}; valid keys"
+                                f"{' in ' + path if path else ''}: {', '.join(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def apply_overrides(raw: dict, overrides) -> dict:
+    """`train.steps=200 patch.p=2` onto the raw mapping (values parsed as YAML: 2 -> int, [1,2] -> list)."""
+    for item in overrides:
+        need("=" in item, f"override {item!r} must look like section.key=value (e.g. train.steps=200)")
+        dotted, text = item.split("=", 1)
+        keys = dotted.strip().split(".")
+        need(all(keys), f"override {item!r} has an empty key")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text
+        node = raw
+        for key in keys[:-1]:
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        node[keys[-1]] = value
+    return raw
+
+
+def documentation(cls, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) for every field, nested sections included."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        nested = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
+        default = f.default if f.default is not _MISSING else "..."
+        rows.append((key, repr(default), f.metadata.get("doc", "")))
+        if nested:
+            rows.extend(documentation(nested[0], key + "."))
+    return rows

@@ -12,6 +12,8 @@ they are for references and tests.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -38,6 +40,31 @@ def visible_counts(mask: torch.Tensor | None, causal: bool, q_len: int, kv_len: 
             allowed = allowed & causal_rows(r0, r1, q_len, kv_len, mask.device)
         counts.append(_count(allowed, kv_len))
     return torch.cat(counts, dim=-1).clamp_min(1.0)
+
+
+def hides_future(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
+    """Whether `mask` already hides every key after each query's position (bottom-right causal), as a
+    decoder's padding mask does: then a kernel may also skip those blocks. Checked _COUNT_ROWS rows
+    at a time; the last answer is kept for the same, unmodified mask object (every layer's call)."""
+    global _last_hides
+    ref, version, shape, answer = _last_hides
+    if ref() is mask and version == mask._version and shape == (q_len, kv_len):
+        return answer
+    m = as_4d(mask)
+    answer = True
+    if q_len > 1:  # one query (decoding) sees every key anyway
+        for r0 in range(0, q_len, _COUNT_ROWS):
+            r1 = min(r0 + _COUNT_ROWS, q_len)
+            future = ~causal_rows(r0, r1, q_len, kv_len, mask.device)  # (rows, Tk)
+            allowed = _allowed(m[:, :, r0:r1] if m.shape[2] > 1 else m)
+            if (allowed & future).any():
+                answer = False
+                break
+    _last_hides = (weakref.ref(mask), mask._version, (q_len, kv_len), answer)
+    return answer
+
+
+_last_hides = (lambda: None, -1, None, False)
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
+from ..kernels.masks import hides_future
+
 
 def option(default, doc: str):
     """A dataclass field with a docstring that `retrofit norms` prints."""
@@ -56,8 +58,9 @@ def visible_keys(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     """Translate what transformers hands an attention function into (key, value, mask, causal).
 
     Returns the keys/values to attend over, a mask (bool: True = attend, or additive float) of shape
-    broadcastable to (B, H, Tq, Tk) or None, and `causal`: when True the mask is the causal one
-    aligned bottom-right (queries are the last Tq of the Tk positions). This mirrors transformers'
+    broadcastable to (B, H, Tq, Tk) or None, and `causal`: when True every key after a query's
+    bottom-right position is hidden (queries are the last Tq of the Tk positions); with a mask, only
+    when the mask hides them already, so it changes nothing but lets the kernels skip work. This mirrors transformers'
     `sdpa_attention_forward` exactly: a None mask means "causal" only when Tq > 1, and a None mask with
     Tk > Tq (prefill into an empty static cache) means only the first Tq keys are real.
     """
@@ -66,7 +69,8 @@ def visible_keys(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if attention_mask is not None:
         if attention_mask.dim() == 4:
             attention_mask = attention_mask[:, :, :, :kv_len]
-        return key, value, attention_mask, False
+        # a decoder's padding mask already hides the future: saying so lets the kernels skip those blocks
+        return key, value, attention_mask, causal and hides_future(attention_mask, q_len, kv_len)
     if not causal or q_len == 1:
         return key, value, None, False
     if kv_len > q_len:

@@ -15,6 +15,9 @@ additive float mask (fp32, or q's dtype) together with is_causal, strided views,
 and L = 0 on a row whose mask is all -inf (our out and N are then 0 too, so gradients are 0). Its
 is_causal is aligned top-left, so bottom-right causal with Tq != Tk goes through the mask, built one
 block of query rows at a time (never T x T). Empty inputs (Tq or Tk = 0) crash it: the caller avoids them.
+Its backward gives wrong gradients for a grad_out with zero strides (the expanded ones of out.sum()):
+the caller passes dout.contiguous(). It has a dropout_p argument, but no way to hand the same mask
+to the backward we call ourselves, so dropout goes to blockwise.py instead.
 """
 
 from __future__ import annotations

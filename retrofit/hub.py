@@ -33,24 +33,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 MODEL_FILES = ("generation_config.json", "model.safetensors.index.json", "task.json", "task_head.safetensors")
 EVAL_FILES = ("results.md", "results.json", "results.csv")
-WHY = {
-    "softmax": "the unpatched baseline, published for comparison: softmax weights sum to 1, so as the context "
-               "grows they spread out and each head's output variance falls roughly as 1/L (variance collapse).",
-    "avnorm": "softmax weights sum to 1, so a head that averages more values as the context grows outputs a "
-              "smaller and smaller vector (its variance falls roughly as 1/L: variance collapse), and the layers "
-              "after it see a scale they were never trained on. AVNorm normalizes each head's output per token, "
-              "so its scale no longer depends on the context length.",
-    "psoftmax": "exp(s) is divided by its Lp norm instead of its sum; with p = 2 the squared weights sum to 1, "
-                "so a head averaging L values keeps their variance at every length instead of collapsing as 1/L.",
-    "ssmax": "Scalable-Softmax multiplies the logits by s*log(n) (n = keys the query sees), so attention stays "
-             "as peaked over many keys as over few, instead of flattening as the context grows.",
-    "softmax1": "softmax+1 puts a sink in the denominator, so a head can attend to nothing rather than being "
-                "forced to spread its weight over irrelevant tokens of a long context.",
-}
-NOPE_WHY = ("Positional information was removed (NoPE): lengths beyond those seen in training carry no "
-            "out-of-distribution position signal.")
-
-
 # ---- the one network call -------------------------------------------------------------------------------------------
 
 def upload_folder(folder, repo: str, *, private: bool, revision: str | None, token: str) -> str:
@@ -254,6 +236,7 @@ def stage(source, out, *, repo: str, merged: bool = False, base_model: str | Non
                 summary=_json(run / "result.json") if run else {},
                 curve=_training_curve(run / "log.jsonl", out) if run and (run / "log.jsonl").is_file() else None,
                 eval_md=_stage_eval(eval_dir, [p for p in (src, run, run and run / "eval", experiment_eval) if p], out))
+    from .model_card import model_card
     (out / "README.md").write_text(model_card(info))
     return info
 
@@ -283,85 +266,6 @@ def _stage_eval(eval_dir, candidates, out: Path) -> str | None:
     body = text[text.find("\n## "):] if "\n## " in text else text  # tables and plots, not the local file paths
     body = re.sub(r"!\[([^\]]*)\]\((?!https?:|/)([^)]+)\)", r"![\1](eval/\2)", body)
     return body.replace("\n## ", "\n### ").strip()
-
-
-# ---- the model card -------------------------------------------------------------------------------------------------
-
-def model_card(info: dict) -> str:
-    from huggingface_hub import ModelCardData
-
-    from .norms import get_norm
-    record, repo, adapter = info["record"], info["repo"], info["kind"] == "adapter"
-    norm = record["norm"]
-    base = info["base_model"] if hub_id_like(info["base_model"]) else None
-    tags = ["retrofit", norm, "attention-normalization", "length-extrapolation"] + (["nope"] if record.get("nope") else [])
-    tags += ["lora", "peft"] if adapter else []
-    data = ModelCardData(library_name="peft" if adapter else "transformers", base_model=base, license=info["license"],
-                         tags=tags, pipeline_tag="text-generation")
-    options = ", ".join(f"{k}={v}" for k, v in (record.get("options") or {}).items()) or "none"
-    formula = get_norm(norm).formula.replace("|", "\\|")  # a bare | would split the table cell
-    calibration = record.get("calibration")
-    what = "a LoRA adapter (with the patch recorded)" if adapter else ("the merged model" if info["merged"] else "the model")
-    lines = [
-        f"# {repo.split('/')[-1]}", "",
-        f"{base or info.get('model_type') or 'A causal language model'} with its attention normalization replaced by "
-        f"**{norm}**{' and its positional information removed (NoPE)' if record.get('nope') else ''}, made with "
-        f"retrofit. This repository holds {what}.", "",
-        "## What was patched, and why", "",
-        "| | |", "|---|---|",
-        f"| norm | `{norm}`: {get_norm(norm).summary} |",
-        f"| formula | `{formula}` |",
-        f"| options | {options} |",
-        f"| positions | {'removed (NoPE)' if record.get('nope') else 'kept'} |",
-        f"| attention kernel | wraps `{record.get('base_attn_implementation', 'sdpa')}` |",
-        f"| parameters added | {info['params_added']:,} |",
-        f"| calibration | {json.dumps(calibration) if calibration else 'none'} |",
-        f"| retrofit version | {record.get('retrofit_version')} |", "",
-        f"Why: {WHY.get(norm, get_norm(norm).summary)}" + (f" {NOPE_WHY}" if record.get("nope") else ""), "",
-        "## How to load", "",
-        "```python",
-        "import retrofit  # pip install retrofit",
-        f'model = retrofit.from_pretrained("{repo}")  # also: revision=..., dtype=..., device_map=...',
-        "```", "",
-    ]
-    if adapter:
-        lines += [f"This loads the base `{info['base_model']}`, applies the patch recorded in `retrofit.json` "
-                  "and then the adapter: a `PeftModel`. `model.merge_and_unload()` gives a "
-                  "plain patched model.", ""]
-    elif (info.get("task") or {}).get("task") == "counting":
-        lines += ["This run trained a counting head (`task.json`, `task_head.safetensors`): "
-                  f"`retrofit.train.load_run(huggingface_hub.snapshot_download(\"{repo}\"))` loads LM and head.", ""]
-    if not adapter:
-        lines += ["Plain `transformers.AutoModelForCausalLM.from_pretrained` refuses this checkpoint on purpose "
-                  f"(config.json asks for attention implementation `{GUARD}`): without retrofit the model would "
-                  "run its original attention and silently drop the patch's weights.", ""]
-    lines += _training_section(info) + _eval_section(info)
-    return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines).rstrip() + "\n"
-
-
-def _training_section(info: dict) -> list[str]:
-    lines = ["## How it was trained", ""]
-    summary, recipe = info["summary"], info.get("recipe_text")
-    if not summary and not info["curve"]:
-        made = f"`{info['command']}`" if info.get("command") else "`retrofit patch`"
-        return lines + [f"Not finetuned: the patch was applied to the pretrained weights with {made}"
-                        + (", with calibrated gains." if (info["record"].get("calibration")) else "."), ""]
-    if summary:
-        loss = summary.get("final_loss")
-        lines += [f"{summary.get('steps')} optimizer steps on {summary.get('processes', 1)} process(es)"
-                  + (f", final training loss {loss:.4g}" if isinstance(loss, (int, float)) else "")
-                  + (". Merged from the LoRA adapter." if info["merged"] else "."), ""]
-    if info["curve"]:
-        lines += [f"![training loss]({info['curve']})", ""]
-    return lines + (["The recipe it ran (`recipe.yaml`; rerun with `retrofit train recipe.yaml`):", "", "```yaml",
-                     recipe.rstrip(), "```", ""] if recipe else [])
-
-
-def _eval_section(info: dict) -> list[str]:
-    if not info["eval_md"]:
-        return []
-    return ["## Evaluation", "", "Length extrapolation by `retrofit eval` (full report: `eval/results.md`).", "",
-            info["eval_md"], ""]
 
 
 # ---- push -----------------------------------------------------------------------------------------------------------

@@ -134,7 +134,7 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
         shutil.rmtree(arm_dir)  # an arm that died before its first checkpoint starts over
     result = train(stage, model=load_run(base) if base else None, resume=arm_dir.exists())
     recovery = {int(k): v for k, v in result.evals.items()}
-    recovery_file.write_text(json.dumps(recovery, indent=1))
+    atomic_write_text(recovery_file, json.dumps(recovery, indent=1))
     return recovery
 
 

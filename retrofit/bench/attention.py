@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..atomic import atomic_write_text
 from ..errors import RetrofitError
 
 IMPLS = {  # name -> table label
@@ -277,6 +278,6 @@ def run(args: argparse.Namespace) -> int:
     print(_table(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "attention", "environment": env, "results": rows}, indent=1) + "\n")
+    atomic_write_text(out, json.dumps({"benchmark": "attention", "environment": env, "results": rows}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..atomic import atomic_write_text
 from ..errors import RetrofitError
 
 METHODS = ("chunked", "naive")
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "eval", "results": rows}, indent=1) + "\n")
+    atomic_write_text(out, json.dumps({"benchmark": "eval", "results": rows}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..atomic import atomic_write_text
 from ..errors import RetrofitError
 
 SIZES = {  # small enough for a CPU, with a real vocabulary so the LM head costs what it costs
@@ -167,6 +168,6 @@ def run(args: argparse.Namespace) -> int:
           f"{' + ' + args.norm if args.norm else ''}, batch {args.batch} x {args.seq_len}, {args.precision}, {device}, "
           f"load average {result['load_average']:.1f} on {result['cpus']} CPUs")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    atomic_write_text(args.out, json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     return 0

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_write_text
 from ..errors import RetrofitError
 
 DEFAULT_LENGTHS = "32,64,...,1024"
@@ -192,7 +193,7 @@ def run(args) -> int:
               "tokens": ", ".join(f"{k}: {v}" for k, v in token_counts.items()), "windows": args.windows,
               "lengths": plan.lengths, "seconds": round(time.time() - started, 1), "torch": torch.__version__,
               "threads": torch.get_num_threads()}
-    (out / "diagnose.json").write_text(dump_json({"schema": SCHEMA, "header": header, "models": results}))
+    atomic_write_text(out / "diagnose.json", dump_json({"schema": SCHEMA, "header": header, "models": results}))
     write_report(results, out, header)
     print(f"wrote {out / 'report.md'}, {out / 'diagnose.json'} and the figures ({header['seconds']} s)",
           file=sys.stderr)

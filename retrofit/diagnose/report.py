@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_write_text
 from .markdown import PAPER, markdown
 
 
@@ -211,7 +212,7 @@ def write_report(results: list[dict], out: Path, header: dict) -> dict:
                            ("gradient", plot_gradient), ("heads", plot_heads)):
             figures[kind][r["label"]] = f"{kind}_{slug}.png"
             plot(r, out / figures[kind][r["label"]])
-    (out / "report.md").write_text(markdown(results, header, figures))
+    atomic_write_text(out / "report.md", markdown(results, header, figures))
     return figures
 
 

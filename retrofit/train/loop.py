@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..atomic import atomic_write_text
 from ..data import build_data
 from ..errors import RetrofitError
 from ..recipe import Recipe, flat, save_recipe
@@ -227,6 +228,6 @@ def save_final(acc, model, run_dir: Path, tokenizer, recipe: Recipe, result: Tra
                    "eval": result.evals.get(last), "model_type": language_model(saved).config.model_type,
                    "retrofit": getattr(language_model(saved).config, "retrofit", None),
                    "processes": acc.num_processes, "model_from_recipe": from_recipe}
-        (run_dir / "result.json").write_text(json.dumps(summary, indent=2, default=str))
+        atomic_write_text(run_dir / "result.json", json.dumps(summary, indent=2, default=str))  # marks the run finished
     acc.wait_for_everyone()
     return saved

@@ -199,16 +199,17 @@ def _previous_evaluation(path: Path, recipe: Recipe, exp: ExperimentSection) -> 
 
 
 def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: ExperimentSection, progress: bool,
-                 out: Path) -> dict:
+                 out: Path) -> tuple[dict, list[str]]:
     """Every model at every length it can take: a model with learned positions (a GPT-2 base next to
     NoPE arms) is evaluated up to its table and the report shows '—' beyond. Each model's results are
     saved to DIR/eval/results.json as soon as it is done, and a re-run reuses those of unchanged
-    checkpoints, so a crash in the last model's longest window does not redo the others."""
+    checkpoints, so a crash in the last model's longest window does not redo the others.
+    Returns (the evaluation, names of the models whose earlier results were reused)."""
     from .evaluate import evaluate_models
     lengths = sorted(set(recipe.eval_lengths()))
     saved = out / "eval" / "results.json"
     previous = _previous_evaluation(saved, recipe, exp)
-    merged = None
+    merged, reused = None, []
     for source, name in zip(sources, names):
         limit = learned_limit(source)
         allowed = [n for n in lengths if limit is None or n <= limit]
@@ -219,11 +220,14 @@ def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: Expe
         if entry is not None:
             print(f"[experiment] eval {name}: reusing its results in {saved}")
             one = dict(previous, models=[entry])
+            reused.append(name)
         else:
+            t0 = time.perf_counter()
             one = evaluate_models([source], names=[name], data=exp.eval_data, lengths=allowed,
                                   train_len=exp.train_len or recipe.data.seq_len, max_tokens=exp.eval_max_tokens,
                                   tokenizer=recipe.model.tokenizer, progress=progress)
-            one["models"][0] |= {"checkpoint": _within(source, out), "evaluated_at": time.time()}
+            one["models"][0] |= {"checkpoint": _within(source, out), "evaluated_at": time.time(),
+                                 "eval_s": round(time.perf_counter() - t0, 1)}
         merged = one if merged is None else dict(merged, models=merged["models"] + one["models"])
         merged["lengths"] = lengths
         if entry is None:  # progress on disk, keeping the earlier entries not yet reached
@@ -232,7 +236,31 @@ def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: Expe
             atomic_write_text(saved, json.dumps(dict(merged, models=merged["models"] + later), indent=1) + "\n")
     if merged is None:
         raise RetrofitError("no model could be evaluated at any of eval.lengths")
-    return merged
+    return merged, reused
+
+
+def _recorded_times(out: Path) -> dict:
+    """Stage wall times recorded when the stages ran (DIR/wall_time.json, else an earlier results.json)."""
+    for path, key in ((out / "wall_time.json", None), (out / "results.json", "wall_time_s")):
+        if path.is_file():
+            data = json.loads(path.read_text())
+            return (data.get(key) if key else data) or {}
+    return {}
+
+
+class _Clock:
+    """Per-stage wall time: measured for stages that run, as recorded for stages a re-run skips; saved
+    after every stage so a crash does not lose the times of the stages before it."""
+
+    def __init__(self, out: Path):
+        self.out, self.recorded, self.times = out, _recorded_times(out), {}
+
+    def stage(self, name: str, seconds: float, skipped: bool) -> None:
+        self.times[name] = self.recorded.get(name, seconds) if skipped else seconds
+        atomic_write_text(self.out / "wall_time.json", json.dumps(self.rounded()) + "\n")
+
+    def rounded(self) -> dict:
+        return {k: (round(v, 1) if v is not None else None) for k, v in self.times.items()}
 
 
 def hardware() -> dict:
@@ -257,27 +285,30 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_recipe(recipe, out / "recipe.yaml")
-    timings, failures, recovery = {}, {}, {}
+    clock, failures, recovery = _Clock(out), {}, {}
     start = time.perf_counter()
+    skipped = exp.base_steps > 0 and _finished(out / "base")
     base = run_base(recipe, exp, out)
-    timings["base"] = time.perf_counter() - start
+    clock.stage("base", time.perf_counter() - start, skipped)
     for arm in exp.arms:
         t0 = time.perf_counter()
+        skipped = _finished(out / "arms" / arm.name) and (out / "arms" / arm.name / "recovery.json").is_file()
         try:
             recovery[arm.name] = run_arm(recipe, exp, arm, base, out)
         except RetrofitError as err:  # a diverged arm is a result, not a crash of the experiment
             failures[arm.name] = str(err)
             print(f"[experiment] arm {arm.name} FAILED: {err}")
-        timings[f"arm {arm.name}"] = time.perf_counter() - t0
+        clock.stage(f"arm {arm.name}", time.perf_counter() - t0, skipped)
     t0 = time.perf_counter()
     done = [a.name for a in exp.arms if a.name not in failures]
     sources = ([base] if base else []) + [str(out / "arms" / n) for n in done]
     names = (["base"] if base else []) + done
-    evaluation = evaluate_all(sources, names, recipe, exp, progress, out)
+    evaluation, reused = evaluate_all(sources, names, recipe, exp, progress, out)
     write_report(evaluation, out / "eval")
-    timings["eval"] = time.perf_counter() - t0
+    earlier = sum(m.get("eval_s") or 0 for m in evaluation["models"] if m["name"] in reused)  # their recorded times
+    clock.stage("eval", time.perf_counter() - t0 + earlier, skipped=len(reused) == len(evaluation["models"]))
     results = {"schema": "retrofit.experiment/1", "recipe": recipe.name, "hardware": hardware(),
-               "wall_time_s": {k: round(v, 1) for k, v in timings.items()},
+               "wall_time_s": clock.rounded(),
                "base": base, "arms": {a.name: {"patch": a.patch.options() | {"norm": a.patch.norm, "nope": a.patch.nope},
                                                "failed": failures.get(a.name),
                                                "recovery": recovery.get(a.name)} for a in exp.arms},

@@ -96,7 +96,9 @@ def write_experiment_report(results: dict, out) -> Path:
              "Base checkpoint, then every arm finetuned from it for the same steps, data and seed; "
              "then all evaluated at every length. Numbers are computed by this run, not copied.", "",
              f"- Hardware: {json.dumps(results['hardware'])}",
-             f"- Wall time (s): {json.dumps(results['wall_time_s'])}",
+             f"- Wall time (s): {json.dumps(results['wall_time_s'])}, total "
+             f"{sum(v or 0 for v in results['wall_time_s'].values()) / 60:.1f} min (a stage a re-run skipped "
+             "keeps the time recorded when it ran)",
              f"- Base: `{results['base']}`",
              f"- Failed or diverged arms: {json.dumps(failed) if failed else 'none'}", "",
              f"## {label} by context length", "", "`*` marks the trained length; the last column is the "

@@ -79,8 +79,11 @@ def test_rerun_skips_finished_stages(demo_run, tmp_path, monkeypatch):
     assert before == after  # nothing retrained
     assert evaluated == []  # nor evaluated again
     assert results["arms"]["softmax"]["recovery"]
-    first = json.loads((demo_run[0] / "results.json").read_text())["evaluation"]["models"]
-    assert [m["counting"] for m in results["evaluation"]["models"]] == [m["counting"] for m in first]
+    first = json.loads((demo_run[0] / "results.json").read_text())
+    models = first["evaluation"]["models"]
+    assert [m["counting"] for m in results["evaluation"]["models"]] == [m["counting"] for m in models]
+    assert results["wall_time_s"] == first["wall_time_s"]  # the skipped stages keep their recorded times
+    assert all(m["eval_s"] > 0 for m in models)
 
 
 def test_a_retrained_arm_is_evaluated_again(demo_run, tmp_path, monkeypatch):

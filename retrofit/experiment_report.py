@@ -88,7 +88,8 @@ def write_experiment_report(results: dict, out) -> Path:
     series = recovery_series(results)
     plots = []
     if series:
-        plots.append(line_plot(series, out / "recovery.png", xlabel="finetune steps", log2x=False,
+        colors = {m["name"]: f"C{i % 10}" for i, m in enumerate(evaluation["models"])}  # as in eval/'s plots
+        plots.append(line_plot(series, out / "recovery.png", xlabel="finetune steps", log2x=False, colors=colors,
                                ylabel=f"{label} at the training length", title="Retrofit recovery").name)
     eval_plots = [p.name for p in sorted((out / "eval").glob("*.png"))]
     failed = {n: a["failed"] for n, a in results["arms"].items() if a.get("failed")}

@@ -121,7 +121,8 @@ def direction_markdown(reference: dict, ours: dict[str, dict[int, float]], train
             continue
         agree = sum(r["agree"] for r in rows)
         lines += [f"**{arm}** vs `{key}`: same direction at {agree} of {len(rows)} shared lengths.", "",
-                  "| length | × trained | Δ ours | Δ published | direction |", "|---|---|---|---|---|"]
+                  f"| length | L / {train_len or '—'} (our trained) | Δ ours | Δ published | direction |",
+                  "|---|---|---|---|---|"]
         for r in rows:
             times = f"{r['length'] / train_len:g}" if train_len else "—"
             lines.append(f"| {r['length']} | {times} | {r['ours']:+.3f} | {r['theirs']:+.3f} | "

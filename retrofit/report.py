@@ -204,10 +204,11 @@ def _tokens_label(x: float) -> str:
     return f"{x / 1024:g}K" if x >= 1024 else f"{x:g}"
 
 
-def draw_lines(ax, series: dict, *, xlabel, ylabel, title=None, log2x=True, marks=()):
-    """series: label -> (xs, ys). marks: (x, label) vertical lines, e.g. the training length."""
+def draw_lines(ax, series: dict, *, xlabel, ylabel, title=None, log2x=True, marks=(), colors=None):
+    """series: label -> (xs, ys). marks: (x, label) vertical lines, e.g. the training length.
+    colors: label -> matplotlib color, to keep one model's color across figures."""
     for label, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", markersize=3, label=str(label))
+        ax.plot(xs, ys, marker="o", markersize=3, label=str(label), color=(colors or {}).get(label))
     if log2x:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(lambda x, _: _tokens_label(x))

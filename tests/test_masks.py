@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import retrofit
@@ -35,7 +36,8 @@ def test_the_cached_answer_follows_in_place_changes():
     assert hides_future(mask, 300, 300)
 
 
-def test_left_padded_decoder_calls_the_kernel_causally(monkeypatch):
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_left_padded_decoder_calls_the_kernel_causally(monkeypatch, mode):
     import retrofit.norms.base as base
     seen = []
     real = base.visible_keys
@@ -51,9 +53,17 @@ def test_left_padded_decoder_calls_the_kernel_causally(monkeypatch):
     ids = random_ids(2, 12)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding
-    with torch.no_grad():
+    with mode():
         model(ids, attention_mask=mask)
     assert seen and all(has_mask and causal for has_mask, causal in seen)
+
+
+def test_inference_tensors_are_checked_every_time():
+    with torch.inference_mode():
+        mask = causal_mask(8, 8)[None, None].clone()
+        assert hides_future(mask, 8, 8)
+        mask[0, 0, 2, 6] = True  # changed in place: no version counter, so never answered from the cache
+        assert not hides_future(mask, 8, 8)
 
 
 def test_a_bidirectional_mask_stays_non_causal():

@@ -45,10 +45,13 @@ def visible_counts(mask: torch.Tensor | None, causal: bool, q_len: int, kv_len: 
 def hides_future(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
     """Whether `mask` already hides every key after each query's position (bottom-right causal), as a
     decoder's padding mask does: then a kernel may also skip those blocks. Checked _COUNT_ROWS rows
-    at a time; the last answer is kept for the same, unmodified mask object (every layer's call)."""
+    at a time; the last answer is kept for the same, unmodified mask object (every layer's call), except
+    for inference-mode tensors, which have no version counter to tell a modification (then it costs
+    about 1/(H*D) of the attention it saves)."""
     global _last_hides
-    ref, version, shape, answer = _last_hides
-    if ref() is mask and version == mask._version and shape == (q_len, kv_len):
+    version = None if mask.is_inference() else mask._version  # inference tensors keep no version: not cached
+    ref, last_version, shape, answer = _last_hides
+    if version is not None and ref() is mask and last_version == version and shape == (q_len, kv_len):
         return answer
     m = as_4d(mask)
     answer = True
@@ -60,7 +63,8 @@ def hides_future(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
             if (allowed & future).any():
                 answer = False
                 break
-    _last_hides = (weakref.ref(mask), mask._version, (q_len, kv_len), answer)
+    if version is not None:
+        _last_hides = (weakref.ref(mask), version, (q_len, kv_len), answer)
     return answer
 
 

@@ -44,7 +44,8 @@ def visible_counts(mask: torch.Tensor | None, causal: bool, q_len: int, kv_len: 
 
 def hides_future(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
     """Whether `mask` already hides every key after each query's position (bottom-right causal), as a
-    decoder's padding mask does: then a kernel may also skip those blocks. Checked _COUNT_ROWS rows
+    decoder's padding mask does: then a kernel may also skip those blocks. Keys beyond kv_len (a
+    static cache's unused slots) are not looked at. Checked _COUNT_ROWS rows
     at a time; the last answer is kept for the same, unmodified mask object (every layer's call), except
     for inference-mode tensors, which have no version counter to tell a modification (then it costs
     about 1/(H*D) of the attention it saves)."""
@@ -59,7 +60,7 @@ def hides_future(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
         for r0 in range(0, q_len, _COUNT_ROWS):
             r1 = min(r0 + _COUNT_ROWS, q_len)
             future = ~causal_rows(r0, r1, q_len, kv_len, mask.device)  # (rows, Tk)
-            allowed = _allowed(m[:, :, r0:r1] if m.shape[2] > 1 else m)
+            allowed = _allowed((m[:, :, r0:r1] if m.shape[2] > 1 else m)[..., :kv_len])
             if (allowed & future).any():
                 answer = False
                 break

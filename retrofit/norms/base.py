@@ -67,10 +67,13 @@ def visible_keys(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     q_len, kv_len = query.shape[2], key.shape[2]
     if attention_mask is not None:
+        # a decoder's padding mask already hides the future: saying so lets the kernels skip those blocks.
+        # Asked of the mask transformers built once per forward (not of a fresh slice), so every layer
+        # after the first gets the cached answer.
+        hides = causal and hides_future(attention_mask, q_len, kv_len)
         if attention_mask.dim() == 4:
             attention_mask = attention_mask[:, :, :, :kv_len]
-        # a decoder's padding mask already hides the future: saying so lets the kernels skip those blocks
-        return key, value, attention_mask, causal and hides_future(attention_mask, q_len, kv_len)
+        return key, value, attention_mask, hides
     if not causal or q_len == 1:
         return key, value, None, False
     if kv_len > q_len:

@@ -7,13 +7,12 @@
     model = retrofit.from_pretrained(folder)    # rebuilds the patch recorded in config.retrofit
 """
 
-__version__ = "0.1.0"
-
-from .errors import RetrofitError  # noqa: E402
-from .norms import available_norms, describe_norms  # noqa: E402
-from .patch import PatchReport, is_patched, observe, patch, patch_record, unpatch  # noqa: E402
-from .calibrate import calibrate  # noqa: E402
-from .models import from_pretrained, load_model  # noqa: E402
+from .calibrate import calibrate
+from .errors import RetrofitError
+from .load import from_pretrained, load_model
+from .norms import available_norms, describe_norms
+from .patch import PatchReport, is_patched, observe, patch, patch_record, unpatch
+from .version import VERSION as __version__
 
 __all__ = [
     "PatchReport", "RetrofitError", "available_norms", "calibrate", "describe_norms", "from_pretrained",

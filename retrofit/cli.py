@@ -3,8 +3,9 @@
     retrofit patch gpt2 --norm avnorm --out gpt2-avnorm
     retrofit norms
 
-Each command lives in the module named in COMMANDS, which provides `add_arguments(parser)` and
-`run(args) -> int` (or, serving several commands, CLI_COMMANDS = {command: (add_arguments, run)}). Bad input raises `RetrofitError`: printed as one line, exit code 2, no traceback.
+Each verb is a module retrofit/commands/<verb>.py providing `add_arguments(parser)` and `run(args) -> int`
+(a module serving several verbs names them in CLI_COMMANDS = {verb: (add_arguments, run)}). Bad input
+raises `RetrofitError`: printed as one line, exit code 2, no traceback.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from .errors import RetrofitError
 COMMANDS = {
     "patch": ("retrofit.commands.patch", "patch a model's attention and save it"),
     "norms": ("retrofit.commands.norms", "list every norm, its options and its formula"),
-    "train": ("retrofit.train", "pretrain or finetune from a YAML recipe (accelerate-driven)"),
-    "eval": ("retrofit.evaluate", "length-extrapolation evaluation: loss by length and position"),
-    "experiment": ("retrofit.experiment", "pretrain -> finetune arms -> evaluate -> report"),
-    "demo": ("retrofit.experiment", "the embedded default experiment: offline, CPU, minutes"),
-    "diagnose": ("retrofit.diagnose", "the paper's attention diagnostics on any model"),
-    "push": ("retrofit.hub", "push a patched checkpoint or run to the Hugging Face Hub"),
-    "bench": ("retrofit.bench", "benchmarks: attention kernels, training loop, evaluation"),
+    "train": ("retrofit.commands.train", "pretrain or finetune from a YAML recipe (accelerate-driven)"),
+    "eval": ("retrofit.commands.eval", "length-extrapolation evaluation: loss by length and position"),
+    "experiment": ("retrofit.commands.experiment", "pretrain -> finetune arms -> evaluate -> report"),
+    "demo": ("retrofit.commands.experiment", "the embedded default experiment: offline, CPU, minutes"),
+    "diagnose": ("retrofit.commands.diagnose", "the paper's attention diagnostics on any model"),
+    "push": ("retrofit.commands.push", "push a patched checkpoint or run to the Hugging Face Hub"),
+    "bench": ("retrofit.commands.bench", "benchmarks: attention kernels, training loop, evaluation"),
 }
 
 

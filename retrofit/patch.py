@@ -4,7 +4,7 @@
     report = retrofit.patch(model, "avnorm", kind="rms")   # prints what was patched
     retrofit.unpatch(model)                                  # exactly the original model again
 
-How (facts in ../shared/DESIGN.md): transformers calls
+How: transformers calls
 `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)(module, q, k, v, mask, ...)`.
 We register two attention functions — `retrofit` (wrapping sdpa) and `retrofit_eager` (wrapping the
 model's eager function) — each with the matching mask function under the same name (without it
@@ -27,17 +27,17 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from . import __version__
 from .errors import RetrofitError
 from .families import FAMILIES, family_of
-from .norms import AttentionShape, closest, get_norm, make_options
+from .norms import AttentionShape, get_norm, make_options
 from .positions import has_positions_removed, remove_positions, restore_positions
+from .version import VERSION
 
 CHILD = "retrofit"  # name of the norm module attached to each attention module
 FORMAT = 1          # version of the config.retrofit record
 
 
-def _eager_of(module: nn.Module):
+def eager_attention_of(module: nn.Module):
     """The model file's own eager attention function (GQA repeat, soft-capping etc. live there)."""
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if fn is None:
@@ -60,7 +60,7 @@ def retrofit_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def retrofit_eager_attention(module, query, key, value, attention_mask, **kwargs):
-    return _dispatch(_eager_of(module), module, query, key, value, attention_mask, **kwargs)
+    return _dispatch(eager_attention_of(module), module, query, key, value, attention_mask, **kwargs)
 
 
 # Base implementation -> (our registered name, attention function, mask function of the base).
@@ -127,7 +127,7 @@ def is_patched(model: nn.Module) -> bool:
 
 
 def _shape(module: nn.Module, config) -> AttentionShape:
-    heads = getattr(config, "num_attention_heads", None) or getattr(module, "num_heads")
+    heads = getattr(config, "num_attention_heads", None) or module.num_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size", None) or config.hidden_size // heads
     return AttentionShape(int(heads), int(kv_heads), int(head_dim), getattr(config, "max_position_embeddings", None))
@@ -178,7 +178,7 @@ def patch(model: nn.Module, norm: str = "avnorm", *, nope: bool = False, **optio
     positions = remove_positions(model, family_of(config)) if nope else None
     model.set_attn_implementation(IMPLEMENTATIONS[base][0])
     config.retrofit = {
-        "format": FORMAT, "retrofit_version": __version__, "norm": norm,
+        "format": FORMAT, "retrofit_version": VERSION, "norm": norm,
         "options": dataclasses.asdict(opts), "nope": bool(nope),
         "base_attn_implementation": base, "calibration": None,
     }
@@ -249,4 +249,4 @@ def observe(model: nn.Module, fn):
 
 
 __all__ = ["PatchReport", "attention_modules", "is_patched", "observe", "patch", "patch_from_record",
-           "patch_record", "unpatch", "closest"]
+           "patch_record", "unpatch"]

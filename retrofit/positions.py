@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .errors import RetrofitError
-from .families import Family
+from .families import Family, family_of
 
 
 class NoPositionEmbedding(nn.Module):
@@ -82,3 +82,17 @@ def restore_positions(model: nn.Module) -> int:
 
 def has_positions_removed(model: nn.Module) -> bool:
     return any(isinstance(m, (NoPositionEmbedding, IdentityRotary)) for m in model.modules())
+
+
+def learned_position_limit(config, *, nope: bool = False) -> int | None:
+    """The length bound set by learned absolute positions (GPT-2: n_positions = 1024), or None: rotary or
+    unknown families, and NoPE-patched models, accept any length. The one place this limit is computed."""
+    family = family_of(config)
+    if nope or family is None or family.max_learned_positions is None:
+        return None
+    return int(getattr(config, family.max_learned_positions))
+
+
+def position_limit(model: nn.Module) -> int | None:
+    """learned_position_limit of a loaded (maybe patched) model."""
+    return learned_position_limit(model.config, nope=has_positions_removed(model))

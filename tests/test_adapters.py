@@ -1,4 +1,4 @@
-"""retrofit.adapters: a LoRA adapter on a patched model round-trips (adapter + patch record + patch tensors),
+"""retrofit.load.adapters: a LoRA adapter on a patched model round-trips (adapter + patch record + patch tensors),
 merge_and_unload keeps the patch, and what is not a retrofit adapter fails with one line."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import retrofit
-from retrofit.adapters import load_adapter, save_adapter
 from retrofit.errors import RetrofitError
+from retrofit.load.adapters import load_adapter, save_adapter
 from tests.tiny import random_ids, tiny_model
 
 TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
@@ -55,7 +55,8 @@ def test_adapter_round_trips_with_trained_patch(tmp_path, family, norm, nope, op
     assert {p.name for p in folder.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors", "retrofit.json",
                                                   "retrofit.safetensors"}
     meta = json.loads((folder / "retrofit.json").read_text())
-    assert meta["base_model"] == str(tmp_path / "base") and meta["patch"]["norm"] == norm and meta["patch"]["nope"] == nope
+    assert (meta["base_model"] == str(tmp_path / "base") and meta["patch"]["norm"] == norm
+            and meta["patch"]["nope"] == nope)
     assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "base")
     loaded = retrofit.from_pretrained(str(folder))  # models.from_pretrained -> load_adapter for an adapter folder
     with torch.no_grad():
@@ -102,7 +103,7 @@ def test_what_is_not_a_retrofit_adapter_fails_with_one_line(tmp_path, monkeypatc
     plain.save_pretrained(tmp_path / "peft-only")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    monkeypatch.setattr("retrofit.models.hub_reachable", lambda *a: False)
+    monkeypatch.setattr("retrofit.load.adapters.hub_reachable", lambda *a: False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     cases = [(lambda: save_adapter(tiny_model("llama"), tmp_path / "a"), "takes a PEFT model"),
              (lambda: save_adapter(plain, tmp_path / "b"), "not patched"),

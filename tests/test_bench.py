@@ -10,7 +10,7 @@ import pytest
 def _bench_args(*argv):
     import argparse
 
-    from retrofit import bench
+    from retrofit.commands import bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import retrofit
-from retrofit.diagnose import Plan, diagnose
+from retrofit.diagnose import Plan, diagnose, parse_patch
 from retrofit.diagnose import measures as M
 from retrofit.diagnose.capture import capture_rows
-from retrofit.diagnose.cli import parse_lengths, parse_patch
 from retrofit.errors import RetrofitError
+from retrofit.lengths import parse_lengths
 from tests.tiny import VOCAB, random_ids, tiny_model
 
 D64 = torch.float64
@@ -79,12 +79,12 @@ def test_softmax_jacobian_formula_equals_finite_differences():
     logits, _, vis, g = _random_rows(0, rows=2, n=7)
     for T in (0.3, 1.0, 4.0):
         J = M.softmax_jacobian(M.softmax_weights(logits / T), T)                  # (2, 7, 7)
-        auto = torch.stack([torch.autograd.functional.jacobian(lambda l: torch.softmax(l / T, -1), row)
+        auto = torch.stack([torch.autograd.functional.jacobian(lambda row_, T=T: torch.softmax(row_ / T, -1), row)
                             for row in logits])
         torch.testing.assert_close(J, auto)
         for _ in range(3):
             dl = M.unit_directions(vis, g)
-            fn = lambda l, t: M.softmax_weights(l / t)  # noqa: E731
+            fn = lambda scores, t: M.softmax_weights(scores / t)  # noqa: E731
             fd = M.finite_difference_gain(fn, logits, dl, T, 1e-6)
             torch.testing.assert_close(fd, (J @ dl[..., None])[..., 0].norm(dim=-1), rtol=1e-4, atol=1e-9)
 

@@ -62,7 +62,7 @@ def test_unsupported_attention_implementation():
 
 
 def test_model_without_registry_attention():
-    from transformers import AutoModelForCausalLM, AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.for_model("gpt_neox", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                intermediate_size=64, vocab_size=97)
     model = AutoModelForCausalLM.from_config(cfg)
@@ -102,7 +102,7 @@ def test_cli_bad_input_exits_2_without_traceback(args, match):
     run = _cli(*args)
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr
-    lines = [l for l in run.stderr.splitlines() if l.strip()]
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and __import__("re").search(match, lines[0]), run.stderr
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import retrofit
 from retrofit import evaluate
 from retrofit.errors import RetrofitError
-from retrofit.evaluate import cut_windows, parse_lengths, position_buckets, evaluate_models, token_losses
+from retrofit.evaluate import cut_windows, evaluate_models, parse_lengths, position_buckets, token_losses
 from tests.tiny import VOCAB, tiny_model
 
 
@@ -40,7 +40,7 @@ def test_chunked_loss_equals_full_logits_loss(model_type, overrides, chunk_token
 
 def test_unknown_logit_transform_is_refused(monkeypatch):
     model = tiny_model("gemma2", final_logit_softcapping=3.0)
-    monkeypatch.setattr(evaluate, "LOGIT_TRANSFORMS", {})
+    monkeypatch.setattr(evaluate.losses, "LOGIT_TRANSFORMS", {})
     with pytest.raises(RetrofitError, match="LOGIT_TRANSFORMS"):
         evaluate.check_head(model, torch.tensor([_tokens(16)]))
 
@@ -117,7 +117,8 @@ def test_text_is_tokenized_once_per_tokenizer(tmp_path, monkeypatch):
     calls = []
     real = evaluate.tokenize_files
     monkeypatch.setattr(evaluate, "tokenize_files", lambda tok, paths: calls.append(paths) or real(tok, paths))
-    results = evaluate_models(folders, data=str(tmp_path / "book.txt"), lengths=[32, 64], max_tokens=200, progress=False)
+    results = evaluate_models(folders, data=str(tmp_path / "book.txt"), lengths=[32, 64], max_tokens=200,
+                              progress=False)
     assert len(calls) == 1
     assert [m["name"] for m in results["models"]] == ["model0", "model1"]
     assert results["data"]["documents"] == [len(text)]
@@ -157,7 +158,8 @@ def test_cli_writes_report_and_exits_2_without_traceback(tmp_path, capsys):
     assert main(["eval", str(folder), "--data", str(tmp_path / "tokens.json"), "--lengths", "32,64,...,256",
                  "--out", str(tmp_path / "eval2")]) == 2  # 64 learned positions
     assert "64 tokens" in capsys.readouterr().err
-    done = subprocess.run([sys.executable, "-m", "retrofit", "eval", str(folder), "--data", str(tmp_path / "tokens.json"),
+    done = subprocess.run([sys.executable, "-m", "retrofit", "eval", str(folder),
+                           "--data", str(tmp_path / "tokens.json"),
                            "--lengths", "1024,4096", "--out", str(tmp_path / "eval3")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
@@ -188,7 +190,7 @@ def test_passkey_accuracy_matches_full_logits_greedy_check():
 
 def test_counting_runs_are_evaluated_on_counting():
     from retrofit.data import counting_batch
-    from retrofit.train.tasks import CountingModel
+    from retrofit.load import CountingModel
     model = CountingModel(tiny_model("llama")).eval()
     results = evaluate_models([model], lengths=[16, 128], counting={"sequences": 3, "alphabet": 4}, progress=False)
     row = results["models"][0]["counting"][1]

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from retrofit import experiment
 from retrofit.errors import RetrofitError
+from retrofit.evaluate.report import validate
+from retrofit.experiment import driver as experiment
 from retrofit.recipe import load_recipe
-from retrofit.report import validate
 
 SHRINK = ["experiment.base_steps=6", "experiment.finetune_steps=4", "experiment.recovery_at=[0,2]",
           "eval.lengths=[64,128]", "eval.batches=1", "eval.batch_size=4", "train.batch_size=8",
@@ -64,7 +64,7 @@ def _count_evaluations(monkeypatch, fail_on=None) -> list:
             raise RetrofitError(f"out of memory at the longest length ({fail_on})")
         return real(sources, **kwargs)
 
-    monkeypatch.setattr(retrofit.evaluate, "evaluate_models", counted)
+    monkeypatch.setattr(experiment, "evaluate_models", counted)
     return seen
 
 
@@ -159,7 +159,7 @@ def test_a_failing_arm_is_reported_and_the_others_run(tmp_path, monkeypatch):
 
 
 def test_the_issue_recipes_ship_with_experiment_sections():
-    folder = Path(experiment.__file__).parent / "recipes"
+    folder = Path(experiment.__file__).parent.parent / "recipes"
     for name in ("demo", "counting-psoftmax", "gpt2-avnorm-retrofit", "llama-avnorm-retrofit", "nope",
                  "norm-comparison"):
         assert load_recipe(folder / f"{name}.yaml").section("experiment").arms, name
@@ -167,7 +167,7 @@ def test_the_issue_recipes_ship_with_experiment_sections():
 
 
 def test_experiment_without_section_is_refused(tmp_path):
-    recipe = Path(experiment.__file__).parent / "recipes" / "train-tiny-counting.yaml"
+    recipe = Path(experiment.__file__).parent.parent / "recipes" / "train-tiny-counting.yaml"
     with pytest.raises(RetrofitError, match="no experiment section"):
         experiment.run_experiment(recipe, tmp_path)
 

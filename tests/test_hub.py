@@ -1,6 +1,6 @@
 """retrofit push: the staged folder, the model card, the single network boundary, and loading from the Hub.
 
-The Hub is unreachable here, so the one network function (`retrofit.hub.upload_folder`) is replaced by a
+The Hub is unreachable here, so the one network function (`retrofit.hub.publish.upload_folder`) is replaced by a
 local stand-in that "uploads" into a Hugging Face cache laid out as `hf download` would leave it; a fresh
 process with HF_HUB_OFFLINE=1 then loads `me/...` from that cache. Everything up to the stand-in is real.
 """
@@ -51,7 +51,7 @@ def fake_hub(monkeypatch, tmp_path):
         publish_to_cache(folder, repo, tmp_path / "cache", revision)
         return f"https://huggingface.co/{repo}/commit/{COMMIT}"
 
-    monkeypatch.setattr("retrofit.hub.upload_folder", upload)
+    monkeypatch.setattr("retrofit.hub.publish.upload_folder", upload)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     return calls
 
@@ -69,7 +69,7 @@ def base_folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def patched(tmp_path_factory):
     """A patched tiny Llama (randomized gains) saved as `retrofit patch --out` does, and an eval folder."""
-    from retrofit.report import write_report
+    from retrofit.evaluate.report import write_report
     root = tmp_path_factory.mktemp("patched")
     model = tiny_model("llama")
     retrofit.patch(model, "avnorm")
@@ -199,7 +199,7 @@ def test_upload_errors_are_one_line_without_the_token(monkeypatch, patched, tmp_
     def failing(folder, repo, *, private, revision, token):
         raise OSError(f"401 Unauthorized for token {token}\nmore detail")
 
-    monkeypatch.setattr("retrofit.hub.upload_folder", failing)
+    monkeypatch.setattr("retrofit.hub.publish.upload_folder", failing)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     ckpt, _, _ = patched
     assert main(["push", str(ckpt), "--repo", "me/tiny-avnorm"]) == 2
@@ -223,7 +223,8 @@ def test_bad_input_fails_before_any_work(monkeypatch, patched, tmp_path, capfd):
              (["patch", "gpt2", "--norm", "avnorm", "--push-to-hub", "me/x"], "no Hugging Face token")]
     plain = tmp_path / "plain"
     tiny_model("llama").save_pretrained(plain)
-    cases.append((["push", str(plain), "--repo", "me/x", "--dry-run", str(tmp_path / "d3")], "not a retrofit checkpoint"))
+    cases.append((["push", str(plain), "--repo", "me/x", "--dry-run", str(tmp_path / "d3")],
+                  "not a retrofit checkpoint"))
     capfd.readouterr()
     for argv, message in cases:
         assert main(argv) == 2, argv
@@ -234,9 +235,11 @@ def test_bad_input_fails_before_any_work(monkeypatch, patched, tmp_path, capfd):
 
 # ---- LoRA runs: adapter or merged; loading adapters from the Hub ---------------------------------------------------
 
-def test_lora_run_pushes_adapter_or_merged_and_loads_back_from_the_hub(fake_hub, lora_run, base_folder, tmp_path, capfd):
+def test_lora_run_pushes_adapter_or_merged_and_loads_back_from_the_hub(fake_hub, lora_run, base_folder, tmp_path,
+                                                                        capfd):
     from huggingface_hub import ModelCard
-    from retrofit.adapters import load_adapter
+
+    from retrofit.load.adapters import load_adapter
     ids = random_ids(2, 12)
     merged_logits = retrofit.from_pretrained(str(lora_run))(ids).logits.detach()
     run_adapter = retrofit.from_pretrained(str(lora_run / "adapter"))  # PEFT's own folder: record from result.json
@@ -270,7 +273,7 @@ def test_lora_run_pushes_adapter_or_merged_and_loads_back_from_the_hub(fake_hub,
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 import retrofit
-from retrofit.adapters import load_adapter
+from retrofit.load.adapters import load_adapter
 from tests.tiny import random_ids
 ids = random_ids(2, 12)
 with torch.no_grad():

@@ -120,7 +120,8 @@ def test_dropout_follows_the_torch_seed_and_zero_is_the_plain_kernel():
     b = _call("psoftmax-p2", q, k, v, None, 3, dropout_p=RATE)
     c = _call("psoftmax-p2", q, k, v, None, 4, dropout_p=RATE)
     assert torch.equal(a, b) and not torch.allclose(a, c)
-    assert torch.equal(_call("psoftmax-p2", q, k, v, None, 3, dropout_p=0.0), psoftmax_attention(q, k, v, 2.0, enable_gqa=True))
+    assert torch.equal(_call("psoftmax-p2", q, k, v, None, 3, dropout_p=0.0),
+                       psoftmax_attention(q, k, v, 2.0, enable_gqa=True))
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
         psoftmax_attention(q, k, v, 2.0, enable_gqa=True, dropout_p=1.0)
 

@@ -22,7 +22,8 @@ def test_every_notebook_is_committed_stripped():
         nbformat.validate(book)
         for cell in book.cells:
             if cell.cell_type == "code":
-                assert not cell.outputs and cell.execution_count is None, f"{path.name}: strip outputs before committing"
+                assert (not cell.outputs
+                        and cell.execution_count is None), f"{path.name}: strip outputs before committing"
         first = next(c for c in book.cells if c.cell_type == "code")
         assert "RETROFIT_NB_SMALL" in first.source, f"{path.name}: the first code cell holds the settings"
 

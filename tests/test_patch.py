@@ -231,7 +231,8 @@ def test_calibration_recovers_the_original_function():
     with torch.no_grad():
         want = original(input_ids=ids, labels=ids).loss
         unit = model(input_ids=ids, labels=ids).loss
-        summary = retrofit.calibrate(model, [ids[:2], {"input_ids": ids[2:], "attention_mask": torch.ones_like(ids[2:])}])
+        summary = retrofit.calibrate(model, [ids[:2], {"input_ids": ids[2:],
+                                                       "attention_mask": torch.ones_like(ids[2:])}])
         calibrated = model(input_ids=ids, labels=ids).loss
     assert summary["tokens"] == ids.numel() and summary["batches"] == 2
     assert model.config.retrofit["calibration"]["tokens"] == ids.numel()

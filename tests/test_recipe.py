@@ -9,8 +9,17 @@ from pathlib import Path
 import pytest
 
 from retrofit.errors import RetrofitError
-from retrofit.recipe import (Recipe, apply_overrides, documentation, load_recipe, recipe_from_dict, recipe_to_dict,
-                             register_section, save_recipe, EXTRA_SECTIONS)
+from retrofit.recipe import (
+    EXTRA_SECTIONS,
+    Recipe,
+    apply_overrides,
+    documentation,
+    load_recipe,
+    recipe_from_dict,
+    recipe_to_dict,
+    register_section,
+    save_recipe,
+)
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 BASE = {"model": {"source": "gpt2"}, "data": {"files": ["train.txt"]}}
@@ -75,7 +84,7 @@ def test_overrides_reach_flat_norm_options_and_nested_sections():
                           ["train.steps=200", "patch.norm=psoftmax", "patch.p=2", "train.peft.r=4",
                            "eval.lengths=[64, 128]", "data.counting.alphabet=5"])
     recipe = recipe_from_dict(raw)
-    assert recipe.train.steps == 200 and recipe.patch.options() == {"p": 2.0}
+    assert recipe.train.steps == 200 and recipe.patch.options == {"p": 2.0}
     assert recipe.train.peft.r == 4 and recipe.eval.lengths == [64, 128] and recipe.data.counting.alphabet == 5
     with pytest.raises(RetrofitError, match="must look like section.key=value"):
         apply_overrides({}, ["train.steps"])

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from retrofit.errors import RetrofitError
-from retrofit.schema import build
-from retrofit.reference import ReferenceSection, direction_markdown, directions, load_reference
+from retrofit.experiment.reference import direction_markdown, directions, load_reference
+from retrofit.recipe import ReferenceSection
+from retrofit.recipe.schema import build
 
 TABLE = {"context_lengths": [64, 128, 256, 512],
          "pe": {"l1": [3.0, 3.0, 3.0, 3.0], "rms": [3.2, 3.005, 2.5, 2.0]}}

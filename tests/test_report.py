@@ -1,4 +1,4 @@
-"""retrofit.report: the schema, tables and plots from hand-written result dicts (no model needed)."""
+"""retrofit.evaluate.report: the schema, tables and plots from hand-written result dicts (no model needed)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from retrofit.errors import RetrofitError
 from retrofit.evaluate import position_buckets
-from retrofit.report import RESULTS_SCHEMA, loss_table_markdown, tidy_rows, validate, write_report
+from retrofit.evaluate.report import RESULTS_SCHEMA, loss_table_markdown, tidy_rows, validate, write_report
 
 LENGTHS = [16, 32, 64, 128]
 
@@ -33,7 +33,8 @@ def fake_results():
             "retrofit": None if i == 0 else {"norm": "avnorm", "options": {}, "nope": False},
             "max_learned_positions": None, "max_position_embeddings": 64, "memory_kind": "rss",
             "lengths": [_length_row(n, 3.0 + i + n / 100, beyond=n > 64) for n in LENGTHS],
-            "passkey": [{"length": n, "depth": d, "accuracy": 0.5, "trials": 4} for n in LENGTHS for d in (0.0, 0.5, 1.0)],
+            "passkey": [{"length": n, "depth": d, "accuracy": 0.5, "trials": 4}
+                        for n in LENGTHS for d in (0.0, 0.5, 1.0)],
             "counting": [{"length": n, "l1": 0.1 * n, "mse": 0.01 * n * n, "sequences": 4} for n in LENGTHS],
         })
     return {"schema": "retrofit.eval/1", "train_len": 32, "lengths": LENGTHS,
@@ -77,7 +78,8 @@ def test_schema_accepts_results_and_names_what_is_wrong():
     validate(fake_results())
     for break_it, message in [
         (lambda r: r.pop("models"), "missing key 'models'"),
-        (lambda r: r["models"][0]["lengths"][0].update(loss="3.2"), r"models\[0\]\.lengths\[0\]\.loss: expected number"),
+        (lambda r: r["models"][0]["lengths"][0].update(loss="3.2"),
+         r"models\[0\]\.lengths\[0\]\.loss: expected number"),
         (lambda r: r["models"][1]["lengths"][2].update(beyond_max_positions=1), "expected boolean"),
         (lambda r: r["models"][0]["lengths"][0].update(windows=True), "expected integer"),
         (lambda r: r["models"][0]["passkey"][0].update(accuracy=1.5), "outside"),
@@ -115,7 +117,7 @@ def test_schema_document_names_every_field():
 
 
 def test_length_plots_mark_the_training_length_and_a_shared_position_limit():
-    from retrofit.report import length_marks
+    from retrofit.evaluate.report import length_marks
     results = fake_results()  # trained at 32, both models have 64 positions, evaluated up to 128
     assert length_marks(results) == [(32, "train length"), (64, "max_position_embeddings")]
     results["models"][1]["max_position_embeddings"] = 128  # no shared limit: only the training length

@@ -18,8 +18,9 @@ import retrofit
 from retrofit.cli import main
 from retrofit.data import counting_batch
 from retrofit.errors import RetrofitError
+from retrofit.load import load_run
 from retrofit.recipe import load_recipe, recipe_from_dict
-from retrofit.train import build, checkpoint, load_run, read_log, train
+from retrofit.train import build, checkpoint, read_log, train
 from tests.test_data import char_tokenizer
 from tests.tiny import TINY, tiny_model
 
@@ -160,7 +161,7 @@ def test_sigkill_mid_training_then_resume_ends_like_an_uninterrupted_run(corpus,
     for (name, a), b in zip(resumed.model.state_dict().items(), reference.model.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-5), name
     assert retrofit.from_pretrained(str(tmp_path / "run")).config.retrofit["norm"] == "avnorm"
-    assert retrofit.models.load_tokenizer(str(tmp_path / "run")).eos_token == "<eos>"  # the tokenizer is saved too
+    assert retrofit.load.load_tokenizer(str(tmp_path / "run")).eos_token == "<eos>"  # the tokenizer is saved too
 
 
 def test_crash_while_writing_a_checkpoint_never_leaves_one_that_loads(corpus, uninterrupted, tmp_path, monkeypatch):
@@ -295,8 +296,7 @@ def test_schedule_staging_and_the_world_size_guard(monkeypatch):
         def __init__(self, **kwargs):
             seen.update(kwargs)
 
-    import accelerate
-    monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
+    monkeypatch.setattr(build, "Accelerator", FakeAccelerator)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RetrofitError, match="WORLD_SIZE is 2 but accelerate runs 1"):

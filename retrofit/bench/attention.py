@@ -232,7 +232,7 @@ def _ratio(row, base, key):
 
 
 def _table(rows: list[dict]) -> str:
-    from ..report import markdown_table
+    from ..evaluate.report import markdown_table
 
     header = ["implementation", "T", "fwd ms", "fwd / sdpa", "fwd+bwd ms", "fwd+bwd / sdpa", "peak MB fwd",
               "peak MB fwd+bwd", "peak / sdpa"]

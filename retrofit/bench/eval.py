@@ -28,7 +28,7 @@ SMALL = dict(model_type="llama", hidden_size=256, intermediate_size=1024, num_hi
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="a model source for retrofit.models.load_model "
+    parser.add_argument("--model", default=None, help="a model source for retrofit.load.load_model "
                         "(default: a small random Llama with GPT-2's vocabulary, built offline)")
     parser.add_argument("--length", type=int, default=16384, help="window length in tokens")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma list of: " + ", ".join(METHODS))
@@ -46,7 +46,7 @@ def _model(source):
         sizes = dict(SMALL)
         config = AutoConfig.for_model(sizes.pop("model_type"), **sizes)
         return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    from ..models import load_model
+    from ..load import load_model
     return load_model(source).eval()
 
 
@@ -55,7 +55,7 @@ def measure(config: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from ..evaluate import token_losses
+    from ..evaluate.losses import token_losses
     from ..memory import PeakMemory
 
     model = _model(config["model"]).to(config["device"])
@@ -84,14 +84,14 @@ def measure(config: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..report import markdown_table
+    from ..evaluate.report import markdown_table
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(methods) - set(METHODS)
     if unknown or not methods:
         raise RetrofitError(f"unknown --methods {sorted(unknown)}: choose from {', '.join(METHODS)}")
     if args.model is not None:
-        from ..models import source_kind
+        from ..load import source_kind
         source_kind(args.model)  # a missing file or folder fails here, once, not in every subprocess
     rows = []
     for method in methods:

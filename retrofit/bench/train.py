@@ -5,8 +5,8 @@
 
 Both loops train the same freshly initialized model (same seed, same config, optionally patched) on
 the same random tokens, with the same batch, precision, fused AdamW (the Trainer default), warmup +
-cosine and clipping, and no evaluation or checkpointing. Each logs every `--warmup` steps (a host sync in both); tokens/s is
-measured from the first such log to the last, so start-up and the first steps are excluded. The
+cosine and clipping, and no evaluation or checkpointing. Each logs every `--warmup` steps (a host sync in both);
+tokens/s is measured from the first such log to the last, so start-up and the first steps are excluded. The
 loops alternate `--repeats` times in this one process; the ratio compares medians (robust to a
 neighbour's burst on a shared machine; the JSON also keeps every repeat, the best, and the load
 average). Target: retrofit >= 1.0x Trainer.
@@ -70,11 +70,11 @@ class RandomTokens:
 
 
 def _model(args):
-    import retrofit
-    from ..models import model_from_config
+    from ..load import model_from_config
+    from ..patch import patch
     model = model_from_config(args.model_type, seed=0, **SIZES[args.model_type])
     if args.norm:
-        retrofit.patch(model, args.norm)
+        patch(model, args.norm)
     return model
 
 

@@ -9,9 +9,11 @@ model's loss on that text before and after patching.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
+import typing
 from pathlib import Path
 
 import torch
@@ -19,26 +21,43 @@ import torch
 from ..atomic import atomic_folder
 from ..calibrate import calibrate
 from ..errors import RetrofitError
-from ..models import load_model, load_tokenizer
-from ..norms import make_options
+from ..hub import check_repo, find_token, push
+from ..load import is_hub_id, load_model, load_tokenizer
+from ..norms import NORMS, make_options
 from ..patch import patch
 
-# flag -> norm option; only flags the user set are passed, so an option the norm lacks is an error.
-NORM_FLAGS = {"kind": str, "affine": None, "eps": float, "gain": float, "p": float, "s_init": float,
-              "ref_len": int, "learnable": None}
+
+def norm_flags() -> dict[str, dict]:
+    """Every option of every registered norm as a flag: option -> {type (None = a switch), norms, doc}.
+
+    Generated from the norms' Options dataclasses (each option is declared once, in its norm's file); only
+    flags the user set are passed, so an option the chosen norm lacks is an error naming its options."""
+    flags: dict[str, dict] = {}
+    for name, cls in sorted(NORMS.items()):
+        hints = typing.get_type_hints(cls.Options)
+        for f in dataclasses.fields(cls.Options):
+            kinds = [t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None)]
+            kind = None if kinds == [bool] else kinds[0] if kinds[0] in (int, float, str) else str
+            entry = flags.setdefault(f.name, {"type": kind, "norms": [], "doc": (f.metadata or {}).get("doc", "")})
+            entry["norms"].append(name)
+    return flags
+
+
+NORM_FLAGS = norm_flags()
 
 
 def add_arguments(parser):
     parser.add_argument("source", help="Hub id, local model folder, or .gguf file")
-    parser.add_argument("--norm", required=True, help="softmax | avnorm | psoftmax | ssmax | softmax1 (see `retrofit norms`)")
+    parser.add_argument("--norm", required=True,
+                        help="softmax | avnorm | psoftmax | ssmax | softmax1 (see `retrofit norms`)")
     parser.add_argument("--nope", action="store_true", help="also remove positional information")
-    for flag, typ in NORM_FLAGS.items():
+    for flag, spec in NORM_FLAGS.items():
         name = "--" + flag.replace("_", "-")
-        if typ is None:
-            parser.add_argument(name, dest=flag, action="store_const", const=True, default=None,
-                                help=f"norm option {flag}")
+        about = f"{'/'.join(spec['norms'])}: {spec['doc']}"
+        if spec["type"] is None:
+            parser.add_argument(name, dest=flag, action="store_const", const=True, default=None, help=about)
         else:
-            parser.add_argument(name, dest=flag, type=typ, default=None, help=f"norm option {flag}")
+            parser.add_argument(name, dest=flag, type=spec["type"], default=None, help=about)
     parser.add_argument("--calibrate", metavar="FILE", help="text file to calibrate AVNorm gains on")
     parser.add_argument("--calibrate-tokens", type=int, default=8192, help="tokens of FILE to use (default 8192)")
     parser.add_argument("--check-text", metavar="FILE", help="print the loss on this text before and after patching")
@@ -84,7 +103,6 @@ def run(args) -> int:
     if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
         raise RetrofitError(f"{args.out} exists and is not empty; choose another --out or remove it")
     if args.push_to_hub:  # a bad repo id or a missing token fails before any loading
-        from ..hub import check_repo, find_token
         check_repo(args.push_to_hub)
         find_token()
     model = load_model(args.source, dtype=args.dtype)
@@ -111,15 +129,15 @@ def run(args) -> int:
 
 def _push(model, tokenizer, args) -> None:
     """Push the saved folder (or, without --out, a temporary one) with the card naming this command."""
-    from ..hub import hub_id_like, push
     flags = [f"--{k.replace('_', '-')}" + ("" if getattr(args, k) is True else f" {getattr(args, k)}")
              for k in NORM_FLAGS if getattr(args, k) is not None]
-    command = " ".join(["retrofit patch", Path(args.source).name if not hub_id_like(args.source) else args.source,
+    command = " ".join(["retrofit patch", Path(args.source).name if not is_hub_id(args.source) else args.source,
                         f"--norm {args.norm}", *(["--nope"] if args.nope else []), *flags,
                         *(["--calibrate FILE"] if args.calibrate else [])])
     with tempfile.TemporaryDirectory(prefix="retrofit-patch-") as tmp:
         folder = args.out or os.path.join(tmp, "model")
         if not args.out:
             save_atomically(model, tokenizer, folder)
-        url = push(folder, args.push_to_hub, base_model=args.source, command=command)  # a local base: its card's license
+        # a local base: its card's license
+        url = push(folder, args.push_to_hub, base_model=args.source, command=command)
     print(f"pushed to https://huggingface.co/{args.push_to_hub} ({url})")

@@ -1,7 +1,7 @@
 """`retrofit diagnose`: the measures of "Limitations of Normalization in Attention Mechanism" on any model.
 
     retrofit diagnose runs/demo/base runs/demo/avnorm ./smollm2.gguf \\
-        --data ../shared/data/books/persuasion.txt --lengths 32,64,...,1024 --out diag/
+        --data books/persuasion.txt --lengths 32,64,...,1024 --out diag/
 
     from retrofit.diagnose import Plan, diagnose
     result = diagnose(model, windows, Plan(lengths=[32, 64, 128]))   # windows: (B, T) token ids
@@ -17,31 +17,14 @@ Per model, per layer and head, as diagnose.json, report.md and PNG figures:
 
 Layout: measures.py (pure tensor math, equation numbers in docstrings) <- capture.py (the patcher's
 attention seam) <- collect.py (one forward, per-head reductions) <- summary.py (JSON) <- report.py
-(plots) + markdown.py (report.md) <- cli.py (sources, text, patched variants).
+(plots) + markdown.py (report.md) <- sources.py (sources, text, patched variants, `diagnose`).
+The CLI is retrofit/commands/diagnose.py.
 """
 
 from __future__ import annotations
 
 from .collect import Plan, diagnose_model
+from .sources import diagnose, diagnose_sources, parse_patch
 from .summary import summarize
 
-
-def diagnose(model, windows, plan: Plan, *, label: str = "model", progress: bool = True, meta: dict | None = None) -> dict:
-    """Run every measure of `plan` on `model` over `windows` (B, T) and return the JSON-ready result."""
-    raw = diagnose_model(model, windows, plan, label=label, progress=progress)
-    return summarize(raw["acc"], plan, {"label": label, **(meta or {}), "windows": raw["windows"]})
-
-
-def add_arguments(parser) -> None:
-    from .cli import add_arguments as add
-
-    add(parser)
-
-
-def run(args) -> int:
-    from .cli import run as run_cli
-
-    return run_cli(args)
-
-
-__all__ = ["Plan", "add_arguments", "diagnose", "diagnose_model", "run", "summarize"]
+__all__ = ["Plan", "diagnose", "diagnose_model", "diagnose_sources", "parse_patch", "summarize"]

@@ -30,7 +30,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..errors import RetrofitError
-from ..patch import IMPLEMENTATIONS, _eager_of, attention_modules, observe
+from ..patch import IMPLEMENTATIONS, attention_modules, eager_attention_of, observe
 from . import measures
 
 
@@ -65,16 +65,17 @@ def weight_map(norm, heads: int) -> tuple[str, Callable, float, torch.Tensor | N
     sink b = 0 is unchanged by it)."""
     name = "softmax" if norm is None else norm.name
     if name in ("softmax", "avnorm"):
-        return name, lambda l, t, n: measures.softmax_weights(l / t), 1.0, None, None
+        return name, lambda s_, t, n: measures.softmax_weights(s_ / t), 1.0, None, None
     if name == "psoftmax":
         p = float(norm.options.p)
-        return name, lambda l, t, n: measures.psoftmax_weights(l / t, p), p, None, None
+        return name, lambda s_, t, n: measures.psoftmax_weights(s_ / t, p), p, None, None
     if name == "ssmax":
         s = norm.s.detach().float().view(heads, 1, 1)
-        return name, lambda l, t, n: measures.softmax_weights(l * s.to(l.dtype) * n.log() / t), 1.0, None, s
+        return name, lambda s_, t, n: measures.softmax_weights(s_ * s.to(s_.dtype) * n.log() / t), 1.0, None, s
     if name == "softmax1":
         sink = norm.sink.detach().float().view(heads, 1)
-        return name, lambda l, t, n: measures.softmax1_weights(l / t, sink.to(l.dtype)[..., None] / t), 1.0, sink, None
+        return (name, lambda s_, t, n: measures.softmax1_weights(s_ / t, sink.to(s_.dtype)[..., None] / t), 1.0, sink,
+                None)
     raise RetrofitError(f"diagnose does not know how norm {name!r} makes its weights; add it to "
                         "retrofit/diagnose/capture.py")
 
@@ -97,7 +98,7 @@ def _base_kernel(module, visible):
     bool mask; an eager function (a model patched over eager, e.g. for soft-capping) adds a float one."""
     if getattr(module.config, "_attn_implementation", "") == IMPLEMENTATIONS["eager"][0]:
         additive = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
-        return _eager_of(module), additive.masked_fill(~visible, torch.finfo(torch.float32).min)
+        return eager_attention_of(module), additive.masked_fill(~visible, torch.finfo(torch.float32).min)
     return sdpa_attention_forward, visible
 
 

@@ -193,7 +193,7 @@ def _gradient(rows: LayerRows, plan: Plan, acc: Accumulator) -> None:
     sl = slice(start, start + q)
     logits, vis, n = rows.logits[:, :, sl, :L].double(), rows.visible[:, :, sl, :L], rows.n[:, :, sl].double()
     direction = measures.unit_directions(vis, torch.Generator().manual_seed(plan.seed * 1000 + rows.layer))
-    fn = lambda l, t: rows.weight_fn(l, t, n)  # noqa: E731
+    fn = lambda scores, t: rows.weight_fn(scores, t, n)  # noqa: E731
     for t in plan.temperatures:
         base = fn(logits, t)
         for eps in plan.epsilons:

@@ -129,7 +129,8 @@ def _distance(results, figures):
         row = [str(L)]
         for r in results:
             c = r["summary"]["distance"]["critical"][str(L)]
-            row += [c["printed"]["critical_n"], c["printed"]["fraction"], c["exact"]["critical_n"], c["exact"]["fraction"]]
+            row += [c["printed"]["critical_n"], c["printed"]["fraction"],
+                    c["exact"]["critical_n"], c["exact"]["fraction"]]
         rows.append(row)
     md += _table(["L"] + [f"{lab}: {c}" for lab in labels for c in ("N printed", "N/L", "N exact", "N/L")], rows)
     md += [""]
@@ -172,7 +173,8 @@ def _gradient(results, figures):
         T = g["temperatures"]
         picks = [min(range(len(T)), key=lambda i: abs(math.log(T[i] / t))) for t in (1e-3, 1e-2, 1e-1, 1, 10)]
         for eps, v in g["by_eps"].items():
-            rows.append([r["label"], eps] + [v["max"][i] for i in picks] + [v["slope_small_T_max"], v["above_paper_bound"]])
+            rows.append([r["label"], eps] + [v["max"][i] for i in picks]
+                        + [v["slope_small_T_max"], v["above_paper_bound"]])
     md += _table(["model", "ε"] + [f"max g, T={_fmt(t)}" for t in (1e-3, 1e-2, 1e-1, 1, 10)] +
                  ["slope (T ≤ 0.1)", "T values above paper bound"], rows)
     return md + [""] + [f"![gradient]({figures['gradient'][r['label']]})" for r in results] + [""]

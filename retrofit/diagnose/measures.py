@@ -1,7 +1,7 @@
 """The paper's measures as pure tensor math: no model, no I/O, no retrofit import.
 
 Equation numbers are those of Mudarisov et al., "Limitations of Normalization in Attention Mechanism"
-(../shared/seeds/003). Shapes, batched over any leading dims `...`:
+(arXiv, 2025). Shapes, batched over any leading dims `...`:
 
     weights  (..., R, n)   R query rows over n keys; 0 on keys the row may not see
     visible  (..., R, n)   bool, True where the row may see the key
@@ -168,7 +168,8 @@ def topn_distance(weights: torch.Tensor, x: torch.Tensor, visible: torch.Tensor,
 
     # Theorem 1.2 over the row's visible keys, each term a quadratic in p = N/(L-1) per key:
     #   Jensen's  ||(1+p) a_i x_i - p xbar||^2 = a_i^2|x_i|^2 (1+p)^2 - 2 p (1+p) a_i x_i.xbar + p^2 |xbar|^2
-    #   printed   ||(a_i+p) x_i - xbar||^2    = (a_i^2|x_i|^2 - 2 a_i x_i.xbar + |xbar|^2) + p (2 a_i|x_i|^2 - 2 x_i.xbar) + p^2 |x_i|^2
+    #   printed   ||(a_i+p) x_i - xbar||^2    = (a_i^2|x_i|^2 - 2 a_i x_i.xbar + |xbar|^2)
+    #                                           + p (2 a_i|x_i|^2 - 2 x_i.xbar) + p^2 |x_i|^2
     keep = (n - N) / n                                                      # (L - N) / L, (..., R, G)
     p = (N / (n - 1).clamp_min(1))[..., :, None]                            # (..., R, G, 1)
     xbar = w @ x                                                            # (..., R, D)

@@ -10,6 +10,7 @@ entropy and variance curves put one line per model on the same axes.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -218,8 +219,6 @@ def write_report(results: list[dict], out: Path, header: dict) -> dict:
 
 def rerender(out: Path) -> dict:
     """Rewrite report.md and the figures of `out` from its diagnose.json (no model needed)."""
-    import json
-
     saved = json.loads((Path(out) / "diagnose.json").read_text())
     return write_report(saved["models"], out, saved["header"])
 

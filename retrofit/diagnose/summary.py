@@ -84,9 +84,9 @@ def summarize(acc: Accumulator, plan: Plan, meta: dict) -> dict:
 
     vanishing, variance = {}, {}
     for L in plan.lengths:
-        m = {k: acc.mean(f"{L}/{k}") for k in ("entropy", "max_weight", "min_weight", "sq_norm", "mass", "cor1_exponent",
-                                                "cor1_holds", "cor1_upper_use", "cor1_lower_use", "logit_range", "var_pred", "var_value",
-                                                "var_out_raw", "var_out")}
+        m = {k: acc.mean(f"{L}/{k}") for k in ("entropy", "max_weight", "min_weight", "sq_norm", "mass",
+                                                "cor1_exponent", "cor1_holds", "cor1_upper_use", "cor1_lower_use",
+                                                "logit_range", "var_pred", "var_value", "var_out_raw", "var_out")}
         vanishing[L] = {"log_L": math.log(L), "entropy": _median(m["entropy"]), "entropy_mean": _mean(m["entropy"]),
                         "inv_L": 1 / L, "max_weight": _median(m["max_weight"]), "min_weight": _median(m["min_weight"]),
                         "mass": _median(m["mass"]),

@@ -13,10 +13,9 @@ returning `(out (B, Tq, H, D), weights or None)` exactly like a transformers att
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any
 
-from ..errors import RetrofitError
+from ..errors import RetrofitError, closest
 from .base import AttentionShape, Norm
 
 NORMS: dict[str, type[Norm]] = {}
@@ -28,12 +27,6 @@ def register_norm(cls: type[Norm]) -> type[Norm]:
         raise ValueError(f"norm {cls.name!r} is registered twice")
     NORMS[cls.name] = cls
     return cls
-
-
-def closest(word: str, choices) -> str:
-    """' (did you mean X?)' for the closest choice, or '' when nothing is close."""
-    match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.5)
-    return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 def available_norms() -> list[str]:

@@ -5,18 +5,16 @@
     accelerate launch -m retrofit train recipes/gpt2-avnorm-retrofit.yaml
     retrofit train RECIPE --resume runs/x
 
-    from retrofit.train import train, load_run
+    from retrofit.train import train
     result = train(load_recipe("recipes/train-tiny-counting.yaml"))   # TrainResult: losses, evals, model
-    model = load_run(result.run_dir)                                   # LM or CountingModel, ready to evaluate
+    model = retrofit.load.load(result.run_dir)                         # LM or CountingModel, ready to evaluate
 
-Modules: loop (the loop), build (accelerator, model, optimizer, schedule), tasks (losses, evaluation,
-saving/loading runs, the counting head), checkpoint (atomic resumable state), runlog (log.jsonl),
-command (the CLI).
+Modules: loop (the loop), build (accelerator, task wrapper, LoRA, optimizer, schedule), tasks (losses,
+periodic evaluation), checkpoint (atomic resumable state), runlog (log.jsonl). Loading the model and
+saving the final one is retrofit.load; the CLI is retrofit/commands/train.py.
 """
 
-from .command import add_arguments, run
 from .loop import TrainResult, setup, train
 from .runlog import read_log
-from .tasks import CountingModel, load_run
 
-__all__ = ["CountingModel", "TrainResult", "add_arguments", "load_run", "read_log", "run", "setup", "train"]
+__all__ = ["TrainResult", "read_log", "setup", "train"]

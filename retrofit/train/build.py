@@ -4,8 +4,8 @@ Every function here is called by `retrofit.train.train` in this order, and each 
 own (the experiment driver builds a base once and finetunes several arms from it):
 
     accelerator = make_accelerator(recipe.train, run_dir)
-    model, tokenizer = load_base(recipe)                # Hub | folder | .gguf | run folder | config
-    report = apply_patch(model, recipe.patch)           # None when patch.norm is null
+    model, tokenizer = load_base(recipe)                # retrofit.load: Hub | folder | .gguf | run | config
+    report = apply_patch(model, recipe.patch)           # retrofit.load; None when patch.norm is null
     check_lengths(model, recipe)                        # GPT-2: 1024 learned positions unless nope
     model = wrap_task(model, recipe.data.task)          # counting -> CountingModel (backbone + head)
     calibrate_patch(model, data, recipe)
@@ -15,18 +15,22 @@ own (the experiment driver builds a base once and finetunes several arms from it
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from peft import LoraConfig, get_peft_model
 from torch import nn
 
+from ..calibrate import calibrate
 from ..errors import RetrofitError
-from ..recipe import PatchSection, PeftSection, Recipe, TrainSection
-from .tasks import CountingModel, language_model, load_run
-
+from ..load import CountingModel, language_model
+from ..positions import position_limit
+from ..recipe import PeftSection, Recipe, TrainSection
+from .runlog import JsonlTracker
 
 # ---- processes -------------------------------------------------------------------------------------------------------
 
@@ -44,14 +48,9 @@ def make_accelerator(train: TrainSection, run_dir, trackers=()):
     """An Accelerator that cannot silently run N independent copies.
 
     Under torchrun / `accelerate launch --multi_gpu` on a machine without CUDA, a plain Accelerator()
-    ignores WORLD_SIZE and every process trains alone (see ../shared/DESIGN.md); so cpu=True is forced
+    ignores WORLD_SIZE and every process trains alone (see DESIGN.md's accelerate facts); so cpu=True is forced
     there (gloo), and the process count accelerate sees must equal WORLD_SIZE.
     """
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
-    from .runlog import JsonlTracker
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cpu = train.cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or (
         world > 1 and not torch.cuda.is_available())
@@ -65,7 +64,8 @@ def make_accelerator(train: TrainSection, run_dir, trackers=()):
     )
     if accelerator.num_processes != world:
         raise RetrofitError(f"WORLD_SIZE is {world} but accelerate runs {accelerator.num_processes} process(es): "
-                            "launch with torchrun --nproc_per_node N or accelerate launch --multi_gpu --num_processes N")
+                            "launch with torchrun --nproc_per_node N or "
+                            "accelerate launch --multi_gpu --num_processes N")
     return accelerator
 
 
@@ -79,61 +79,11 @@ def accumulation(train: TrainSection, processes: int) -> int:
 
 # ---- the model -------------------------------------------------------------------------------------------------------
 
-def load_base(recipe: Recipe):
-    """(model, tokenizer) as the recipe's model section says, before any patch or head is added."""
-    from ..models import model_from_config
-    m = recipe.model
-    if m.source is None:
-        cfg = dict(m.config)
-        model = model_from_config(cfg.pop("model_type"), attn_implementation=m.attn_implementation,
-                                  seed=recipe.train.seed, **cfg)
-        model.to(getattr(torch, m.dtype))
-    else:
-        model = load_run(m.source, dtype=m.dtype, attn_implementation=m.attn_implementation, revision=m.revision)
-    return model, recipe_tokenizer(recipe)
-
-
-def recipe_tokenizer(recipe: Recipe):
-    """model.tokenizer, else the source's own; None for counting (token ids are the symbols)."""
-    from ..models import load_tokenizer
-    m = recipe.model
-    if m.tokenizer is not None:
-        tokenizer = load_tokenizer(m.tokenizer)
-        if tokenizer is None:
-            raise RetrofitError(f"model.tokenizer {m.tokenizer}: no tokenizer there")
-        return tokenizer
-    if recipe.data.task == "counting":
-        return None
-    tokenizer = load_tokenizer(m.source) if m.source is not None else None
-    if tokenizer is None:
-        raise RetrofitError(f"{m.source} has no tokenizer and data.task {recipe.data.task} needs one: set model.tokenizer")
-    return tokenizer
-
-
-def apply_patch(model: nn.Module, patch: PatchSection):
-    """Patch as the recipe says; a model that already carries this exact patch keeps it (and its trained
-    parameters); a different patch replaces it. patch.norm null leaves the model as loaded."""
-    import retrofit
-    from ..norms import make_options
-    if patch.norm is None:
-        return None
-    lm = language_model(model)
-    wanted = {"norm": patch.norm, "options": dataclasses.asdict(make_options(patch.norm, **patch.options())),
-              "nope": patch.nope}
-    record = retrofit.patch_record(lm)
-    if record and all(record.get(k) == v for k, v in wanted.items()):
-        return None
-    if retrofit.is_patched(lm):
-        retrofit.unpatch(lm)
-    return retrofit.patch(lm, patch.norm, nope=patch.nope, **patch.options())
-
-
 def check_lengths(model: nn.Module, recipe: Recipe) -> None:
     """Refuse, before training, lengths the model cannot represent (learned absolute positions)."""
-    from ..models import max_learned_positions
     lm = language_model(model)
     longest = max([recipe.data.seq_len, *recipe.eval_lengths()])
-    limit = max_learned_positions(lm)
+    limit = position_limit(lm)
     if limit is not None and longest > limit:
         raise RetrofitError(f"length {longest} (data.seq_len / eval.lengths) exceeds {lm.config.model_type}'s {limit} "
                             "learned positions; set patch.nope: true (with a patch.norm) or use shorter lengths")
@@ -151,19 +101,17 @@ def wrap_task(model: nn.Module, task: str) -> nn.Module:
 
 def calibrate_patch(model: nn.Module, data, recipe: Recipe) -> dict | None:
     """Calibrated AVNorm gains from the recipe's own data (see retrofit/calibrate.py for why)."""
-    import retrofit
     tokens = recipe.patch.calibration_tokens(pretrained=recipe.model.source is not None)
     if not tokens or recipe.patch.norm != "avnorm":
         return None
     batches = data.calibration(tokens, recipe.data.seq_len)
-    return retrofit.calibrate(language_model(model), batches)
+    return calibrate(language_model(model), batches)
 
 
 def apply_peft(model: nn.Module, peft: PeftSection | None) -> nn.Module:
     """LoRA on the language model; the patch's `retrofit` children train too (modules_to_save)."""
     if peft is None:
         return model
-    from peft import LoraConfig, get_peft_model
     lm = language_model(model)
     patched = any(n.endswith(".retrofit") and any(True for _ in m.parameters()) for n, m in lm.named_modules())
     config = LoraConfig(r=peft.r, lora_alpha=peft.alpha, lora_dropout=peft.dropout, task_type="CAUSAL_LM",
@@ -220,7 +168,8 @@ def lr_at(step: int, train: TrainSection) -> float:
     if step < train.warmup_steps:
         return train.lr * (step + 1) / train.warmup_steps
     progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
-    return train.lr * (train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    return train.lr * (train.min_lr_ratio
+                       + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def seq_len_at(step: int, recipe: Recipe) -> int:

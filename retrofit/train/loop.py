@@ -30,9 +30,10 @@ from torch import nn
 from ..atomic import atomic_write_text
 from ..data import build_data
 from ..errors import RetrofitError
-from ..recipe import Recipe, flat, save_recipe
+from ..load import apply_patch, language_model, load_base, recipe_tokenizer, save_model
+from ..recipe import Recipe, flat, load_recipe, save_recipe
 from . import build, checkpoint
-from .tasks import evaluate, items, language_model, loss_sum, save_model
+from .tasks import evaluate, items, loss_sum
 
 
 @dataclass
@@ -68,10 +69,10 @@ def setup(recipe: Recipe, accelerator, *, model=None, tokenizer=None, data=None)
     from accelerate.utils import set_seed
     set_seed(recipe.train.seed)
     if model is None:
-        model, tokenizer = build.load_base(recipe)
+        model, tokenizer = load_base(recipe)
     elif tokenizer is None and data is None:  # data passed in code brings its own tokens
-        tokenizer = build.recipe_tokenizer(recipe)
-    report = build.apply_patch(model, recipe.patch)
+        tokenizer = recipe_tokenizer(recipe)
+    report = apply_patch(model, recipe.patch)
     build.check_lengths(model, recipe)
     model = build.wrap_task(model, recipe.data.task)
     if data is None:
@@ -104,7 +105,6 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
     if acc.distributed_type.name == "DEEPSPEED" and accum != 1:
         raise RetrofitError("with DeepSpeed set train.micro_batch_size = batch_size / processes (no accumulation)")
     if resume and (run_dir / "recipe.yaml").is_file():  # before anything loads: same recipe or a clear error
-        from ..recipe import load_recipe
         checkpoint.check_same_recipe(flat(load_recipe(run_dir / "recipe.yaml")), flat(recipe), run_dir)
     done = run_dir / "result.json"
     if resume and done.is_file() and json.loads(done.read_text()).get("steps") == t.steps:

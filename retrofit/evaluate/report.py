@@ -1,6 +1,6 @@
 """Tables and plots from result dicts: results.json, results.csv, results.md and PNG plots.
 
-    from retrofit.report import write_report
+    from retrofit.evaluate.report import write_report
     paths = write_report(results, "eval/")     # results: what retrofit.evaluate.evaluate_models returns
 
 The functions below take the results dict (schema: RESULTS_SCHEMA, documented in
@@ -16,8 +16,8 @@ import json
 import math
 from pathlib import Path
 
-from .atomic import atomic_write_text
-from .errors import RetrofitError
+from ..atomic import atomic_write_text
+from ..errors import RetrofitError
 
 # ---- the schema (a JSON Schema subset; `validate` below checks it without extra dependencies) -----------------
 
@@ -29,7 +29,8 @@ _LENGTH_ROW = {
     "type": "object",
     "required": ["length", "loss", "windows", "tokens", "time_s", "peak_memory_mb", "beyond_max_positions",
                  "by_position"],
-    "properties": {"length": {"type": "integer", "minimum": 2}, "loss": _NUM, "windows": {"type": "integer", "minimum": 1},
+    "properties": {"length": {"type": "integer", "minimum": 2}, "loss": _NUM,
+                   "windows": {"type": "integer", "minimum": 1},
                    "tokens": _INT, "time_s": _NUM, "tokens_per_s": _NUM, "peak_memory_mb": _NUM,
                    "start_memory_mb": _NUM, "beyond_max_positions": {"type": "boolean"}, "windows_sha1": _STR,
                    "by_position": {"type": "array", "items": _BUCKET}}}
@@ -142,7 +143,8 @@ def loss_table_markdown(results: dict, metric: str = "loss") -> str:
     for m in results["models"]:
         by_length = {r["length"]: r for r in m.get("lengths", [])}
         rows.append([m["name"]] + [
-            None if n not in by_length else f"{by_length[n][metric]:.3f}" + (" †" * by_length[n]["beyond_max_positions"])
+            None if n not in by_length
+            else f"{by_length[n][metric]:.3f}" + (" †" * by_length[n]["beyond_max_positions"])
             for n in results["lengths"]])
     table = markdown_table(header, rows)
     if any(r["beyond_max_positions"] for m in results["models"] for r in m.get("lengths", [])):
@@ -153,7 +155,8 @@ def loss_table_markdown(results: dict, metric: str = "loss") -> str:
 def cost_table_markdown(results: dict) -> str:
     """One row per model and length: windows, tokens, loss, seconds, tokens/s, peak memory."""
     rows = [[m["name"], r["length"], r["windows"], r["tokens"], r["loss"], f"{r['time_s']:.1f}",
-             round(r.get("tokens_per_s", 0)), round(r["peak_memory_mb"])] for m in results["models"] for r in m.get("lengths", [])]
+             round(r.get("tokens_per_s", 0)), round(r["peak_memory_mb"])]
+            for m in results["models"] for r in m.get("lengths", [])]
     kind = {m.get("memory_kind", "rss") for m in results["models"]}
     return markdown_table(["model", "length", "windows", "tokens", "loss", "time (s)", "tokens/s",
                            f"peak memory (MiB, {'/'.join(sorted(kind))})"], rows)
@@ -167,7 +170,8 @@ def position_table_markdown(results: dict, length: int | None = None) -> str:
         r = next((r for r in m.get("lengths", []) if r["length"] == length), None)
         if r is None:
             continue
-        header = header or ["model"] + [str(b["start"]) if b["end"] - b["start"] == 1 else f"{b['start']}–{b['end'] - 1}"
+        header = header or ["model"] + [str(b["start"]) if b["end"] - b["start"] == 1
+                                        else f"{b['start']}–{b['end'] - 1}"
                                         for b in r["by_position"]]
         rows.append([m["name"]] + [b["loss"] for b in r["by_position"]])
     return markdown_table(header, rows) if rows else ""
@@ -329,10 +333,12 @@ def results_markdown(results: dict, plots=()) -> str:
     lines = ["# Length extrapolation", "",
              f"Data: {', '.join(data.get('files') or ['given tokens'])} ({sum(data.get('documents') or [])} tokens). "
              f"Training length: {results.get('train_len') or 'not given'}. "
-             f"Max tokens per length: {settings.get('max_tokens') or 'all'}. Window: {settings.get('window', 'L tokens')}.",
+             f"Max tokens per length: {settings.get('max_tokens') or 'all'}. "
+             f"Window: {settings.get('window', 'L tokens')}.",
              ""]
     for m in results["models"]:
-        lines.append(f"- **{m['name']}**: {m['model_type']}, {m.get('dtype', '?')}, source `{m.get('source') or 'in memory'}`, "
+        lines.append(f"- **{m['name']}**: {m['model_type']}, {m.get('dtype', '?')}, "
+                     f"source `{m.get('source') or 'in memory'}`, "
                      f"patch {json.dumps(m.get('retrofit'))}, learned positions {m.get('max_learned_positions')}, "
                      f"max_position_embeddings {m.get('max_position_embeddings')}")
     lm = [("Loss by context length", loss_table_markdown(results)),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 
 from ..errors import RetrofitError
+from ..recipe import documentation, load_recipe
+from ..train import train
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,12 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="run folder (overrides output.dir)")
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its newest complete checkpoint")
-    parser.add_argument("--keys", action="store_true", help="list every recipe key with its default and meaning, then exit")
+    parser.add_argument("--keys", action="store_true",
+                        help="list every recipe key with its default and meaning, then exit")
     parser.epilog = "Overrides go before the options: retrofit train RECIPE train.steps=10 --out runs/x"
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..recipe import documentation, load_recipe
     if args.keys:
         for key, default, doc in documentation():
             print(f"{key:32} {default:14} {doc}")
@@ -38,7 +40,6 @@ def run(args: argparse.Namespace) -> int:
     if args.out or args.resume:
         overrides.append(f"output.dir={args.out or args.resume}")
     recipe = load_recipe(args.recipe, overrides)
-    from .loop import train
     result = train(recipe, resume=bool(args.resume))
     last = result.losses.get(max(result.losses)) if result.losses else None
     print(f"done: {result.steps} steps" + (f", final loss {last:.4g}" if last is not None else "")

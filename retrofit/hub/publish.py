@@ -8,7 +8,7 @@
 What goes up: safetensors weights, config.json with its `retrofit` section, the tokenizer, README.md (a
 model card: metadata, what was patched and why, how to load, a run's recipe and loss curve, the `retrofit
 eval` table and plots when found), recipe.yaml, eval/; an adapter with retrofit.json + retrofit.safetensors
-(retrofit/adapters.py). The pushed config.json sets `"attn_implementation": "retrofit.from_pretrained"`,
+(retrofit/load/adapters.py). The pushed config.json sets `"attn_implementation": "retrofit.from_pretrained"`,
 so plain transformers refuses it by name instead of silently running it unpatched
 (docs/plain-transformers.md); retrofit's loader overrides it. The only network call is `upload_folder`;
 the token (`hf auth login` or HF_TOKEN) is never printed, logged or written.
@@ -24,11 +24,31 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER, RECORD, TENSORS, read_record
-from .atomic import atomic_folder
-from .errors import RetrofitError
+import yaml
+from huggingface_hub import HfApi, ModelCard, get_token, try_to_load_from_cache
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-GUARD = "retrofit.from_pretrained"  # never registered: plain transformers refuses it by name
+from ..atomic import atomic_folder
+from ..errors import RetrofitError
+from ..evaluate.report import line_plot
+from ..load.adapters import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    MARKER,
+    RECORD,
+    TENSORS,
+    adapter_patch_keys,
+    load_adapter,
+    read_record,
+)
+from ..load.checkpoint import patch_tensors
+from ..load.sources import is_hub_id
+from ..norms import get_norm
+from ..train.runlog import read_log
+from .model_card import GUARD, model_card
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 MODEL_FILES = ("generation_config.json", "model.safetensors.index.json", "task.json", "task_head.safetensors")
@@ -37,7 +57,6 @@ EVAL_FILES = ("results.md", "results.json", "results.csv")
 
 def upload_folder(folder, repo: str, *, private: bool, revision: str | None, token: str) -> str:
     """Create `repo` if needed (and the branch `revision`), upload `folder` as one commit; returns its URL."""
-    from huggingface_hub import HfApi
     api = HfApi(token=token)
     api.create_repo(repo, private=private, exist_ok=True)
     if revision and revision != "main":
@@ -50,7 +69,6 @@ def upload_folder(folder, repo: str, *, private: bool, revision: str | None, tok
 # ---- checks before any work -----------------------------------------------------------------------------------------
 
 def check_repo(repo: str) -> None:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
     try:
         validate_repo_id(repo)
     except HFValidationError:
@@ -60,17 +78,10 @@ def check_repo(repo: str) -> None:
 
 
 def find_token() -> str:
-    from huggingface_hub import get_token
     token = get_token()
     if not token:
         raise RetrofitError("no Hugging Face token: run `hf auth login` or set HF_TOKEN (or use --dry-run DIR)")
     return token
-
-
-def hub_id_like(name) -> bool:
-    """A Hub id (gpt2, org/name), not a local path."""
-    name = str(name or "")
-    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not Path(os.path.expanduser(name)).exists()
 
 
 # ---- what SOURCE holds ----------------------------------------------------------------------------------------------
@@ -135,17 +146,12 @@ def _stage_model(model_dir: Path, stage: Path, link: bool) -> dict:
 
 def _stage_adapter(adapter_dir: Path, model_dir: Path | None, run: Path | None, stage: Path, link: bool,
                    base_model: str | None) -> dict:
-    from safetensors.torch import save_file
-
-    from .adapters import _adapter_patch_keys
-    from .models import _retrofit_tensors
-    from .norms import get_norm
     if not (adapter_dir / ADAPTER_WEIGHTS).is_file():
         raise RetrofitError(f"{adapter_dir} has no {ADAPTER_WEIGHTS}; save the adapter with safetensors")
     meta = read_record(adapter_dir)
     recorded = meta.get("base_model")
     meta["base_model"] = base_model or recorded
-    if not hub_id_like(meta["base_model"]):
+    if not is_hub_id(meta["base_model"]):
         raise RetrofitError(f"the adapter's base model is {meta['base_model'] or 'not named'}, which Hub users cannot "
                             "load: pass --base-model HUB_ID (the same base on the Hub), or push --merged")
     adapter_config = _json(adapter_dir / ADAPTER_CONFIG)
@@ -155,13 +161,13 @@ def _stage_adapter(adapter_dir: Path, model_dir: Path | None, run: Path | None, 
     _place(adapter_dir / ADAPTER_WEIGHTS, stage / ADAPTER_WEIGHTS, link)
     if (adapter_dir / TENSORS).is_file():
         _place(adapter_dir / TENSORS, stage / TENSORS, link)
-    elif get_norm(meta["patch"]["norm"]).has_parameters and not _adapter_patch_keys(adapter_dir):
+    elif get_norm(meta["patch"]["norm"]).has_parameters and not adapter_patch_keys(adapter_dir):
         # A run's adapter/ without the patch (not trained, so not in modules_to_save): untrained, they equal
         # the run's merged model's; without that model they are lost.
         if model_dir is None:
             raise RetrofitError(f"{adapter_dir} holds neither the patch's parameters nor {TENSORS}, and there is no "
-                                "merged model next to it to take them from; re-save it with retrofit.adapters.save_adapter")
-        save_file(_retrofit_tensors(str(model_dir), "folder", None), str(stage / TENSORS))
+                                "merged model next to it to take them from; re-save it with retrofit.load.save_adapter")
+        save_file(patch_tensors(str(model_dir), "folder", None), str(stage / TENSORS))
     _copy_tokenizer([adapter_dir] + ([run] if run else []), stage, link)
     model_type = _json(run / "result.json").get("model_type") if run else None
     return {"kind": "adapter", "record": meta["patch"], "model_type": model_type, "base_model": meta["base_model"],
@@ -170,7 +176,6 @@ def _stage_adapter(adapter_dir: Path, model_dir: Path | None, run: Path | None, 
 
 
 def _stage_merged(adapter_dir: Path, run: Path | None, stage: Path, link: bool) -> dict:
-    from .adapters import load_adapter
     merged = load_adapter(adapter_dir).merge_and_unload()
     merged.save_pretrained(str(stage / ".merged"))
     info = _stage_model(stage / ".merged", stage, link=False)
@@ -182,7 +187,6 @@ def _stage_merged(adapter_dir: Path, run: Path | None, stage: Path, link: bool) 
 
 
 def _params_added(files) -> int:
-    from safetensors import safe_open
     total = 0
     for f in files:
         with safe_open(str(f), "pt") as handle:
@@ -192,10 +196,9 @@ def _params_added(files) -> int:
 
 def _base_license(where) -> str | None:
     """The license in the model card of a folder or of a Hub id in the local cache (no network call)."""
-    from huggingface_hub import ModelCard, try_to_load_from_cache
     path = Path(os.path.expanduser(str(where)))
     card = path / "README.md" if path.is_dir() else None
-    if card is None and hub_id_like(where):
+    if card is None and is_hub_id(where):
         cached = try_to_load_from_cache(str(where), "README.md")
         card = Path(cached) if isinstance(cached, str) else None
     if card is None or not card.is_file():
@@ -224,29 +227,27 @@ def stage(source, out, *, repo: str, merged: bool = False, base_model: str | Non
     src = Path(os.path.expanduser(str(source)))
     recipe, run_source = (run / "recipe.yaml" if run else None), None
     if recipe is not None and recipe.is_file():
-        import yaml
         _place(recipe, out / "recipe.yaml", link=False)
         info["recipe_text"] = recipe.read_text()
         run_source = ((yaml.safe_load(info["recipe_text"]) or {}).get("model") or {}).get("source")
     experiment_eval = run.parent.parent / "eval" if run and run.parent.name == "arms" else None  # retrofit experiment
     bases = [b for b in (base_model, info.pop("recorded_base", None), info["base_model"], run_source) if b]
-    info.update(repo=repo, command=command, merged=merged and adapter_dir is not None, base_model=next(iter(bases), None),
+    info.update(repo=repo, command=command, merged=merged and adapter_dir is not None,
+                base_model=next(iter(bases), None),
                 params_added=_params_added(info.pop("patch_files")),
                 license=license or next(filter(None, map(_base_license, [src, *bases])), None),
                 summary=_json(run / "result.json") if run else {},
                 curve=_training_curve(run / "log.jsonl", out) if run and (run / "log.jsonl").is_file() else None,
                 eval_md=_stage_eval(eval_dir, [p for p in (src, run, run and run / "eval", experiment_eval) if p], out))
-    from .model_card import model_card
     (out / "README.md").write_text(model_card(info))
     return info
 
 
 def _training_curve(log: Path, out: Path) -> str | None:
-    from .report import line_plot
-    from .train.runlog import read_log
     records = read_log(log)
     series = {"train loss": [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]}
-    for key in sorted({k for r in records for k in r if k.startswith("eval/loss@")}, key=lambda k: int(k.split("@")[1])):
+    for key in sorted({k for r in records for k in r if k.startswith("eval/loss@")},
+                      key=lambda k: int(k.split("@")[1])):
         series[f"eval loss, length {key.split('@')[1]}"] = [(r["step"], r[key]) for r in records if key in r]
     series = {k: tuple(zip(*v)) for k, v in series.items() if v}
     if not series:
@@ -283,7 +284,8 @@ def push(source, repo: str, *, private: bool = False, revision: str | None = Non
             stage(source, tmp, **kwargs)
         return str(Path(dry_run))
     parent = Path(os.path.expanduser(str(source))).resolve().parent  # same filesystem: weights are hard-linked
-    with tempfile.TemporaryDirectory(prefix=".retrofit-push-", dir=parent if os.access(parent, os.W_OK) else None) as tmp:
+    with tempfile.TemporaryDirectory(prefix=".retrofit-push-",
+                                     dir=parent if os.access(parent, os.W_OK) else None) as tmp:
         stage(source, tmp, link=True, **kwargs)
         try:
             return upload_folder(tmp, repo, private=private, revision=revision, token=token)
@@ -293,28 +295,3 @@ def push(source, repo: str, *, private: bool = False, revision: str | None = Non
             reason = (str(err).strip().splitlines() or [type(err).__name__])[0].replace(token, "***")[:200]
             raise RetrofitError(f"could not push to {repo} on the Hugging Face Hub ({reason}); check your network "
                                 "and token, or write the folder with --dry-run DIR") from None
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("source", help="a run folder (retrofit train), a patched checkpoint or an adapter folder")
-    parser.add_argument("--repo", required=True, help="Hub repository OWNER/NAME (created if missing)")
-    parser.add_argument("--private", action="store_true", help="create the repository private")
-    parser.add_argument("--revision", default=None, help="branch to push to (created if missing; default main)")
-    parser.add_argument("--merged", action="store_true", help="LoRA runs: push the merged model, not the adapter")
-    parser.add_argument("--base-model", default=None, help="Hub id of the base model (for the card and adapters)")
-    parser.add_argument("--license", default=None, help="license for the card (default: the base model's, when known)")
-    parser.add_argument("--eval", dest="eval_dir", default=None, help="folder written by `retrofit eval --out`")
-    parser.add_argument("--dry-run", metavar="DIR", default=None, help="write the folder that would be uploaded, upload nothing")
-
-
-def run(args) -> int:
-    where = push(args.source, args.repo, private=args.private, revision=args.revision, merged=args.merged,
-                 base_model=args.base_model, license=args.license, eval_dir=args.eval_dir, dry_run=args.dry_run)
-    if args.dry_run:
-        files = sorted(p for p in Path(where).rglob("*") if p.is_file())
-        for p in files:
-            print(f"{p.stat().st_size:>12,}  {p.relative_to(where)}")
-        print(f"wrote {where} ({len(files)} files); nothing was uploaded (would go to {args.repo})")
-    else:
-        print(f"pushed {args.source} to https://huggingface.co/{args.repo} ({where})")
-    return 0

@@ -1,21 +1,12 @@
-"""Training data: packed token blocks from text (Hub or local files) and two generated tasks.
+"""Text for language modelling: Hub datasets and local files, tokenized and packed into blocks.
 
-    data = build_data(recipe.data, tokenizer, seed=0, eval_lengths=[64, 128])
-    batch = data.batch(step, rows=8, length=64)      # a step's global batch: dict of (rows, length) tensors
-    data.eval_batches(length=128, batches=2, batch_size=4)
-    state = data.state_dict(); data.load_state_dict(state)   # resume at exactly the same position
-
-    counting_batch(batch_size=4, length=32768, alphabet=8, seed=0)   # any length, e.g. for evaluation
-    passkey_batch(tokenizer, batch_size=4, length=2048, depth=0.5, seed=0)
+    data = build_lm(recipe.data, tokenizer, seed=0, val_len=1024)
 
 Text is tokenized with the model's tokenizer, documents joined with EOS after each, and cut into
 blocks of `seq_len` tokens. The validation set is deterministic: `val_files`/`val_split`, or else the
 first `val_blocks` blocks of the stream (held out before any shuffling). Every process builds the same
 global batch and trains on its slice, so a run's numbers do not depend on the number of processes.
-
-Batches are dicts. `lm`: input_ids (B, T), labels (B, T) = input_ids (the loss predicts t+1 from t).
-`passkey`: input_ids, labels (-100 except the answer tokens). `counting`: input_ids, counts (B, T) float,
-the running count of the target symbol (position 0, which holds the target, carries no count).
+`lm` batches: input_ids (B, T), labels (B, T) = input_ids (the loss predicts t+1 from t).
 """
 
 from __future__ import annotations
@@ -25,128 +16,13 @@ import glob
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from .errors import RetrofitError
-from .recipe import DataSection
+from ..errors import RetrofitError
+from ..recipe import DataSection
+from .tasks import seeded_generator
 
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-
-def _generator(*seeds: int) -> torch.Generator:
-    """A torch generator seeded by mixing several integers (e.g. run seed, step) without collisions."""
-    mixed = np.random.SeedSequence([int(s) % 2**63 for s in seeds]).generate_state(1, np.uint64)[0]
-    return torch.Generator().manual_seed(int(mixed))
-
-
-# ---- counting: the L2-softmax post's task ---------------------------------------------------------------------------
-
-def counting_batch(batch_size: int, length: int, *, alphabet: int = 8, seed: int = 0,
-                   generator: torch.Generator | None = None) -> dict:
-    """Position 0 holds the target symbol; positions 1.. are uniform symbols from 0..alphabet-1.
-
-    counts[b, t] = number of positions 1..t whose symbol equals the target (counts[:, 0] = 0, unused).
-    The same (batch_size, length, alphabet, seed) always gives the same batch.
-    """
-    if length < 2 or batch_size < 1:
-        raise RetrofitError(f"counting needs length >= 2 and batch_size >= 1, got {length} and {batch_size}")
-    g = generator or _generator(seed, length, alphabet)
-    ids = torch.randint(0, alphabet, (batch_size, length), generator=g)  # (B, T)
-    hits = (ids[:, 1:] == ids[:, :1]).float()                             # (B, T-1)
-    counts = torch.cat([torch.zeros(batch_size, 1), hits.cumsum(1)], 1)   # (B, T)
-    return {"input_ids": ids, "counts": counts}
-
-
-class CountingData:
-    task = "counting"
-
-    def __init__(self, alphabet: int, seed: int):
-        self.alphabet, self.seed = alphabet, seed
-
-    def batch(self, step: int, rows: int, length: int) -> dict:
-        return counting_batch(rows, length, alphabet=self.alphabet, generator=_generator(self.seed, 1, step, length))
-
-    def eval_batches(self, length: int, batches: int, batch_size: int) -> list[dict]:
-        return [counting_batch(batch_size, length, alphabet=self.alphabet, generator=_generator(self.seed, 2, i, length))
-                for i in range(batches)]
-
-    def calibration(self, tokens: int, length: int) -> list[dict]:
-        rows = max(1, -(-tokens // length))
-        return [counting_batch(rows, length, alphabet=self.alphabet, generator=_generator(self.seed, 3, length))]
-
-    def state_dict(self) -> dict:
-        return {}  # generated from (seed, step): nothing to remember
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
-# ---- passkey: a number hidden in filler text -----------------------------------------------------------------------
-
-PASSKEY_INTRO = "There is a pass key hidden inside a lot of irrelevant text. Find it and remember it. "
-PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-PASSKEY_QUESTION = "What is the pass key? The pass key is"
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-
-
-def passkey_example(tokenizer, length: int, depth: float, key: str) -> dict:
-    """Exactly `length` tokens: intro, filler with the key at `depth` (0..1), the question, the answer."""
-    intro, question = _encode(tokenizer, PASSKEY_INTRO), _encode(tokenizer, PASSKEY_QUESTION)
-    needle = _encode(tokenizer, f"The pass key is {key}. Remember it. {key} is the pass key. ")
-    answer = _encode(tokenizer, f" {key}")
-    room = length - len(intro) - len(needle) - len(question) - len(answer)
-    if room < 0:
-        raise RetrofitError(f"passkey length {length} is too short: at least {length - room} tokens are needed")
-    unit = _encode(tokenizer, PASSKEY_FILLER)
-    filler = (unit * (room // max(len(unit), 1) + 1))[:room]
-    at = round(depth * room)
-    ids = intro + filler[:at] + needle + filler[at:] + question + answer
-    labels = [-100] * (length - len(answer)) + answer
-    return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "answer": key}
-
-
-def passkey_batch(tokenizer, batch_size: int, length: int, *, depth: float | None = None, digits: int = 5,
-                  seed: int = 0, generator: torch.Generator | None = None) -> dict:
-    """input_ids (B, T), labels (B, T) with -100 except the answer tokens, answers (list of str).
-    depth None draws a uniform depth per example."""
-    g = generator or _generator(seed, length, digits)
-    rows = []
-    for _ in range(batch_size):
-        key = str(int(torch.randint(10 ** (digits - 1), 10 ** digits, (1,), generator=g)))
-        d = float(torch.rand(1, generator=g)) if depth is None else depth
-        rows.append(passkey_example(tokenizer, length, d, key))
-    return {"input_ids": torch.stack([r["input_ids"] for r in rows]),
-            "labels": torch.stack([r["labels"] for r in rows]), "answers": [r["answer"] for r in rows]}
-
-
-class PasskeyData:
-    task = "passkey"
-
-    def __init__(self, tokenizer, digits: int, depth: float | None, seed: int):
-        self.tokenizer, self.digits, self.depth, self.seed = tokenizer, digits, depth, seed
-
-    def _batch(self, rows, length, g):
-        b = passkey_batch(self.tokenizer, rows, length, depth=self.depth, digits=self.digits, generator=g)
-        return {"input_ids": b["input_ids"], "labels": b["labels"]}
-
-    def batch(self, step: int, rows: int, length: int) -> dict:
-        return self._batch(rows, length, _generator(self.seed, 1, step, length))
-
-    def eval_batches(self, length: int, batches: int, batch_size: int) -> list[dict]:
-        return [self._batch(batch_size, length, _generator(self.seed, 2, i, length)) for i in range(batches)]
-
-    def calibration(self, tokens: int, length: int) -> list[dict]:
-        return [self._batch(max(1, -(-tokens // length)), length, _generator(self.seed, 3, length))]
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 # ---- text: Hub datasets and local files, packed into blocks ---------------------------------------------------------
@@ -234,7 +110,8 @@ class TokenBlocks:
     def _order(self, epoch: int) -> torch.Tensor:
         if self._perm[0] != epoch:
             n = len(self.blocks)
-            perm = torch.randperm(n, generator=_generator(self.seed, 4, epoch)) if self.shuffle else torch.arange(n)
+            perm = (torch.randperm(n, generator=seeded_generator(self.seed, 4, epoch)) if self.shuffle
+                    else torch.arange(n))
             self._perm = (epoch, perm)
         return self._perm[1]
 
@@ -386,20 +263,3 @@ def build_lm(section: DataSection, tokenizer, *, seed: int, val_len: int) -> LMD
                             f"blocks of {val_len} and one training block of {seq_len}; add text or lower "
                             "data.seq_len / data.val_blocks")
     return LMData(TokenBlocks(train, section.shuffle, seed), val, seq_len)
-
-
-def build_data(section: DataSection, tokenizer=None, *, seed: int = 0, eval_lengths=()):
-    """The data object for section.task (see the module docstring for its methods)."""
-    if section.task == "counting":
-        return CountingData(section.counting.alphabet, seed)
-    if section.task == "passkey":
-        if tokenizer is None:
-            raise RetrofitError("the passkey task needs a tokenizer: set model.tokenizer (a Hub id or folder)")
-        return PasskeyData(tokenizer, section.passkey.digits, section.passkey.depth, seed)
-    return build_lm(section, tokenizer, seed=seed, val_len=max([section.seq_len, *eval_lengths]))
-
-
-__all__ = [
-    "CountingData", "LMData", "PasskeyData", "StreamBlocks", "TokenBlocks", "build_data", "counting_batch",
-    "documents", "open_texts", "passkey_batch", "passkey_example", "tokenize_all",
-]

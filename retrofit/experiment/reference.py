@@ -5,7 +5,7 @@ AVnorm post's table (`context_lengths` plus curves, nested keys allowed):
 
     experiment:
       reference:
-        file: ../shared/data/reference/avnorm_full_attention_experiments.json
+        file: data/reference/avnorm_full_attention_experiments.json
         control: pe.l1_baseline          # the published curve our control arm stands for
         arms: {avnorm: pe.rmsnorm}       # our arm -> its published curve
         note: nanogpt trained from scratch on FineWeb-Edu; finetuned steps 3000-4000
@@ -20,29 +20,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import RetrofitError
-from .schema import knob
-
-
-@dataclass
-class ReferenceSection:
-    file: str = knob("", "JSON with `context_lengths` and the published loss curves (one per key)")
-    control: str = knob("", "dotted key of the published curve our control arm stands for, e.g. pe.l1_baseline")
-    control_arm: str = knob("softmax", "our arm compared against `control`")
-    arms: dict[str, str] = knob(factory=dict, doc="our arm -> dotted key of its published curve, e.g. avnorm: pe.rmsnorm")
-    note: str = knob("", "one line on what the reference measured (model, data, trained length, steps)")
-    tie: float = knob(0.01, "differences smaller than this count as no difference in either table")
-
-    def __post_init__(self):
-        if not self.file or not self.control or not self.arms:
-            raise RetrofitError("experiment.reference needs file, control and arms (our arm: published curve key)")
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.arms.items()):
-            raise RetrofitError("experiment.reference.arms must map arm names to curve keys (strings)")
-        if self.tie < 0:
-            raise RetrofitError("experiment.reference.tie must be >= 0")
+from ..errors import RetrofitError
+from ..recipe import ReferenceSection
 
 
 def _curve(table: dict, key: str, path: str) -> list[float]:

@@ -1,38 +1,31 @@
-"""Recipes: YAML files whose keys are the fields of the dataclasses below.
+"""The recipe's sections: one dataclass each, whose fields are the YAML keys (with their documentation).
 
-    recipe = load_recipe("recipes/train-tiny-counting.yaml", ["train.steps=200", "patch.norm=psoftmax", "patch.p=2"])
-    recipe.train.steps                      # 200
-    save_recipe(recipe, "runs/x/recipe.yaml")
+    model    what to load (source) or build (config)     patch   the attention patch (options pass through)
+    data     what to train on                            train   the optimization (peft: LoRA)
+    eval     periodic evaluation                         output  where results go
 
-Sections: model, patch, data, train, eval, output. Every field carries its documentation (`doc`
-metadata); an unknown key is an error naming the closest valid key; wrong types and impossible
-values fail here, before any model is loaded. Other modules add top-level sections with
-`register_section("experiment", ExperimentSection)`; they land in `recipe.extras`.
-The machinery that builds them from YAML (types, one-line errors, overrides) is retrofit.schema.
+Wrong types and impossible values fail in `__post_init__`, before any model is loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import inspect
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
-import yaml
+from transformers import CONFIG_MAPPING
 
-from .atomic import atomic_write_text
-from .errors import RetrofitError
-from .norms import closest as _closest
-from .schema import apply_overrides, build, knob, need
-from .schema import documentation as _documentation
+from ..errors import closest
+from ..norms import NORMS, make_options
+from .schema import knob, need
 
-# ---- sections ------------------------------------------------------------------------------------------------------
 
 @dataclass
 class ModelSection:
-    source: str | None = knob(None, "Hub id, local folder (plain or retrofit checkpoint, or a finished `retrofit train` "
-                                    "run folder: how a finetune starts from a pretrained base run) or .gguf file; "
+    source: str | None = knob(None, "Hub id, local folder (plain or retrofit checkpoint, or a finished "
+                                    "`retrofit train` run folder: how a finetune starts from a pretrained base run) "
+                                    "or .gguf file; "
                                     "null = build from `config` and pretrain from scratch")
     config: dict | None = knob(None, "with source null: `model_type` (any AutoConfig type) plus its sizes, "
                                      "e.g. {model_type: llama, hidden_size: 64, num_hidden_layers: 2}")
@@ -53,65 +46,75 @@ class ModelSection:
 
 
 def _check_model_config(config: dict) -> None:
-    """model_type must be an AutoConfig type and every key a field of that config (a typo is silently kept otherwise)."""
-    from transformers import CONFIG_MAPPING
+    """model_type must be an AutoConfig type and every key a field of that config (a typo is silently kept
+    otherwise)."""
     model_type = config.get("model_type")
     need(isinstance(model_type, str), "model.config needs model_type (e.g. gpt2, llama)")
     need(model_type in CONFIG_MAPPING, f"model.config.model_type {model_type!r} is not a transformers model type"
-          f"{_closest(model_type, CONFIG_MAPPING.keys())}")
-    import inspect
+          f"{closest(model_type, CONFIG_MAPPING.keys())}")
     cls = CONFIG_MAPPING[model_type]
     valid = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {})) | set(inspect.signature(cls).parameters)
     for key in config:
-        need(key in valid, f"model.config: {model_type} has no config key {key!r}{_closest(key, valid)}")
-
-
-NORM_OPTIONS = ("p", "kind", "affine", "eps", "gain", "s_init", "ref_len", "learnable")
+        need(key in valid, f"model.config: {model_type} has no config key {key!r}{closest(key, valid)}")
 
 
 @dataclass
 class PatchSection:
+    # Keys that are no field of this section are the norm's own options (patch.p: 2, patch.kind: layer), collected
+    # into `options` and validated by the norm's Options dataclass: each option is declared once, in its norm's file.
+    pass_through: ClassVar[str] = "options"
+
     norm: str | None = knob(None, "attention normalization (see `retrofit norms`): avnorm, psoftmax, ssmax, softmax1, "
                                   "softmax; null = leave the model's attention as loaded (the L1 baseline arm)")
     nope: bool = knob(False, "remove positional information (NoPE); required to train GPT-2 beyond its 1024 learned "
                              "positions")
     calibrate: int | None = knob(None, "tokens of training data used to calibrate AVNorm's per-head gains; 0 = off "
                                        "(unit gain); null = 8192 when norm is avnorm on a pretrained model")
-    p: float | None = knob(None, "psoftmax: the norm's order (1 = softmax, 2 = L2 softmax); null = the norm's default")
-    kind: str | None = knob(None, "avnorm: rms | layer | global; null = the norm's default (rms)")
-    affine: bool | None = knob(None, "avnorm: learned per-channel weight (and bias); null = the norm's default")
-    eps: float | None = knob(None, "avnorm: variance epsilon; null = the norm's default")
-    gain: float | None = knob(None, "avnorm: initial per-head gain (calibration overwrites it); null = default")
-    s_init: float | None = knob(None, "ssmax: initial s; null = 1/log(ref_len)")
-    ref_len: int | None = knob(None, "ssmax: reference length for s_init; null = the model's max positions")
-    learnable: bool | None = knob(None, "softmax1: learn a per-head sink logit; null = the norm's default")
-
-    def options(self) -> dict:
-        """The norm options that are set (None means: the norm's own default)."""
-        return {k: getattr(self, k) for k in NORM_OPTIONS if getattr(self, k) is not None}
+    options: dict = knob(factory=dict, doc="the norm's options, written flat beside `norm` (patch.p: 2); see "
+                                           "`retrofit norms`; unset = the norm's default")
 
     def __post_init__(self):
-        from .norms import make_options
+        known = sorted({f.name for f in dataclasses.fields(self) if f.name != "options"} | _all_norm_options())
+        for key in self.options:
+            need(key in known, f"unknown recipe key patch.{key}{closest(key, known)}; valid keys in patch: "
+                               f"{', '.join(known)}")
+        self.options = {k: v for k, v in self.options.items() if v is not None}  # null = the norm's default
         if self.norm is None:
-            given = [k for k in NORM_OPTIONS if getattr(self, k) is not None]
+            given = list(self.options)
             need(not given and not self.nope and not self.calibrate,
-                  f"patch: {', '.join(given) or 'nope/calibrate'} given but patch.norm is null; set patch.norm "
-                  "(softmax keeps attention unchanged)")
+                 f"patch: {', '.join(given) or 'nope/calibrate'} given but patch.norm is null; set patch.norm "
+                 "(softmax keeps attention unchanged)")
             return
-        make_options(self.norm, **self.options())  # unknown norm / option of another norm / bad value -> RetrofitError
-        need(self.calibrate is None or self.calibrate >= 0, f"patch.calibrate must be >= 0 tokens, got {self.calibrate}")
+        made = make_options(self.norm, **self.options)  # unknown norm / option of another norm / bad value -> error
+        self.options = {k: getattr(made, k) for k in self.options}  # as the norm reads them (p: 2 -> 2.0)
+        need(self.calibrate is None or self.calibrate >= 0,
+             f"patch.calibrate must be >= 0 tokens, got {self.calibrate}")
         need(not self.calibrate or self.norm == "avnorm",
-              f"patch.calibrate sets AVNorm gains, but patch.norm is {self.norm!r}; set patch.calibrate: 0")
+             f"patch.calibrate sets AVNorm gains, but patch.norm is {self.norm!r}; set patch.calibrate: 0")
 
     def calibration_tokens(self, pretrained: bool) -> int:
         if self.calibrate is not None:
             return self.calibrate
-        return 8192 if self.norm == "avnorm" and pretrained and self.gain is None else 0
+        return 8192 if self.norm == "avnorm" and pretrained and self.options.get("gain") is None else 0
+
+    @staticmethod
+    def option_documentation(prefix: str) -> list[tuple[str, str, str]]:
+        """(patch.<option>, default, 'norm: doc') for every option of every registered norm."""
+        rows = []
+        for name, cls in sorted(NORMS.items()):
+            for f in dataclasses.fields(cls.Options):
+                rows.append((f"{prefix}{f.name}", repr(f.default), f"{name}: {(f.metadata or {}).get('doc', '')}"))
+        return rows
+
+
+def _all_norm_options() -> set[str]:
+    return {f.name for cls in NORMS.values() for f in dataclasses.fields(cls.Options)}
 
 
 @dataclass
 class CountingOptions:
-    alphabet: int = knob(8, "symbols 0..alphabet-1; smaller = larger counts per length (the model's vocab must be >= this)")
+    alphabet: int = knob(8, "symbols 0..alphabet-1; smaller = larger counts per length "
+                            "(the model's vocab must be >= this)")
 
     def __post_init__(self):
         need(self.alphabet >= 2, f"data.counting.alphabet must be >= 2, got {self.alphabet}")
@@ -132,8 +135,8 @@ TASKS = ("lm", "counting", "passkey")
 
 @dataclass
 class DataSection:
-    task: Literal["lm", "counting", "passkey"] = knob("lm", "lm: next-token prediction on text; counting: running count "
-                                                            "of a target symbol (regression head, L1); passkey: "
+    task: Literal["lm", "counting", "passkey"] = knob("lm", "lm: next-token prediction on text; counting: running "
+                                                            "count of a target symbol (regression head, L1); passkey: "
                                                             "retrieve a number hidden in filler text")
     seq_len: int = knob(1024, "training length in tokens (the longest, when train.init_len stages it); longer = "
                               "slower, and what 'trained length' means for extrapolation")
@@ -189,7 +192,8 @@ class TrainSection:
     lr: float = knob(3e-4, "peak learning rate (AdamW)")
     min_lr_ratio: float = knob(0.1, "cosine decays to lr * min_lr_ratio")
     warmup_steps: int = knob(100, "linear warmup from 0 to lr")
-    weight_decay: float = knob(0.1, "decoupled weight decay on matrices; never on norms, biases, embeddings, patch gains")
+    weight_decay: float = knob(0.1, "decoupled weight decay on matrices; "
+                                    "never on norms, biases, embeddings, patch gains")
     betas: list[float] = knob(factory=lambda: [0.9, 0.95], doc="AdamW betas")
     adam_eps: float = knob(1e-8, "AdamW epsilon")
     grad_clip: float = knob(1.0, "clip the global gradient norm to this; 0 = off")
@@ -259,130 +263,7 @@ class OutputSection:
         need(self.save_every >= 0, f"output.save_every must be >= 0, got {self.save_every}")
         need(self.keep >= 1, f"output.keep must be >= 1, got {self.keep}")
         for t in self.trackers:
-            need(t in TRACKERS, f"output.trackers: unknown tracker {t!r}{_closest(t, TRACKERS)}; "
+            need(t in TRACKERS, f"output.trackers: unknown tracker {t!r}{closest(t, TRACKERS)}; "
                                  f"choose from {', '.join(TRACKERS)} (jsonl is always on)")
 
 
-# Optional top-level sections other modules add (the experiment engineer's `experiment` section).
-EXTRA_SECTIONS: dict[str, type] = {}
-# Section name -> module that registers it on import, so a recipe using it loads without importing it first.
-SECTION_PROVIDERS = {"experiment": "retrofit.experiment"}
-
-
-def register_section(name: str, cls: type) -> type:
-    """Make `name:` a valid top-level recipe key, parsed into dataclass `cls` (found in recipe.extras[name])."""
-    need(dataclasses.is_dataclass(cls), f"recipe section {name!r} must be a dataclass")
-    EXTRA_SECTIONS[name] = cls
-    return cls
-
-
-@dataclass
-class Recipe:
-    name: str | None = knob(None, "run name (default output folder runs/<name>); null = the recipe file's stem")
-    model: ModelSection = knob(factory=ModelSection, doc="what to load (source) or build (config)")
-    patch: PatchSection = knob(factory=PatchSection, doc="the attention patch")
-    data: DataSection = knob(factory=DataSection, doc="what to train on")
-    train: TrainSection = knob(factory=TrainSection, doc="the optimization")
-    eval: EvalSection = knob(factory=EvalSection, doc="periodic evaluation")
-    output: OutputSection = knob(factory=OutputSection, doc="where results go")
-    extras: dict = knob(factory=dict, doc="registered optional sections by name (see register_section)")
-
-    def __post_init__(self):
-        data, train = self.data, self.train
-        if train.init_len is not None:
-            ratio = data.seq_len / train.init_len
-            need(ratio >= 1 and ratio == 2 ** round(math.log2(ratio)),
-                  f"train.init_len {train.init_len} must be data.seq_len {data.seq_len} divided by a power of two")
-        if self.model.config is not None and data.task == "counting":
-            vocab = self.model.config.get("vocab_size")
-            need(vocab is None or vocab >= data.counting.alphabet,
-                  f"model.config.vocab_size {vocab} is smaller than data.counting.alphabet {data.counting.alphabet}")
-        if data.task != "counting" and self.model.source is None:
-            need(self.model.tokenizer is not None,
-                  f"data.task {data.task} needs a tokenizer: set model.tokenizer (a Hub id or folder)")
-        if data.task == "lm" and self.eval.lengths and data.val_files is None and data.val_split is None:
-            need(data.val_blocks >= 1, "data.val_blocks must be >= 1 to evaluate without val_files/val_split")
-
-    def eval_lengths(self) -> list[int]:
-        return list(self.eval.lengths or [self.data.seq_len])
-
-    def section(self, name: str):
-        """A registered optional section, or None when the recipe does not have it."""
-        return self.extras.get(name)
-
-
-SECTIONS = {f.name: f for f in dataclasses.fields(Recipe) if f.name not in ("name", "extras")}
-
-
-def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
-    need(isinstance(raw, dict), "a recipe must be a YAML mapping of sections (model, patch, data, train, eval, output)")
-    for key in raw:
-        if key not in EXTRA_SECTIONS and key in SECTION_PROVIDERS:
-            import importlib
-            try:
-                importlib.import_module(SECTION_PROVIDERS[key])
-            except ModuleNotFoundError as err:
-                if err.name != SECTION_PROVIDERS[key]:
-                    raise  # reported below as an unknown section when the provider itself is absent
-    valid = ["name", *SECTIONS, *EXTRA_SECTIONS]
-    for key in raw:
-        need(key in valid, f"unknown recipe section {key!r}{_closest(key, valid)}; valid sections: {', '.join(valid)}")
-    core = {k: v for k, v in raw.items() if k not in EXTRA_SECTIONS}
-    for key, value in core.items():
-        need(key == "name" or isinstance(value, dict), f"recipe section {key} must be a mapping, got {value!r}")
-    core.setdefault("name", name)
-    extras = {k: build(EXTRA_SECTIONS[k], v or {}, k) for k, v in raw.items() if k in EXTRA_SECTIONS}
-    recipe = build(Recipe, core, "")
-    recipe.extras = extras
-    return recipe
-
-
-def load_recipe(path, overrides=()) -> Recipe:
-    """Read a YAML recipe, apply dotted overrides, validate everything; errors are one line."""
-    path = Path(path)
-    need(path.is_file(), f"no such recipe file: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise RetrofitError(f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
-    need(isinstance(raw, dict), f"{path}: a recipe must be a YAML mapping of sections")
-    return recipe_from_dict(apply_overrides(raw, overrides), name=path.stem)
-
-
-def documentation(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, doc) for every recipe field, nested sections included."""
-    return _documentation(cls, prefix)
-
-
-def recipe_to_dict(recipe: Recipe) -> dict:
-    out = {f.name: dataclasses.asdict(getattr(recipe, f.name)) for f in dataclasses.fields(recipe)
-           if f.name not in ("name", "extras")}
-    return {"name": recipe.name, **out, **{k: dataclasses.asdict(v) for k, v in recipe.extras.items()}}
-
-
-def save_recipe(recipe: Recipe, path) -> None:
-    atomic_write_text(path, yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
-
-
-def flat(recipe: Recipe) -> dict:
-    """Dotted scalar view (`train.lr: 0.0003`), for tracker hyperparameters and recipe comparison."""
-    out = {}
-
-    def walk(prefix, value):
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}.{k}" if prefix else k, v)
-        else:
-            out[prefix] = value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
-
-    walk("", recipe_to_dict(recipe))
-    return out
-
-
-__all__ = [
-    "CountingOptions", "DataSection", "EvalSection", "ModelSection", "OutputSection", "PasskeyOptions",
-    "PatchSection", "PeftSection", "Recipe", "TrainSection", "apply_overrides", "build", "documentation", "flat",
-    "load_recipe", "recipe_from_dict", "recipe_to_dict", "register_section", "save_recipe",
-]

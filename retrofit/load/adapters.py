@@ -1,6 +1,6 @@
 """PEFT (LoRA) adapters on a patched model: save them with the patch, load them back on their base.
 
-    from retrofit.adapters import save_adapter, load_adapter
+    from retrofit.load.adapters import save_adapter, load_adapter
     save_adapter(peft_model, "runs/x/adapter")        # adapter + retrofit.json + retrofit.safetensors
     model = load_adapter("runs/x/adapter")             # base -> patch -> patch tensors -> PeftModel
     model = retrofit.from_pretrained("runs/x/adapter") # the same (it calls load_adapter for such a folder)
@@ -24,8 +24,17 @@ import json
 import os
 from pathlib import Path
 
-from .atomic import atomic_folder
-from .errors import RetrofitError
+from huggingface_hub import snapshot_download
+from peft import PeftModel
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers.utils import cached_file
+
+from ..atomic import atomic_folder
+from ..errors import RetrofitError
+from ..patch import patch_from_record, patch_record
+from .checkpoint import load_model_or_checkpoint
+from .sources import hub_error, hub_reachable
 
 RECORD, TENSORS = "retrofit.json", "retrofit.safetensors"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -55,9 +64,6 @@ def save_adapter(peft_model, folder, *, base_model: str | None = None, base_revi
 
     base_model: where load_adapter finds the base (Hub id or folder); default: the adapter config's
     base_model_name_or_path (what the base was loaded from)."""
-    from safetensors.torch import save_file
-
-    from .patch import patch_record
     if not hasattr(peft_model, "peft_config") or not hasattr(peft_model, "get_base_model"):
         raise RetrofitError(f"save_adapter takes a PEFT model (peft.get_peft_model), got {type(peft_model).__name__}")
     record = patch_record(peft_model.get_base_model())
@@ -98,7 +104,7 @@ def read_record(folder) -> dict:
     patch = json.loads(run_summary.read_text()).get("retrofit") if run_summary.is_file() else None
     if not isinstance(patch, dict):
         raise RetrofitError(f"{folder} is a PEFT adapter without a retrofit patch record ({RECORD}); "
-                            "load it with peft.PeftModel.from_pretrained, or save it with retrofit.adapters.save_adapter")
+                            "load it with peft.PeftModel.from_pretrained, or save it with retrofit.load.save_adapter")
     return {"format": FORMAT, "retrofit_version": patch.get("retrofit_version"),
             "base_model": config.get("base_model_name_or_path"), "base_revision": config.get("revision"),
             "patch": patch}
@@ -106,14 +112,11 @@ def read_record(folder) -> dict:
 
 def _download(repo: str, revision: str | None) -> Path:
     """The adapter files of a Hub repository, from the cache when offline."""
-    from huggingface_hub import snapshot_download
-
-    from .models import _hub_error, hub_reachable
     try:
         return Path(snapshot_download(repo, revision=revision, allow_patterns=ADAPTER_FILES,
                                       local_files_only=not hub_reachable()))
     except Exception as err:  # offline and not cached, no such repo, gated, HTTP errors
-        raise _hub_error(repo, err) from None
+        raise hub_error(repo, err) from None
 
 
 def is_adapter(source, revision: str | None = None) -> bool:
@@ -121,9 +124,6 @@ def is_adapter(source, revision: str | None = None) -> bool:
     path = Path(os.path.expanduser(str(source)))
     if path.is_dir():
         return (path / ADAPTER_CONFIG).is_file()
-    from transformers.utils import cached_file
-
-    from .models import hub_reachable
     try:
         return cached_file(str(source), ADAPTER_CONFIG, revision=revision, local_files_only=not hub_reachable(),
                            _raise_exceptions_for_missing_entries=False) is not None
@@ -136,18 +136,14 @@ def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=
 
     source: an adapter folder or a Hub repository holding one (revision applies to that repository;
     the base's own revision is recorded in retrofit.json)."""
-    from peft import PeftModel
-    from safetensors.torch import load_file
-
-    from .models import load_model
-    from .patch import patch_from_record, patch_record
     path = Path(os.path.expanduser(str(source)))
     folder = path if path.is_dir() else _download(str(source), revision)
     meta = read_record(folder)
     if not meta.get("base_model"):
         raise RetrofitError(f"{source} does not name its base model (base_model_name_or_path is empty); "
                             f"set it in {ADAPTER_CONFIG}")
-    base = load_model(meta["base_model"], dtype=dtype, device_map=device_map, revision=meta.get("base_revision"))
+    base = load_model_or_checkpoint(meta["base_model"], dtype=dtype, device_map=device_map,
+                                    revision=meta.get("base_revision"))
     record, existing = meta["patch"], patch_record(base)
     if existing is None:
         patch_from_record(base, record)
@@ -156,16 +152,17 @@ def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=
                             f"trained on {record['norm']}: point base_model at the unpatched or matching model")
     expected = {k for k in base.state_dict() if MARKER in k}
     saved = load_file(str(folder / TENSORS)) if (folder / TENSORS).is_file() else {}
-    in_adapter = _adapter_patch_keys(folder)
+    in_adapter = adapter_patch_keys(folder)
     missing = {k for k in expected - saved.keys() if k not in in_adapter}
     if missing and existing is None:
         raise RetrofitError(f"{source} lacks {len(missing)} patch tensors (e.g. {sorted(missing)[0]}): neither "
-                            f"{TENSORS} nor the adapter holds them; save it with retrofit.adapters.save_adapter")
+                            f"{TENSORS} nor the adapter holds them; save it with retrofit.load.save_adapter")
     base.load_state_dict({k: v for k, v in saved.items() if k in expected}, strict=False)
     try:
         model = PeftModel.from_pretrained(base, str(folder), is_trainable=is_trainable)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise RetrofitError(f"could not load the adapter in {source}: {str(err).strip().splitlines()[0][:200]}") from None
+        raise RetrofitError(f"could not load the adapter in {source}: "
+                            f"{str(err).strip().splitlines()[0][:200]}") from None
     return model if is_trainable else model.eval()
 
 
@@ -173,15 +170,14 @@ def _same_patch(a: dict, b: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in ("norm", "options", "nope"))
 
 
-def _adapter_patch_keys(folder: Path) -> set:
+def adapter_patch_keys(folder: Path) -> set:
     """Patch tensors the adapter itself carries (modules_to_save), named as in the base model."""
     weights = folder / ADAPTER_WEIGHTS
     if not weights.is_file():
         return set()
-    from safetensors import safe_open
     with safe_open(str(weights), "pt") as f:
         names = list(f.keys())
     return {n.removeprefix("base_model.model.") for n in names if MARKER in n}
 
 
-__all__ = ["base_patch_tensors", "is_adapter", "load_adapter", "read_record", "save_adapter"]
+__all__ = ["adapter_patch_keys", "base_patch_tensors", "is_adapter", "load_adapter", "read_record", "save_adapter"]

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
-from .errors import RetrofitError
-from .norms import closest as _closest
+from ..errors import RetrofitError
+from ..errors import closest as _closest
 
 _MISSING = dataclasses.MISSING
 
@@ -99,13 +99,37 @@ def build(cls, data: dict, path: str):
     """Build dataclass `cls` from a mapping; unknown keys name the closest valid key."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
+    rest = getattr(cls, "pass_through", None)  # a dict field collecting keys the class validates itself
+    passed = {}
     for key in data:
-        if key not in names:
+        if key not in names and rest is not None:
+            passed[key] = data[key]
+        elif key not in names:
             where = f"{path}." if path else ""
             raise RetrofitError(f"unknown recipe key {where}{key}{_closest(key, names)}; valid keys"
                                 f"{' in ' + path if path else ''}: {', '.join(names)}")
-    kwargs = {k: _coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
+    kwargs = {k: _coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items() if k not in passed}
+    if passed:
+        kwargs[rest] = {**kwargs.get(rest, {}), **passed}
     return cls(**kwargs)
+
+
+def to_plain(obj):
+    """A dataclass tree as plain YAML data (a pass-through dict is written flat, as it is read)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = to_plain(getattr(obj, f.name))
+            if f.name == getattr(obj, "pass_through", None):
+                out.update(value)
+            else:
+                out[f.name] = value
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    return obj
 
 
 def apply_overrides(raw: dict, overrides) -> dict:
@@ -134,6 +158,9 @@ def documentation(cls, prefix: str = "") -> list[tuple[str, str, str]]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
+        if f.name == getattr(cls, "pass_through", None) and hasattr(cls, "option_documentation"):
+            rows.extend(cls.option_documentation(prefix))  # the class documents its pass-through keys
+            continue
         tp = hints[f.name]
         nested = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
         default = f.default if f.default is not _MISSING else "..."

@@ -1,7 +1,7 @@
 """The experiment's report.md: norm comparison by length, the recovery curve, hardware, time, failures.
 
 Built only from the experiment's results dict (retrofit.experiment.run_experiment), with the tables
-and plots of retrofit.report; the per-length evaluation report sits beside it in eval/.
+and plots of retrofit.evaluate.report; the per-length evaluation report sits beside it in eval/.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .atomic import atomic_write_text
+from ..atomic import atomic_write_text
+from ..evaluate.report import line_plot, markdown_table
 from .reference import direction_markdown
-from .report import line_plot, markdown_table
 
 
 def _metric(evaluation: dict) -> tuple[str, str]:
@@ -77,7 +77,8 @@ def summary_table(results: dict) -> str:
     key, label = _metric(results["evaluation"])
     text = f"{label} by length (* = trained length)\n" + comparison_table(results)
     if key == "counting":
-        text += "\n\nL1 relative to the mean true count (counts grow with length)\n" + comparison_table(results, "relative_l1")
+        text += ("\n\nL1 relative to the mean true count (counts grow with length)\n"
+                 + comparison_table(results, "relative_l1"))
     return text
 
 
@@ -115,5 +116,6 @@ def write_experiment_report(results: dict, out) -> Path:
     if results.get("reference"):
         lines += direction_markdown(results["reference"], by_length(evaluation), evaluation.get("train_len"))
     lines += ["## Plots", ""] + [f"![{p}](eval/{p})" for p in eval_plots]
-    lines += ["", "Per-length details (windows, tokens, time, memory, by-position): [eval/results.md](eval/results.md)."]
+    lines += ["", "Per-length details (windows, tokens, time, memory, by-position): "
+                  "[eval/results.md](eval/results.md)."]
     return atomic_write_text(out / "report.md", "\n".join(lines) + "\n")

@@ -16,65 +16,31 @@ This module only chains train, evaluate and report; it owns no training or evalu
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
 import os
 import platform
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .atomic import atomic_write_text
-from .errors import RetrofitError
-from .reference import ReferenceSection, load_reference
-from .recipe import PatchSection, Recipe, knob, load_recipe, register_section, save_recipe
+from ..atomic import atomic_write_text
+from ..errors import RetrofitError
+from ..evaluate import evaluate_models
+from ..evaluate.report import write_report
+from ..load import load, load_config
+from ..positions import learned_position_limit
+from ..recipe import ArmSection, ExperimentSection, PatchSection, Recipe, load_recipe, save_recipe
+from ..train import train
+from .reference import load_reference
+from .report import write_experiment_report
 
-DEMO_RECIPE = Path(__file__).resolve().parent / "recipes" / "demo.yaml"
-
-
-@dataclass
-class ArmSection:
-    name: str = knob("arm", "folder and label of the arm, e.g. softmax, avnorm-rms, psoftmax-p2")
-    patch: PatchSection = knob(factory=PatchSection, doc="the arm's attention patch; norm softmax = the control")
-    lr: float | None = knob(None, "finetune learning rate of this arm; null = experiment.finetune_lr")
-
-    def __post_init__(self):
-        if not self.name or "/" in self.name or self.name in ("base", "eval"):
-            raise RetrofitError(f"experiment arm name {self.name!r} must be a plain folder name (not base or eval)")
+DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo.yaml"
 
 
-@dataclass
-class ExperimentSection:
-    arms: list[ArmSection] = knob(factory=list, doc="the finetune arms, all from the same base")
-    base_steps: int = knob(0, "steps to (pre)train the base with softmax attention; 0 = the model as loaded "
-                               "(with model.config: no base, every arm trains from the same seeded init)")
-    finetune_steps: int = knob(100, "optimizer steps of every arm")
-    finetune_lr: float | None = knob(None, "arms' learning rate; null = train.lr")
-    finetune_warmup: int | None = knob(None, "arms' warmup steps; null = train.warmup_steps")
-    recovery_at: list[int] = knob(factory=lambda: [0, 10, 20, 50, 100, 200, 500, 1000],
-                                  doc="finetune steps at which each arm is evaluated at the training length "
-                                      "(clipped to finetune_steps): the recovery curve")
-    eval_data: list[str] | None = knob(None, "lm: text (or .json token) files for the length evaluation")
-    eval_max_tokens: int | None = knob(None, "lm: cap on tokens evaluated per length (null = all windows)")
-    train_len: int | None = knob(None, "the length marked as 'trained' in the report; null = data.seq_len")
-    reference: ReferenceSection | None = knob(None, "a published loss table to compare directions with "
-                                                    "(retrofit.reference): file, control, arms, note")
 
-    def __post_init__(self):
-        if not self.arms:
-            raise RetrofitError("experiment.arms is empty: list at least one arm (e.g. name: softmax, patch: {norm: softmax})")
-        names = [a.name for a in self.arms]
-        if len(set(names)) != len(names):
-            raise RetrofitError(f"experiment.arms has duplicate names: {names}")
-        if self.base_steps < 0 or self.finetune_steps < 1:
-            raise RetrofitError("experiment.base_steps must be >= 0 and finetune_steps >= 1")
-
-
-register_section("experiment", ExperimentSection)
 
 
 # ---- stages ------------------------------------------------------------------------------------------------------
@@ -101,7 +67,6 @@ def _stage_recipe(recipe: Recipe, run_dir: Path, *, patch: PatchSection, steps: 
 def run_base(recipe: Recipe, exp: ExperimentSection, out: Path) -> str | None:
     """The base checkpoint every arm starts from: a folder path, the recipe's pretrained source, or None
     (base_steps 0 with a config: every arm trains from scratch from the same seeded init)."""
-    from .train import train
     if exp.base_steps == 0:
         return recipe.model.source
     base_dir = out / "base"
@@ -116,8 +81,6 @@ def run_base(recipe: Recipe, exp: ExperimentSection, out: Path) -> str | None:
 
 def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, out: Path) -> dict:
     """Finetune one arm from the base; returns {step: metrics} of its recovery evaluations."""
-    from .train import train
-    from .train.tasks import load_run
     arm_dir = out / "arms" / arm.name
     recovery_file = arm_dir / "recovery.json"
     if _finished(arm_dir) and recovery_file.is_file():
@@ -132,7 +95,7 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
     if arm_dir.exists() and not (arm_dir / "checkpoints").is_dir():
         import shutil
         shutil.rmtree(arm_dir)  # an arm that died before its first checkpoint starts over
-    result = train(stage, model=load_run(base) if base else None, resume=arm_dir.exists())
+    result = train(stage, model=load(base) if base else None, resume=arm_dir.exists())
     recovery = {int(k): v for k, v in result.evals.items()}
     atomic_write_text(recovery_file, json.dumps(recovery, indent=1))
     return recovery
@@ -140,13 +103,8 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
 
 def learned_limit(source: str) -> int | None:
     """The length bound of a model with learned absolute positions (GPT-2), unless patched with NoPE."""
-    from .families import family_of
-    from .models import load_config
     config = load_config(source)
-    family, record = family_of(config), getattr(config, "retrofit", None) or {}
-    if family is None or family.max_learned_positions is None or record.get("nope"):
-        return None
-    return int(getattr(config, family.max_learned_positions))
+    return learned_position_limit(config, nope=bool((getattr(config, "retrofit", None) or {}).get("nope")))
 
 
 def _finished_at(source: str) -> float:
@@ -205,7 +163,6 @@ def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: Expe
     saved to DIR/eval/results.json as soon as it is done, and a re-run reuses those of unchanged
     checkpoints, so a crash in the last model's longest window does not redo the others.
     Returns (the evaluation, names of the models whose earlier results were reused)."""
-    from .evaluate import evaluate_models
     lengths = sorted(set(recipe.eval_lengths()))
     saved = out / "eval" / "results.json"
     previous = _previous_evaluation(saved, recipe, exp)
@@ -273,8 +230,6 @@ def hardware() -> dict:
 
 def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict:
     """Run every stage that is not finished yet; returns the experiment results (also DIR/results.json)."""
-    from .report import write_report
-    from .experiment_report import write_experiment_report
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
     exp = recipe.section("experiment")
@@ -309,45 +264,10 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
     clock.stage("eval", time.perf_counter() - t0 + earlier, skipped=len(reused) == len(evaluation["models"]))
     results = {"schema": "retrofit.experiment/1", "recipe": recipe.name, "hardware": hardware(),
                "wall_time_s": clock.rounded(),
-               "base": base, "arms": {a.name: {"patch": a.patch.options() | {"norm": a.patch.norm, "nope": a.patch.nope},
+               "base": base, "arms": {a.name: {"patch": a.patch.options | {"norm": a.patch.norm, "nope": a.patch.nope},
                                                "failed": failures.get(a.name),
                                                "recovery": recovery.get(a.name)} for a in exp.arms},
                "evaluation": evaluation, "reference": reference}
     atomic_write_text(out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
     write_experiment_report(results, out)
     return results
-
-
-# ---- CLI ---------------------------------------------------------------------------------------------------------
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="YAML recipe with an experiment section")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. experiment.finetune_steps=50")
-    parser.add_argument("--out", required=True, help="experiment folder (re-run to resume)")
-
-
-def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("overrides", nargs="*", help="dotted overrides of recipes/demo.yaml")
-    parser.add_argument("--out", default="runs/demo", help="experiment folder (default runs/demo)")
-
-
-def run(args) -> int:
-    _print_summary(run_experiment(args.recipe, args.out, args.overrides), Path(args.out))
-    return 0
-
-
-def run_demo(args) -> int:
-    """`retrofit demo`: the embedded default experiment (recipes/demo.yaml), offline, on the CPU."""
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    _print_summary(run_experiment(DEMO_RECIPE, args.out, args.overrides), Path(args.out))
-    return 0
-
-
-CLI_COMMANDS = {"experiment": (add_arguments, run), "demo": (add_demo_arguments, run_demo)}
-
-
-def _print_summary(results: dict, out: Path) -> None:
-    from .experiment_report import summary_table
-    print()
-    print(summary_table(results))
-    print(f"\nreport: {out / 'report.md'}   (results.json, eval/, base/, arms/ beside it)")

@@ -1,14 +1,19 @@
 """The model card `retrofit push` writes as README.md: metadata, what was patched and why, how to load
 it, how it was trained (recipe, loss curve) and how it extrapolates (the `retrofit eval` table).
 
-Built from the `info` dict that retrofit.hub.stage gathers; no network, no files read here.
+Built from the `info` dict that retrofit.hub.publish.stage gathers; no network, no files read here.
 """
 
 from __future__ import annotations
 
 import json
 
-from .hub import GUARD, hub_id_like
+from huggingface_hub import ModelCardData
+
+from ..load.sources import is_hub_id
+from ..norms import get_norm
+
+GUARD = "retrofit.from_pretrained"  # the pushed attn_implementation: never registered, so plain transformers refuses it
 
 WHY = {
     "softmax": "the unpatched baseline, published for comparison: softmax weights sum to 1, so as the context "
@@ -29,20 +34,19 @@ NOPE_WHY = ("Positional information was removed (NoPE): lengths beyond those see
 
 
 def model_card(info: dict) -> str:
-    from huggingface_hub import ModelCardData
-
-    from .norms import get_norm
     record, repo, adapter = info["record"], info["repo"], info["kind"] == "adapter"
     norm = record["norm"]
-    base = info["base_model"] if hub_id_like(info["base_model"]) else None
-    tags = ["retrofit", norm, "attention-normalization", "length-extrapolation"] + (["nope"] if record.get("nope") else [])
+    base = info["base_model"] if is_hub_id(info["base_model"]) else None
+    tags = (["retrofit", norm, "attention-normalization", "length-extrapolation"]
+            + (["nope"] if record.get("nope") else []))
     tags += ["lora", "peft"] if adapter else []
     data = ModelCardData(library_name="peft" if adapter else "transformers", base_model=base, license=info["license"],
                          tags=tags, pipeline_tag="text-generation")
     options = ", ".join(f"{k}={v}" for k, v in (record.get("options") or {}).items()) or "none"
     formula = get_norm(norm).formula.replace("|", "\\|")  # a bare | would split the table cell
     calibration = record.get("calibration")
-    what = "a LoRA adapter (with the patch recorded)" if adapter else ("the merged model" if info["merged"] else "the model")
+    what = ("a LoRA adapter (with the patch recorded)" if adapter
+            else ("the merged model" if info["merged"] else "the model"))
     lines = [
         f"# {repo.split('/')[-1]}", "",
         f"{base or info.get('model_type') or 'A causal language model'} with its attention normalization replaced by "
@@ -71,7 +75,7 @@ def model_card(info: dict) -> str:
                   "plain patched model.", ""]
     elif (info.get("task") or {}).get("task") == "counting":
         lines += ["This run trained a counting head (`task.json`, `task_head.safetensors`): "
-                  f"`retrofit.train.load_run(huggingface_hub.snapshot_download(\"{repo}\"))` loads LM and head.", ""]
+                  f"`retrofit.load.load(huggingface_hub.snapshot_download(\"{repo}\"))` loads LM and head.", ""]
     if not adapter:
         lines += ["Plain `transformers.AutoModelForCausalLM.from_pretrained` refuses this checkpoint on purpose "
                   f"(config.json asks for attention implementation `{GUARD}`): without retrofit the model would "

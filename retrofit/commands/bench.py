@@ -1,0 +1,58 @@
+"""`retrofit bench <name> [options]`: benchmarks that print a table and write JSON (retrofit/bench/).
+
+    retrofit bench attention --seq 1024,4096,16384 --heads 8 --dim 64 --out bench-attention.json
+    retrofit bench train --model-type llama --norm avnorm
+    retrofit bench eval --length 16384
+    retrofit bench attention --help                  # each benchmark's own options
+
+Each benchmark is a module named in BENCHES providing `add_arguments(parser)` and `run(args) -> int`;
+it is imported only when asked for, so one benchmark's heavy imports never slow another. Bad options
+raise `RetrofitError` (the CLI prints one line and exits 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from ..errors import RetrofitError
+
+BENCHES = {
+    "attention": "retrofit.bench.attention",
+    "train": "retrofit.bench.train",
+    "eval": "retrofit.bench.eval",
+}
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """A benchmark's own parser: a usage error becomes a one-line RetrofitError instead of an exit."""
+
+    def error(self, message):
+        raise RetrofitError(f"{message} (see `{self.prog} --help`)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("bench", metavar="NAME", help="which benchmark: " + ", ".join(BENCHES))
+    parser.add_argument("options", nargs=argparse.REMAINDER,
+                        help="the benchmark's own options (see `retrofit bench NAME --help`)")
+
+
+def load(name: str):
+    """The module of benchmark `name`; RetrofitError when the name is unknown or its module is missing."""
+    if name not in BENCHES:
+        raise RetrofitError(f"unknown benchmark {name!r}; available: {', '.join(BENCHES)}")
+    try:
+        return importlib.import_module(BENCHES[name])
+    except ModuleNotFoundError as err:
+        if err.name != BENCHES[name]:
+            raise  # the benchmark exists but one of its own imports is missing: show the real error
+        raise RetrofitError(f"benchmark {name!r} is not available in this build ({BENCHES[name]} is missing)") \
+            from None
+
+
+def run(args: argparse.Namespace) -> int:
+    module = load(args.bench)
+    doc = (module.__doc__ or "").strip().splitlines()
+    parser = _RaisingParser(prog=f"retrofit bench {args.bench}", description=doc[0] if doc else None)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(args.options)) or 0)

@@ -1,0 +1,45 @@
+"""`retrofit diagnose SOURCE... --data FILE --out DIR`: the paper's attention diagnostics on any model.
+
+    retrofit diagnose runs/demo/base runs/demo/avnorm ./smollm2.gguf \\
+        --data books/persuasion.txt --lengths 32,64,...,1024 --out diag/
+    retrofit diagnose ./smollm2.gguf --patch avnorm --calibrate-tokens 8192 --data book.txt --out diag/
+
+Parses the command line and calls `retrofit.diagnose.diagnose_sources`.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from ..diagnose import diagnose_sources
+from ..lengths import parse_lengths
+
+DEFAULT_LENGTHS = "32,64,...,1024"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("sources", nargs="+", metavar="SOURCE", help="model: Hub id, folder or .gguf file")
+    parser.add_argument("--data", required=True, help="a plain-text file (long enough for the windows)")
+    parser.add_argument("--out", required=True, help="output folder: diagnose.json, report.md, *.png")
+    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help=f"context lengths L (default {DEFAULT_LENGTHS})")
+    parser.add_argument("--tokenizer", help="tokenizer folder or Hub id (default: each model's own)")
+    parser.add_argument("--windows", type=int, default=2, help="text windows of max(L) tokens (default 2)")
+    parser.add_argument("--queries", type=int, default=8, help="query rows measured per length (default 8)")
+    parser.add_argument("--patch", action="append", default=[], metavar="NORM[:k=v,...]",
+                        help="also diagnose each source patched with this norm (repeatable), e.g. avnorm")
+    parser.add_argument("--calibrate-tokens", type=int, default=8192,
+                        help="tokens of --data (after the windows) that calibrate avnorm gains (default 8192; 0: none)")
+    parser.add_argument("--label", action="append", default=[], help="a name per source, in order")
+    parser.add_argument("--dtype", default="float32", help="model dtype (default float32)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the random directions of g(T, eps)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args) -> int:
+    command = " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["diagnose"] else "..."
+    diagnose_sources(args.sources, data=args.data, out=args.out, lengths=parse_lengths(args.lengths),
+                     tokenizer=args.tokenizer, windows=args.windows, queries=args.queries, patches=args.patch,
+                     calibrate_tokens=args.calibrate_tokens, labels=args.label or None, dtype=args.dtype,
+                     seed=args.seed, progress=not args.quiet, command=command)
+    return 0

@@ -1,0 +1,61 @@
+"""`retrofit eval MODEL... --data FILE --lengths 256,512,...,65536 --out DIR`: length extrapolation.
+
+    retrofit eval runs/base runs/avnorm --data persuasion.txt --lengths 256,512,...,65536 \\
+        --train-len 1024 --max-tokens 65536 --out eval/
+
+Parses the command line, calls `retrofit.evaluate.evaluate_models`, writes the report, prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ..errors import RetrofitError
+from ..evaluate import evaluate_models
+from ..evaluate.report import cost_table_markdown, loss_table_markdown, write_report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("models", nargs="+", help="run folders, patched checkpoints, Hub ids or .gguf files")
+    parser.add_argument("--data", nargs="+", default=None,
+                        help="text files (one document each) or .json files of token ids (lm task)")
+    parser.add_argument("--lengths", default="256,512,...,4096",
+                        help="context lengths: 256,512,1024 or a doubling 256,512,...,65536")
+    parser.add_argument("--train-len", type=int, default=None, help="the training length, marked in tables and plots")
+    parser.add_argument("--out", default="eval", help="folder for results.json/.csv/.md and the plots")
+    parser.add_argument("--tasks", default=None,
+                        help="comma list of lm, passkey, counting (default: counting for counting runs, else lm)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="cap on scored tokens per length and model (default: every window)")
+    parser.add_argument("--names", default=None, help="comma-separated names for the models, in order")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (or model) to use for every model")
+    parser.add_argument("--batch-tokens", type=int, default=16384,
+                        help="tokens per forward (windows batched up to this)")
+    parser.add_argument("--chunk-tokens", type=int, default=1024, help="positions per head/loss chunk")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey depths, 0 = start .. 1 = end")
+    parser.add_argument("--trials", type=int, default=8, help="passkey trials / counting sequences per length")
+    parser.add_argument("--alphabet", type=int, default=None, help="counting alphabet (default: the run's recipe)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        depths = [float(d) for d in args.depths.split(",")]
+    except ValueError:
+        raise RetrofitError(f"--depths {args.depths!r}: give numbers between 0 and 1, like 0,0.5,1") from None
+    counting = {"sequences": args.trials, **({"alphabet": args.alphabet} if args.alphabet else {})}
+    results = evaluate_models(
+        args.models, data=args.data, lengths=args.lengths, train_len=args.train_len,
+        tasks=args.tasks.split(",") if args.tasks else None, max_tokens=args.max_tokens, tokenizer=args.tokenizer,
+        names=args.names.split(",") if args.names else None, batch_tokens=args.batch_tokens,
+        chunk_tokens=args.chunk_tokens, dtype=args.dtype, device=args.device,
+        passkey={"depths": depths, "trials": args.trials}, counting=counting, progress=not args.no_progress)
+    paths = write_report(results, args.out)
+    if any(m["lengths"] for m in results["models"]):
+        print(loss_table_markdown(results) + "\n\n" + cost_table_markdown(results))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0

@@ -1,0 +1,49 @@
+"""`retrofit experiment RECIPE --out DIR` and `retrofit demo`: base -> arms -> evaluation -> report.
+
+    retrofit experiment recipes/llama-avnorm-retrofit.yaml --out runs/smollm2
+    retrofit demo                                   # recipes/demo.yaml: offline, CPU, minutes
+
+Parses the command line and calls `retrofit.experiment.run_experiment`, then prints the summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from ..experiment import DEMO_RECIPE, run_experiment, summary_table
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="YAML recipe with an experiment section")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. experiment.finetune_steps=50")
+    parser.add_argument("--out", required=True, help="experiment folder (re-run to resume)")
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of recipes/demo.yaml")
+    parser.add_argument("--out", default="runs/demo", help="experiment folder (default runs/demo)")
+
+
+def run(args) -> int:
+    _print_summary(run_experiment(args.recipe, args.out, args.overrides), Path(args.out))
+    return 0
+
+
+def run_demo(args) -> int:
+    """`retrofit demo`: the embedded default experiment (recipes/demo.yaml), offline, on the CPU."""
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    _print_summary(run_experiment(DEMO_RECIPE, args.out, args.overrides), Path(args.out))
+    return 0
+
+
+CLI_COMMANDS = {"experiment": (add_arguments, run), "demo": (add_demo_arguments, run_demo)}
+
+
+def _print_summary(results: dict, out: Path) -> None:
+    print()
+    print(summary_table(results))
+    print(f"\nreport: {out / 'report.md'}   (results.json, eval/, base/, arms/ beside it)")

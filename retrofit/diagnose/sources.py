@@ -1,0 +1,196 @@
+"""Diagnose sources: load each model (and, on request, a patched variant), read the text, run the measures.
+
+    diagnose_sources(["runs/demo/base", "./smollm2.gguf"], data="book.txt", out="diag/",
+                     lengths=[32, 64, 128], patches=["avnorm"])
+
+The CLI over it is retrofit/commands/diagnose.py (`retrofit diagnose`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from ..atomic import atomic_write_text
+from ..calibrate import calibrate
+from ..errors import RetrofitError
+from ..load import load_model, load_tokenizer
+from ..norms import get_norm
+from ..patch import patch, patch_record
+from ..positions import position_limit
+from .collect import Plan, diagnose_model
+from .report import write_report
+from .summary import summarize
+
+SCHEMA = "retrofit.diagnose/1"  # diagnose.json: {schema, header, models: [summary.summarize results]}
+
+
+def parse_patch(text: str) -> tuple[str, dict]:
+    """'avnorm' or 'psoftmax:p=2' or 'avnorm:kind=layer,affine=true' -> (norm, options)."""
+    name, _, rest = text.partition(":")
+    options = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise RetrofitError(f"--patch {text!r}: options are key=value, e.g. avnorm:kind=layer")
+        options[key.strip()] = yaml.safe_load(value)
+    return name.strip(), options
+
+
+def _label(source: str) -> str:
+    p = Path(source.rstrip("/"))
+    return p.stem if source.endswith(".gguf") else p.name or source
+
+
+def _tokens(tokenizer, text: str) -> torch.Tensor:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _windows(tokens: torch.Tensor, count: int, length: int, reserve: int,
+             data: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` non-overlapping windows of `length` tokens spread over the text, and the `reserve`
+    tokens after the last window (for calibration)."""
+    need = count * length + reserve
+    if len(tokens) < need:
+        raise RetrofitError(f"{data} has {len(tokens)} tokens but {count} window(s) of {length} tokens"
+                            + (f" plus {reserve} calibration tokens" if reserve else "")
+                            + f" need {need}: pass a longer --data, smaller --lengths or fewer --windows")
+    room = len(tokens) - reserve - count * length
+    starts = [i * length + (room * i) // max(count - 1, 1) for i in range(count)]
+    windows = torch.stack([tokens[s:s + length] for s in starts])
+    return windows, tokens[len(tokens) - reserve:]
+
+
+def diagnose(model, windows, plan: Plan, *, label: str = "model", progress: bool = True,
+             meta: dict | None = None) -> dict:
+    """Run every measure of `plan` on `model` over `windows` (B, T) and return the JSON-ready result."""
+    raw = diagnose_model(model, windows, plan, label=label, progress=progress)
+    return summarize(raw["acc"], plan, {"label": label, **(meta or {}), "windows": raw["windows"]})
+
+
+def _variants(patches, source, label, model):
+    """(label, model, norm, patch info, patched here?) for the source itself and each --patch."""
+    record = patch_record(model)
+    yield label, model, (record or {}).get("norm"), record, False
+    for spec in patches:
+        name, options = parse_patch(spec)
+        if record:
+            raise RetrofitError(f"{source} is already patched with {record['norm']}; --patch applies to "
+                                "unpatched sources only")
+        variant = copy.deepcopy(model)  # deep-copies its config too: the original stays unpatched
+        report = patch(variant, name, **options)
+        yield f"{label}+{name}", variant, name, report.as_dict(), True
+
+
+def _diagnose_source(opts: dict, source: str, label: str, text: str, plan, calibrate_tokens: int, tokenizer):
+    """Every result for one source: the model as it is, then each --patch variant. Returns (results, tokens)."""
+    tokenizer = tokenizer or load_tokenizer(source)
+    if tokenizer is None:
+        raise RetrofitError(f"{source} has no tokenizer; pass --tokenizer (e.g. a folder with tokenizer.json)")
+    tokens = _tokens(tokenizer, text)
+    Lmax = plan.lengths[-1]
+    windows, calib = _windows(tokens, opts["windows"], Lmax, calibrate_tokens, opts["data"])
+    model = load_model(source, dtype=opts["dtype"])
+    limit = position_limit(model)
+    if limit is not None and Lmax > limit:
+        raise RetrofitError(f"{source} has learned positions for {limit} tokens only; use --lengths up to {limit}")
+    if windows.max() >= model.get_input_embeddings().num_embeddings:
+        raise RetrofitError(f"the tokenizer makes ids beyond {source}'s vocabulary: pass the model's own --tokenizer")
+    results = []
+    for name, variant, norm, info, fresh in _variants(opts["patches"], source, label, model):
+        if fresh and norm == "avnorm" and calibrate_tokens:  # a fresh AVNorm starts from calibrated gains
+            chunk = min(Lmax, 512)
+            batches = [calib[j:j + chunk][None] for j in range(0, len(calib) - chunk + 1, chunk)]
+            info = {**info, "calibration": calibrate_with_progress(variant, batches, progress=opts["progress"])}
+        result = diagnose(variant, windows, plan, label=name, progress=opts["progress"],
+                          meta={"source": source, "norm": norm, "patch": _brief(info)})
+        print(_headline(result), file=sys.stderr)
+        results.append(result)
+    return results, len(tokens)
+
+
+def diagnose_sources(sources: list[str], *, data: str, out, lengths: list[int], tokenizer: str | None = None,
+                     windows: int = 2, queries: int = 8, patches=(), calibrate_tokens: int = 8192, labels=None,
+                     dtype: str = "float32", seed: int = 0, progress: bool = True, command: str = "...") -> Path:
+    """Diagnose every source (and each patched variant) on `data`; writes diagnose.json, report.md and the
+    figures into `out` and returns it. `patches`: specs like 'avnorm' or 'psoftmax:p=2'."""
+    if windows < 1 or queries < 1:
+        raise RetrofitError("--windows and --queries must be >= 1")
+    if labels and len(labels) != len(sources):
+        raise RetrofitError(f"--label was given {len(labels)} time(s) for {len(sources)} source(s)")
+    names = [parse_patch(spec)[0] for spec in patches]
+    for name in names:
+        get_norm(name)  # an unknown norm fails now, not after loading a model
+    if not Path(data).is_file():
+        raise RetrofitError(f"--data {data}: no such file")
+    text = Path(data).read_text(encoding="utf-8", errors="replace")
+    plan = Plan(lengths=list(lengths), queries=queries, seed=seed)
+    calibrate_tokens = calibrate_tokens if "avnorm" in names else 0
+    shared_tokenizer = load_tokenizer(tokenizer) if tokenizer else None
+    if tokenizer and shared_tokenizer is None:
+        raise RetrofitError(f"--tokenizer {tokenizer}: no tokenizer found there")
+    opts = {"windows": windows, "data": data, "dtype": dtype, "patches": list(patches), "progress": progress}
+
+    results, token_counts, started = [], {}, time.time()
+    for i, source in enumerate(sources):
+        label = labels[i] if labels else _label(source)
+        found, token_counts[label] = _diagnose_source(opts, source, label, text, plan, calibrate_tokens,
+                                                      shared_tokenizer)
+        results += found
+    results = json.loads(json.dumps(results))  # keys become strings, as in the file
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    header = {"command": f"retrofit diagnose {command}", "data": str(data),
+              "tokens": ", ".join(f"{k}: {v}" for k, v in token_counts.items()), "windows": windows,
+              "lengths": plan.lengths, "seconds": round(time.time() - started, 1), "torch": torch.__version__,
+              "threads": torch.get_num_threads()}
+    atomic_write_text(out / "diagnose.json", dump_json({"schema": SCHEMA, "header": header, "models": results}))
+    write_report(results, out, header)
+    print(f"wrote {out / 'report.md'}, {out / 'diagnose.json'} and the figures ({header['seconds']} s)",
+          file=sys.stderr)
+    return out
+
+
+def dump_json(obj) -> str:
+    """Indented JSON with every innermost list of numbers on one line (one line per layer's heads)."""
+    text = json.dumps(obj, indent=1)
+    return re.sub(r"\[[^\[\]{}\"]*\]", lambda m: re.sub(r"\s+", "", m.group(0)), text)
+
+
+def calibrate_with_progress(model, batches, progress: bool = True) -> dict:
+    """AVNorm gains from text (retrofit.calibrate), with a progress bar."""
+    if not batches:
+        raise RetrofitError("no calibration tokens: raise --calibrate-tokens or use a longer --data")
+    return calibrate(model, tqdm(batches, desc="calibrate avnorm", unit="batch", disable=not progress,
+                                          leave=False))
+
+
+def _brief(info):
+    if not info:
+        return None
+    keep = ("norm", "options", "nope", "calibration")
+    return {k: info[k] for k in keep if k in info}
+
+
+def _headline(r: dict) -> str:
+    """One line per model for the terminal: the numbers the paper reports."""
+    s, Lmax = r["summary"], r["lengths"][-1]
+    crit = s["distance"]["critical"][Lmax]
+
+    def frac(name):
+        return "-" if crit[name]["fraction"] is None else f"{crit[name]['fraction']:.3f} L"
+
+    slope = s["gradient"]["by_eps"].get("0.001", {}).get("slope_small_T_max", math.nan)
+    return (f"{r['label']}: entropy {s['vanishing'][Lmax]['entropy']:.2f} of log L {math.log(Lmax):.2f} at "
+            f"L={Lmax}; critical N {frac('printed')} (printed E), {frac('exact')} (exact E); separability "
+            f"plateau {s['separability']['plateau']:.2f}; 1/T slope {slope:.2f}")

@@ -1,0 +1,172 @@
+"""Length extrapolation: loss by context length and by position, passkey retrieval, counting.
+
+    retrofit eval runs/base runs/avnorm --data persuasion.txt --lengths 256,512,...,65536 \
+        --train-len 1024 --max-tokens 65536 --out eval/
+
+    results = evaluate_models(["runs/base", "runs/avnorm"], data=["persuasion.txt"], lengths="256,...,65536")
+
+Modules: windows (data, windows, position buckets) <- losses (chunked scoring, passkey, counting)
+<- this file (every model at every length -> the results dict, schema in docs/results-schema.md)
+<- report (tables, CSV, plots, report.md). The CLI is retrofit/commands/eval.py.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import yaml
+
+from ..errors import RetrofitError
+from ..lengths import parse_lengths
+from ..load import CountingModel, language_model, load, load_tokenizer
+from ..memory import PeakMemory
+from ..positions import position_limit
+from .losses import (
+    LOGIT_TRANSFORMS,
+    check_head,
+    check_lengths,
+    config_value,
+    evaluate_counting,
+    evaluate_lengths,
+    evaluate_passkey,
+    head_logits,
+    token_losses,
+)
+from .windows import cut_windows, position_buckets, read_token_file, tokenize_files, tokenizer_fingerprint
+
+
+def load_any_tokenizer(source):
+    """A tokenizer object; a model source (its tokenizer, or None); or a tokenizer folder. A bare
+    vocab.json + merges.txt folder (no tokenizer_config.json) is read as byte-level BPE, GPT-2 style."""
+    if source is None or hasattr(source, "get_vocab") or not isinstance(source, (str, Path)):
+        return source if hasattr(source, "get_vocab") else None  # a loaded model carries no tokenizer
+    return load_tokenizer(source)
+
+
+def model_name(source) -> str:
+    if not isinstance(source, (str, Path)):
+        return getattr(getattr(source, "config", None), "model_type", type(source).__name__)
+    path = Path(source)
+    return path.stem if path.suffix == ".gguf" else path.name or str(source)
+
+
+def evaluate_models(sources: list, *, data=None, tokens=None, lengths, train_len=None, tasks=None, max_tokens=None,
+                    tokenizer=None, names=None, batch_tokens=16384, chunk_tokens=1024, dtype=None, device="cpu",
+                    passkey=None, counting=None, progress=True) -> dict:
+    """Evaluate every model (any source `retrofit.load.load` takes, or a loaded model) -> results dict.
+
+    tasks: some of "lm", "passkey", "counting"; None = "counting" for counting runs, "lm" otherwise.
+    The lm data: `tokens` (token ids, or a list of documents), or `data` paths (.json token files, or
+    text tokenized by `tokenizer`, else each model's own). passkey/counting: keyword dicts for
+    evaluate_passkey/evaluate_counting. Schema of the result: docs/results-schema.md.
+    """
+    lengths = parse_lengths(lengths) if isinstance(lengths, str) else sorted(set(lengths))
+    names = list(names) if names else _unique([model_name(s) for s in sources])
+    if len(names) != len(sources):
+        raise RetrofitError(f"{len(names)} names for {len(sources)} models: give one name per model")
+    unknown = set(tasks or ()) - {"lm", "passkey", "counting"}
+    if unknown:
+        raise RetrofitError(f"unknown tasks {sorted(unknown)}: choose from lm, passkey, counting")
+    data = [data] if isinstance(data, (str, Path)) else list(data or [])
+    prepared = _prepare_data(sources, data, tokens, tokenizer, lengths, tasks)
+    results = {"schema": "retrofit.eval/1", "train_len": train_len, "lengths": lengths,
+               "data": {"files": [str(p) for p in data],
+                        "documents": [len(d) for d in next((d for _, d, _ in prepared if d), [])]},
+               "settings": {"tasks": tasks, "max_tokens": max_tokens, "batch_tokens": batch_tokens,
+                            "chunk_tokens": chunk_tokens, "device": str(device), "passkey": passkey,
+                            "counting": counting, "window": "L + 1 tokens: read L, predict tokens 1..L"},
+               "models": []}
+    for source, name, (key, documents, tok) in zip(sources, names, prepared):
+        model = _load(source, dtype, device)
+        lm, counting_model = _language_model(model)
+        wanted = tasks or (["counting"] if counting_model else ["lm"])
+        if counting_model != ("counting" in wanted) or (counting_model and len(wanted) > 1):
+            raise RetrofitError(f"{name} is {'a counting run' if counting_model else 'a language model'}: "
+                                f"evaluate it with --tasks {'counting' if counting_model else 'lm and/or passkey'}")
+        if "lm" in wanted and documents is None and not data:
+            raise RetrofitError("no data to evaluate on: pass --data FILE (text, or .json token ids)")
+        if ("lm" in wanted and documents is None) or ("passkey" in wanted and tok is None):
+            raise RetrofitError(f"no tokenizer for {name}: pass --tokenizer PATH (a tokenizer folder)")
+        check_lengths(lm, lengths, name)
+        entry = {"name": name, "source": str(source) if isinstance(source, (str, Path)) else None,
+                 "model_type": lm.config.model_type, "tokenizer": key, "dtype": str(lm.dtype).removeprefix("torch."),
+                 "retrofit": getattr(lm.config, "retrofit", None), "max_learned_positions": position_limit(lm),
+                 "max_position_embeddings": config_value(lm.config, "max_position_embeddings"),
+                 "memory_kind": PeakMemory(device).kind, "lengths": []}
+        if "lm" in wanted:
+            entry["lengths"] = evaluate_lengths(lm, documents, lengths, max_tokens=max_tokens,
+                                                batch_tokens=batch_tokens, chunk_tokens=chunk_tokens, name=name,
+                                                progress=progress)
+        if "passkey" in wanted:
+            entry["passkey"] = evaluate_passkey(lm, tok, lengths, batch_tokens=batch_tokens, **(passkey or {}))
+        if "counting" in wanted:
+            options = {"alphabet": _run_alphabet(source), **(counting or {})}
+            entry["counting"] = evaluate_counting(model, lengths, batch_tokens=batch_tokens, **options)
+        results["models"].append(entry)
+        del model, lm
+        gc.collect()
+    return results
+
+
+def _prepare_data(sources, data, tokens, tokenizer, lengths, tasks) -> list[tuple]:
+    """(tokenizer fingerprint, documents or None, tokenizer or None) per source. Text is tokenized once
+    per distinct tokenizer, and every length is cut now, so bad data fails before any model loads."""
+    if tokens is None and data and any(str(p).endswith(".json") for p in data):
+        if not all(str(p).endswith(".json") for p in data):
+            raise RetrofitError("--data mixes .json token files and text files: give one kind")
+        tokens = [doc for path in data for doc in read_token_file(path)]
+    if tokens is not None:
+        tokens = tokens if tokens and isinstance(tokens[0], (list, tuple)) else [tokens]
+    elif not data and tasks and "lm" in tasks:
+        raise RetrofitError("no data to evaluate on: pass --data FILE (text, or .json token ids)")
+    needs_tokenizer = bool((tokens is None and data) or (tasks and "passkey" in tasks))
+    explicit = load_any_tokenizer(tokenizer) if needs_tokenizer and tokenizer is not None else None
+    prepared, cache = [], {}
+    for source in sources:
+        tok = (explicit or load_any_tokenizer(source)) if needs_tokenizer else None
+        key = tokenizer_fingerprint(tok) if tok is not None else "given"
+        documents = tokens
+        if tokens is None and data and tok is not None:
+            if key not in cache:
+                cache[key] = tokenize_files(tok, data)
+            documents = cache[key]
+        prepared.append((key, documents, tok))
+    if tasks is None or "lm" in tasks:
+        for documents in {id(d): d for _, d, _ in prepared if d is not None}.values():
+            for length in lengths:
+                cut_windows(documents, length, 1)
+    return prepared
+
+
+def _load(source, dtype, device):
+    if not isinstance(source, (str, Path)):
+        return source.eval()
+    return load(str(source), dtype=dtype).to(device).eval()  # a run folder (LoRA, counting head) or any source
+
+
+def _language_model(model):
+    """(the causal LM inside, whether `model` is a counting model: input_ids -> counts)."""
+    return language_model(model), isinstance(model, CountingModel)
+
+
+def _run_alphabet(source) -> int:
+    """The counting alphabet a run trained with (its recipe.yaml), else data.py's default of 8."""
+    recipe = Path(str(source)) / "recipe.yaml"
+    if isinstance(source, (str, Path)) and recipe.is_file():
+        return int(((yaml.safe_load(recipe.read_text()) or {}).get("data", {}).get("counting") or {})
+                   .get("alphabet", 8))
+    return 8
+
+
+def _unique(names: list[str]) -> list[str]:
+    return [f"{n}-{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
+
+
+__all__ = [
+    "LOGIT_TRANSFORMS", "check_head", "check_lengths", "cut_windows", "evaluate_counting", "evaluate_lengths",
+    "evaluate_models", "evaluate_passkey", "head_logits", "parse_lengths", "position_buckets", "read_token_file",
+    "token_losses", "tokenize_files", "tokenizer_fingerprint",
+]

@@ -1,0 +1,172 @@
+"""Scoring: next-token losses computed from the final hidden states in chunks, passkey and counting.
+
+Memory: the model body gives final hidden states (B, L, d); the output head runs on `chunk_tokens`
+positions at a time, so peak memory grows with L and never with L x vocab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..data import counting_batch, passkey_batch
+from ..errors import RetrofitError
+from ..memory import PeakMemory
+from ..positions import position_limit
+from .windows import bucket_rows, cut_windows
+
+# Families whose CausalLM head transforms logits after the output projection, keyed by the config
+# attribute that turns it on. `check_head` catches any family missing from this table.
+LOGIT_TRANSFORMS = {
+    "final_logit_softcapping": lambda x, cap: torch.tanh(x / cap) * cap,  # gemma2/3/4
+    "logit_scale": lambda x, scale: x * scale,  # cohere
+    "logits_scaling": lambda x, scale: x / scale,  # granite
+}
+
+
+def config_value(config, name):
+    value = getattr(config, name, None)
+    if value is None and getattr(config, "text_config", None) is not None:
+        value = getattr(config.text_config, name, None)
+    return value
+
+
+def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """(B, T, d) final hidden states -> (B, T, V) float32 logits, as the model's own forward makes them."""
+    logits = model.get_output_embeddings()(hidden).float()
+    for name, transform in LOGIT_TRANSFORMS.items():
+        value = config_value(model.config, name)
+        if value is not None and not isinstance(value, bool):
+            logits = transform(logits, float(value))
+    return logits
+
+
+@torch.inference_mode()
+def token_losses(model, windows: torch.Tensor, chunk_tokens: int = 1024) -> torch.Tensor:
+    """(B, L + 1) windows -> (B, L) float32 next-token losses, running the head chunk by chunk."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]  # (B, L), (B, L)
+    hidden = model.base_model(input_ids=inputs, use_cache=False)[0]  # (B, L, d)
+    B, L = targets.shape
+    losses = torch.empty(B, L, dtype=torch.float32, device=windows.device)
+    step = max(1, chunk_tokens // B)
+    for s in range(0, L, step):
+        logits = head_logits(model, hidden[:, s:s + step])  # (B, c, V): the only vocab-sized tensor
+        losses[:, s:s + step] = F.cross_entropy(logits.flatten(0, 1), targets[:, s:s + step].flatten(),
+                                                reduction="none").view(B, -1)
+    return losses
+
+
+@torch.inference_mode()
+def check_head(model, ids: torch.Tensor) -> None:
+    """Refuse models whose forward makes logits differently from body + head (+ LOGIT_TRANSFORMS)."""
+    ids = ids[:, :32]
+    ours = head_logits(model, model.base_model(input_ids=ids, use_cache=False)[0])
+    theirs = model(input_ids=ids, use_cache=False).logits.float()
+    tol = 1e-3 if ours.dtype == torch.float32 and model.dtype == torch.float32 else 5e-2
+    if ours.shape != theirs.shape or not torch.allclose(ours, theirs, atol=tol * (1 + theirs.abs().max().item())):
+        raise RetrofitError(f"{type(model).__name__} makes its logits in a way `retrofit eval` does not know "
+                            "(see LOGIT_TRANSFORMS in retrofit/evaluate/losses.py): add its transform there")
+
+
+def check_lengths(model, lengths, name="model") -> None:
+    """A length beyond learned absolute positions is an error naming the limit and the ways out."""
+    limit = position_limit(model)
+    too_long = [n for n in lengths if limit is not None and n > limit]
+    if too_long:
+        raise RetrofitError(f"{name} has learned positions for {limit} tokens only, so lengths {too_long} cannot be "
+                            f"evaluated: use --lengths up to {limit}, or patch it with --nope "
+                            "(`retrofit patch MODEL --norm NORM --nope`) to remove positions")
+
+
+def evaluate_lengths(model, documents: list, lengths: list[int], *, max_tokens=None, batch_tokens=16384,
+                     chunk_tokens=1024, name="model", progress=True) -> list[dict]:
+    """Mean next-token loss, loss by log-spaced position bucket, time and peak memory, for each length.
+    documents: token-id lists (one per document), or one flat list / 1-D tensor of token ids."""
+
+    if torch.is_tensor(documents):
+        documents = [documents] if documents.ndim == 1 else list(documents)
+    elif documents and isinstance(documents[0], int):
+        documents = [documents]
+
+    check_lengths(model, lengths, name)
+    device = next(model.parameters()).device
+    max_positions = config_value(model.config, "max_position_embeddings")
+    check_head(model, cut_windows(documents, min(lengths), 1)[:, :-1].to(device))
+    rows = []
+    for length in lengths:
+        windows = cut_windows(documents, length, max_tokens)  # (N, L + 1)
+        batch = max(1, batch_tokens // length)
+        position_sum = torch.zeros(length, dtype=torch.float64)  # summed over windows
+        bar = tqdm(total=windows.shape[0] * length, unit="tok", unit_scale=True, desc=f"{name} L={length}",
+                   disable=not progress, leave=True, dynamic_ncols=True)
+        started = time.perf_counter()
+        with PeakMemory(device) as memory:
+            for i in range(0, windows.shape[0], batch):
+                losses = token_losses(model, windows[i:i + batch].to(device), chunk_tokens)  # (b, L)
+                position_sum += losses.double().sum(0).cpu()
+                bar.update(losses.numel())
+                bar.set_postfix(loss=f"{position_sum.sum().item() / (bar.n or 1):.3f}")
+        seconds = time.perf_counter() - started
+        bar.close()
+        n = windows.shape[0]
+        rows.append({
+            "length": length, "loss": position_sum.sum().item() / (n * length), "windows": n,
+            "tokens": n * length, "time_s": round(seconds, 3), "tokens_per_s": round(n * length / seconds, 1),
+            "peak_memory_mb": round(memory.peak_mb, 1), "start_memory_mb": round(memory.start_mb, 1),
+            "beyond_max_positions": bool(max_positions and length > max_positions),
+            "windows_sha1": hashlib.sha1(windows.numpy().tobytes()).hexdigest(),
+            "by_position": bucket_rows(position_sum, n, "loss"),
+        })
+    return rows
+
+
+@torch.inference_mode()
+def evaluate_passkey(model, tokenizer, lengths: list[int], *, depths=(0.0, 0.25, 0.5, 0.75, 1.0), trials=8,
+                     digits=5, seed=0, batch_tokens=16384) -> list[dict]:
+    """Greedy retrieval accuracy of data.passkey_batch's key, by length x depth. The model reads L tokens;
+    a trial counts when every answer token is the argmax (= greedy decoding of the answer)."""
+
+    device = next(model.parameters()).device
+    rows = []
+    for length in lengths:
+        for depth in depths:
+            batch = passkey_batch(tokenizer, trials, length + 1, depth=depth, digits=digits, seed=seed)
+            ids, labels = batch["input_ids"].to(device), batch["labels"][:, 1:].to(device)  # (n, L + 1), (n, L)
+            hits, step = 0, max(1, batch_tokens // length)
+            for i in range(0, trials, step):
+                hidden = model.base_model(input_ids=ids[i:i + step, :-1], use_cache=False)[0]  # (b, L, d)
+                answer = labels[i:i + step] != -100  # (b, L): only the answer positions go through the head
+                wrong = head_logits(model, hidden[answer]).argmax(-1) != labels[i:i + step][answer]
+                hits += answer.shape[0] - answer.nonzero()[:, 0][wrong].unique().numel()
+            rows.append({"length": length, "depth": float(depth), "accuracy": hits / trials, "trials": trials})
+    return rows
+
+
+@torch.inference_mode()
+def evaluate_counting(model, lengths: list[int], *, sequences=8, alphabet=8, seed=0, batch_tokens=16384) -> list[dict]:
+    """L1 and MSE of a counting model (input_ids (B, T) -> counts (B, T)) on data.counting_batch sequences
+    of T = length tokens, over positions 1..T-1, with L1 by log-spaced position bucket."""
+
+    device = next(model.parameters()).device
+    rows = []
+    for length in lengths:
+        batch = counting_batch(sequences, length, alphabet=alphabet, seed=seed)
+        l1_sum, sq_sum = torch.zeros(length, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        step = max(1, batch_tokens // length)
+        for i in range(0, sequences, step):
+            err = model(batch["input_ids"][i:i + step].to(device)).cpu() - batch["counts"][i:i + step]  # (b, T)
+            err[:, 0] = 0  # position 0 holds the target symbol: no count to predict
+            l1_sum += err.abs().double().sum(0)
+            sq_sum += err.double().pow(2).sum()
+        n = sequences * (length - 1)
+        mean_count = batch["counts"][:, 1:].double().mean().item()  # counts grow with length: L1 relative to this
+        rows.append({"length": length, "l1": l1_sum.sum().item() / n, "mse": sq_sum.item() / n, "sequences": sequences,
+                     "mean_count": mean_count, "relative_l1": l1_sum.sum().item() / n / max(mean_count, 1e-9),
+                     "by_position": bucket_rows(l1_sum, sequences, "l1", skip_first=True)})
+    return rows
+
+

@@ -1,0 +1,79 @@
+"""Evaluation data: windows cut from documents, log-spaced position buckets, token files.
+
+A window of length L is L + 1 consecutive tokens of one document: the model reads the first L and
+is scored on predicting tokens 1..L, so the last prediction has seen exactly L tokens. Windows are
+cut without overlap from the start of each document; `max_tokens` keeps an evenly spaced subset.
+They depend only on the tokens, so every model with the same tokenizer sees the same windows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from transformers.utils import logging
+
+from ..errors import RetrofitError
+
+
+def cut_windows(documents: list, length: int, max_tokens: int | None = None) -> torch.Tensor:
+    """Non-overlapping (N, length + 1) windows from the documents; an evenly spaced N when capped."""
+    starts = [(d, s) for d, doc in enumerate(documents) for s in range(0, len(doc) - length, length + 1)]
+    if not starts:
+        longest = max((len(doc) for doc in documents), default=0)
+        raise RetrofitError(f"length {length} needs {length + 1} tokens in one document but the longest has "
+                            f"{longest}: use shorter --lengths or longer --data")
+    keep = len(starts) if not max_tokens else max(1, min(len(starts), max_tokens // length))
+    chosen = [starts[i * len(starts) // keep] for i in range(keep)]
+    return torch.stack([torch.as_tensor(documents[d][s:s + length + 1], dtype=torch.long) for d, s in chosen])
+
+
+def position_buckets(length: int) -> list[tuple[int, int]]:
+    """Log-spaced [start, end) position buckets: [0,1), [1,2), [2,4), [4,8), ... up to length."""
+    edges = [0] + [2 ** k for k in range(math.ceil(math.log2(length)) + 1) if 2 ** k < length] + [length]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def bucket_rows(sums: torch.Tensor, per_position: int, key: str, skip_first=False) -> list[dict]:
+    """(L,) per-position sums over `per_position` items each -> log-spaced bucket means."""
+    buckets = position_buckets(sums.shape[0])[1 if skip_first else 0:]
+    return [{"start": a, "end": b, key: sums[a:b].sum().item() / (per_position * (b - a)),
+             "tokens": per_position * (b - a)} for a, b in buckets]
+
+
+def read_token_file(path) -> list[list[int]]:
+    """A .json file holding token ids: one list (one document) or a list of lists (documents)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise RetrofitError(f"cannot read token file {path}: {err}; give a JSON list of token ids") from None
+    documents = data if isinstance(data, list) and data and isinstance(data[0], list) else [data]
+    if not all(isinstance(doc, list) and all(isinstance(t, int) for t in doc) for doc in documents):
+        raise RetrofitError(f"{path} must hold a JSON list of token ids or a list of such lists")
+    return documents
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Models whose tokenizers share this fingerprint share their tokenized data and windows."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha1(json.dumps([type(tokenizer).__name__, vocab]).encode()).hexdigest()[:12]
+
+
+def tokenize_files(tokenizer, paths) -> list[list[int]]:
+    """Each text file is one document, tokenized without special tokens."""
+    documents = []
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # "sequence length is longer than the model's maximum": windows handle that
+    try:
+        for path in paths:
+            try:
+                text = Path(path).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise RetrofitError(f"cannot read --data {path}: {err}") from None
+            documents.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    finally:
+        logging.set_verbosity(verbosity)
+    return documents

@@ -1,0 +1,115 @@
+"""A retrofit checkpoint: a model folder (or Hub repository) whose config.json carries a `retrofit` section.
+
+    model = load_checkpoint("runs/avnorm")   # the base model, then the patch from config.retrofit, then its tensors
+
+Plain transformers would silently drop the norm's tensors and run the original attention, so the
+patch is rebuilt here: load the base with the recorded attention implementation, re-apply the patch
+(`retrofit.patch.patch_from_record`), then load the patch tensors (keys containing `.retrofit.`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+from transformers.utils import cached_file
+from transformers.utils import logging as hf_logging
+
+from ..errors import RetrofitError
+from ..patch import CHILD, patch_from_record
+from .models import as_dtype, load_config, load_plain_model
+from .sources import call_loader, hub_reachable, location, source_kind
+
+
+def patch_record_of(config, source) -> dict | None:
+    """config.retrofit when the config has one (checked to be a patch record), else None."""
+    if not hasattr(config, "retrofit"):
+        return None
+    record = config.retrofit
+    where = f"{source}/config.json" if source_kind(source) == "folder" else f"{source}'s config.json"
+    if not isinstance(record, dict) or not isinstance(record.get("norm"), str):
+        raise RetrofitError(f"{where} has a malformed 'retrofit' section (it must be the patch record that "
+                            "retrofit.patch writes, with a 'norm'); re-save the model, or remove the section "
+                            "to load the base")
+    if not isinstance(record.get("options", {}), dict) or not isinstance(record.get("format", 1), int):
+        raise RetrofitError(f"{where}: 'retrofit.options' must be a mapping and 'retrofit.format' an integer")
+    return record
+
+
+def is_checkpoint(source, revision: str | None = None) -> bool:
+    """Whether `source` (not a .gguf file) is a retrofit checkpoint."""
+    return source_kind(source) != "gguf" and patch_record_of(load_config(source, revision), source) is not None
+
+
+def load_model_or_checkpoint(source, *, revision=None, dtype=None, device_map=None, attn_implementation="sdpa"):
+    """A retrofit checkpoint patched as recorded, or any other model as transformers loads it."""
+    if is_checkpoint(source, revision):
+        return load_checkpoint(source, revision=revision, dtype=dtype, device_map=device_map)
+    return load_plain_model(source, dtype=dtype, attn_implementation=attn_implementation, revision=revision,
+                            device_map=device_map)
+
+
+def patch_tensors(source: str, kind: str, revision: str | None,
+                  local_files_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every saved tensor of the norm modules (keys containing '.retrofit.'), from all safetensors shards."""
+    if kind == "folder":
+        files = sorted(glob.glob(os.path.join(os.path.expanduser(source), "*.safetensors")))
+    else:
+        local = {"local_files_only": True} if local_files_only or not hub_reachable() else {}
+        index = cached_file(source, "model.safetensors.index.json", revision=revision,
+                            _raise_exceptions_for_missing_entries=False, **local)
+        if index:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            files = [cached_file(source, s, revision=revision, **local) for s in shards]
+        else:
+            files = [cached_file(source, "model.safetensors", revision=revision, **local)]
+    marker = f".{CHILD}."
+    tensors = {}
+    for f in files:
+        tensors.update({k: v for k, v in load_file(f).items() if marker in k})
+    return tensors
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, device_map=None, **kwargs):
+    """Load a retrofit checkpoint: the base model, then the patch from config.retrofit, then its weights."""
+    kind = source_kind(source)
+    if kind == "gguf":
+        raise RetrofitError(f"{source} is a GGUF file, not a retrofit checkpoint; use retrofit.load_model")
+    where, _ = location(source, kind)
+    config = load_config(source, revision)
+    record = patch_record_of(config, source)
+    if record is None:
+        raise RetrofitError(f"{source} is not a retrofit checkpoint (its config.json has no 'retrofit' section); "
+                            "load it with retrofit.load_model or transformers")
+    del config.retrofit
+    # The base load reports our patch tensors as "unexpected" and NoPE-removed tables as "missing":
+    # both are expected here (the patch tensors are loaded below), so keep that report quiet.
+    with quiet_transformers():
+        model = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, config=config,
+                            revision=revision, dtype=as_dtype(dtype) or torch.float32, device_map=device_map,
+                            attn_implementation=record.get("base_attn_implementation", "sdpa"), **kwargs)
+    patch_from_record(model, record)
+    saved = call_loader(source, kind, patch_tensors, source, kind, revision)
+    expected = {k for k in model.state_dict() if f".{CHILD}." in k}
+    missing = expected - saved.keys()
+    if missing:
+        raise RetrofitError(f"{source} lacks {len(missing)} patch tensors (e.g. {sorted(missing)[0]}): "
+                            "the checkpoint is incomplete; save it again with model.save_pretrained")
+    model.load_state_dict({k: saved[k] for k in expected}, strict=False)
+    return model.eval()

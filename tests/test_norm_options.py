@@ -1,0 +1,91 @@
+"""Each norm option is declared once, in its norm's Options dataclass; the CLI (`retrofit patch --opt`), a
+recipe (`patch.opt`) and Python (`retrofit.patch(model, norm, opt=...)`) all take exactly those options."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+import retrofit
+from retrofit.cli import build_parser
+from retrofit.commands.patch import NORM_FLAGS
+from retrofit.errors import RetrofitError
+from retrofit.norms import NORMS, make_options
+from retrofit.recipe import recipe_from_dict, recipe_to_dict
+from tests.tiny import tiny_model
+
+SAMPLES = {bool: True, int: 16, float: 1.5, str: None}  # a valid non-default value per type (str: the default)
+
+
+def _options():
+    """(norm, option, a valid value to set) for every option of every registered norm."""
+    for norm, cls in sorted(NORMS.items()):
+        hints = typing.get_type_hints(cls.Options)
+        for f in dataclasses.fields(cls.Options):
+            kinds = [t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None)]
+            value = SAMPLES[kinds[0]] if kinds[0] in SAMPLES else None
+            yield norm, f.name, f.default if value is None else value
+
+
+OPTIONS = list(_options())
+
+
+def _recipe(patch: dict):
+    return recipe_from_dict({"model": {"config": {"model_type": "llama", "hidden_size": 32}}, "patch": patch,
+                             "data": {"task": "counting"}})
+
+
+def _cli_options(argv: list[str]) -> dict:
+    args = build_parser("patch").parse_args(["patch", "some-model", *argv])
+    return {k: getattr(args, k) for k in NORM_FLAGS if getattr(args, k) is not None}
+
+
+def _cli_argv(option: str, value) -> list[str]:
+    flag = "--" + option.replace("_", "-")
+    return [flag] if value is True else [flag, str(value)]
+
+
+def test_the_cli_has_one_flag_per_option_and_no_other():
+    declared = {f.name for cls in NORMS.values() for f in dataclasses.fields(cls.Options)}
+    assert set(NORM_FLAGS) == declared
+    for option, spec in NORM_FLAGS.items():
+        assert spec["norms"] == sorted(n for n, cls in NORMS.items()
+                                       if option in {f.name for f in dataclasses.fields(cls.Options)})
+
+
+@pytest.mark.parametrize("norm, option, value", OPTIONS, ids=[f"{n}.{o}" for n, o, _ in OPTIONS])
+def test_cli_recipe_and_python_accept_the_same_option_alike(norm, option, value):
+    python = make_options(norm, **{option: value})
+    from_cli = make_options(norm, **_cli_options(["--norm", norm, *_cli_argv(option, value)]))
+    recipe = _recipe({"norm": norm, option: value})
+    from_recipe = make_options(norm, **recipe.patch.options)
+    assert python == from_cli == from_recipe
+    model = tiny_model("llama")
+    retrofit.patch(model, norm, **{option: value})
+    assert model.config.retrofit["options"] == dataclasses.asdict(python)
+    assert recipe_to_dict(recipe)["patch"][option] == getattr(python, option)  # saved flat, as it is written
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_an_option_of_another_norm_is_refused_by_all_three(norm):
+    own = {f.name for f in dataclasses.fields(NORMS[norm].Options)}
+    foreign = next(((o, v) for n, o, v in OPTIONS if o not in own), None)
+    assert foreign is not None
+    option, value = foreign
+    with pytest.raises(RetrofitError, match=f"has no option '{option}'"):
+        make_options(norm, **{option: value})
+    with pytest.raises(RetrofitError, match=f"has no option '{option}'"):
+        make_options(norm, **_cli_options(["--norm", norm, *_cli_argv(option, value)]))
+    with pytest.raises(RetrofitError, match=f"has no option '{option}'"):
+        _recipe({"norm": norm, option: value})
+    with pytest.raises(RetrofitError, match=f"has no option '{option}'"):
+        retrofit.patch(tiny_model("llama"), norm, **{option: value})
+
+
+def test_a_recipe_typo_in_the_patch_section_names_the_closest_key():
+    with pytest.raises(RetrofitError, match=r"unknown recipe key patch.nop \(did you mean 'nope'\?\)"):
+        _recipe({"norm": "avnorm", "nop": True})
+    with pytest.raises(RetrofitError, match=r"patch.kindd \(did you mean 'kind'\?\)"):
+        _recipe({"norm": "avnorm", "kindd": "layer"})

@@ -50,12 +50,16 @@ def test_mixed_dtypes_equal_the_fp32_result_rounded_once(one_thread, backend, na
 
 
 def test_kernels_ignore_an_enclosing_autocast(one_thread):
-    """Inside autocast the blockwise matmuls would run in bf16; the kernels switch it off (same numbers)."""
+    """Inside autocast the blockwise matmuls would run in bf16; the kernels switch it off, forward and backward."""
     q, k, v, kw = make("causal")
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
     plain = K.psoftmax_attention(q, k, v, 3.0, **kw)
+    plain_grads = torch.autograd.grad(plain.square().sum(), (q, k, v))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         under = K.psoftmax_attention(q, k, v, 3.0, **kw)
+        grads = torch.autograd.grad(under.square().sum(), (q, k, v))  # backward inside autocast too
     assert under.dtype == torch.float32 and torch.equal(under, plain)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
 
 
 def test_non_floating_inputs_raise():

@@ -38,6 +38,7 @@ torch's default generator (so torch.manual_seed and activation checkpointing rep
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -100,7 +101,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, norm, sink = ctx.saved_tensors
         p, scale, causal, mask, backend, extra = ctx.args
-        with torch.autocast(q.device.type, enabled=False):  # backward may be called inside autocast too
+        with _no_autocast(q.device.type):  # backward may be called inside autocast too
             dq, dk, dv = backend.backward(dout.contiguous(), q, k, v, out, norm, p, scale, causal, mask, **extra)
         dsink = None
         if sink is not None and ctx.needs_input_grad[3]:
@@ -134,6 +135,15 @@ def _check(q, k, v, attn_mask, enable_gqa, name):
                              f"= {want}")
 
 
+def _no_autocast(device_type: str):
+    """Autocast off for this device if it is on (a no-op context elsewhere, e.g. on devices autocast lacks)."""
+    try:
+        on = torch.is_autocast_enabled(device_type)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False) if on else contextlib.nullcontext()
+
+
 def _widest(q, k, v) -> torch.dtype:
     return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
 
@@ -149,7 +159,7 @@ def _attention(q, k, v, p, sink, scale, causal, attn_mask, dropout_p, softcap):
     q, k, v = q.to(wide), k.to(wide), v.to(wide)  # no-ops (no copy, no graph node) when they already agree
     dropout = blockwise.Dropout(dropout_p, int(torch.randint(2 ** 62, ()).item())) if dropout_p > 0 else None
     backend = _backend(q, k, v, p, attn_mask, dropout, softcap)
-    with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision (module docstring)
+    with _no_autocast(q.device.type):  # the kernels choose their own precision (module docstring)
         out = _Attention.apply(q, k, v, sink, p, scale, bool(causal), attn_mask, backend, dropout, softcap)
     return out.to(out_dtype)
 

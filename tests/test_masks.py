@@ -15,7 +15,8 @@ from tests.tiny import random_ids, tiny_model
 def test_hides_future_on_padding_masks():
     for kind in ("bool", "additive"):
         pad = left_padding(2, 8, 8, [0, 3], kind)
-        hidden_future = pad & causal_mask(8, 8) if kind == "bool" else pad.masked_fill(~causal_mask(8, 8), torch.finfo(pad.dtype).min)
+        hidden_future = (pad & causal_mask(8, 8) if kind == "bool"
+                         else pad.masked_fill(~causal_mask(8, 8), torch.finfo(pad.dtype).min))
         assert hides_future(hidden_future, 8, 8)
         assert not hides_future(pad, 8, 8)  # padding only: later keys are visible
     prefill = causal_mask(3, 10)[None, None]  # 3 queries onto 7 cached keys, bottom-right aligned

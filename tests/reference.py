@@ -4,6 +4,11 @@ Registered with transformers under its own name with eager's (additive) mask, it
 full weight matrix in float64 and applies each norm exactly as the posts define it. A reference model
 is the unpatched twin switched to this function, with positions removed by hand for NoPE: GPT-2's
 table zeroed, rotary frequencies zeroed (cos = 1, sin = 0).
+
+It applies Gemma 2's logit soft-cap (c * tanh(s / c), after SSMax's query scaling, before the mask)
+and a layer's `sliding_window` explicitly from the kwargs the model passes, on top of the mask
+(query at cache index i sees keys i - W < j <= i), so a kernel that ignored the window would differ.
+`naive_attention` is the same math at kernel level, on (B, H, T, D) tensors.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
     v = value.double().repeat_interleave(rep, 1)
     q = query.double()
     scaling = d ** -0.5 if scaling is None else scaling
-    allowed = torch.ones(b, h, tq, k.shape[2], dtype=torch.bool)
+    tk = k.shape[2]
+    allowed = torch.ones(b, h, tq, tk, dtype=torch.bool)
+    if kwargs.get("sliding_window"):
+        allowed = allowed & window_mask(tq, tk, kwargs["sliding_window"])
     bias = torch.zeros(b, h, tq, k.shape[2], dtype=torch.float64)
     if attention_mask is None:
         if tq > 1:
@@ -40,8 +48,10 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
     if name == "ssmax":
         n = allowed.sum(-1, keepdim=True).clamp_min(1).double()  # keys visible to each query
         q = q * (params["s"].double().view(1, h, 1, 1) * torch.log(n))
-    s = (q @ k.transpose(-1, -2)) * scaling + bias
-    s = s.masked_fill(~allowed, -math.inf)
+    s = (q @ k.transpose(-1, -2)) * scaling
+    if kwargs.get("softcap") is not None:
+        s = kwargs["softcap"] * torch.tanh(s / kwargs["softcap"])
+    s = (s + bias).masked_fill(~allowed, -math.inf)
     if name == "psoftmax":
         e = torch.exp(s - s.amax(-1, keepdim=True))
         w = e / (e ** opts["p"]).sum(-1, keepdim=True) ** (1.0 / opts["p"])
@@ -64,6 +74,55 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
             y = out / torch.sqrt(out.pow(2).mean(-1, keepdim=True) + opts["eps"])
         out = y * params["gain"].double().view(1, 1, h, 1)
     return out.to(query.dtype), None
+
+
+def window_mask(tq: int, tk: int, window: int) -> torch.Tensor:
+    """(Tq, Tk) bool: query i (cache index tk - tq + i) sees keys j with i - window < j <= i."""
+    pos = torch.arange(tk - tq, tk)[:, None]
+    keys = torch.arange(tk)[None, :]
+    return (keys <= pos) & (keys > pos - window)
+
+
+def naive_attention(q, k, v, norm, *, p=2.0, s_param=None, sink=None, scale=None, causal=True, attn_mask=None,
+                    softcap=None, window=None):
+    """float64 (B, H, Tq, Dv) attention for norm in psoftmax | ssmax | softmax1, from the full T x T weights.
+
+    attn_mask: bool (True = attend) or additive (dtype min = hidden). window: sliding window applied on top.
+    """
+    rep = q.shape[1] // k.shape[1]
+    k, v, q = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1), q.double()
+    tq, tk = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    allowed = torch.ones(tq, tk, dtype=torch.bool)
+    allowed = allowed & window_mask(tq, tk, tk + tq) if causal else allowed
+    allowed = allowed & window_mask(tq, tk, window) if window else allowed
+    bias = torch.zeros((), dtype=torch.float64)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed = allowed & attn_mask
+        else:
+            allowed = allowed & (attn_mask > torch.finfo(attn_mask.dtype).min / 2)
+            bias = attn_mask.double().masked_fill(~allowed, 0.0)
+    allowed = allowed.expand(q.shape[0], q.shape[1], tq, tk)
+    if norm == "ssmax":
+        n = allowed.sum(-1, keepdim=True).clamp_min(1).double()
+        q = q * (s_param.double().view(1, -1, 1, 1) * torch.log(n))
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = (s + bias).masked_fill(~allowed, -math.inf)
+    m = s.amax(-1, keepdim=True)
+    if norm == "softmax1":
+        m = torch.maximum(m, sink.double().view(1, -1, 1, 1))
+    m = m.masked_fill(~m.isfinite(), 0.0)
+    e = torch.exp(s - m)
+    if norm == "psoftmax":
+        den = (e ** p).sum(-1, keepdim=True) ** (1.0 / p)
+    elif norm == "softmax1":
+        den = torch.exp(sink.double().view(1, -1, 1, 1) - m) + e.sum(-1, keepdim=True)
+    else:
+        den = e.sum(-1, keepdim=True)
+    return (e / den.clamp_min(1e-300)) @ v
 
 
 AttentionInterface.register(NAME, reference_attention)

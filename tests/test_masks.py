@@ -74,3 +74,18 @@ def test_a_bidirectional_mask_stays_non_causal():
     full = torch.ones(1, 1, 6, 6, dtype=torch.bool)  # e.g. a prefix attended both ways
     assert visible_keys(module, q, k, v, full, None)[3] is False
     assert visible_keys(module, q, k, v, causal_mask(6, 6)[None, None], None)[3] is True
+
+
+def test_sliding_and_full_masks_alternating_are_both_cached(monkeypatch):
+    """Gemma 2 (eager) hands sliding and full layers two masks in turn: neither is re-checked per layer."""
+    import retrofit.kernels.masks as masks
+    full = causal_mask(12, 12)[None, None].clone()
+    window = full & ~causal_mask(12, 12).tril(-4)[None, None]  # keys i - 4 < j <= i
+    assert hides_future(full, 12, 12) and hides_future(window, 12, 12)
+
+    def no_recheck(*args):
+        raise AssertionError("re-checked a mask whose answer was cached")
+
+    monkeypatch.setattr(masks, "causal_rows", no_recheck)
+    for _ in range(3):
+        assert hides_future(full, 12, 12) and hides_future(window, 12, 12)

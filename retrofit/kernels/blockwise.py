@@ -22,6 +22,9 @@ the backward is the same with dA_ij = M_ij dO_i . v_j and dv = (A * M)^T dO (del
 equals sum_j A_ij dA_ij). M is never stored: every block regenerates it from a generator seeded by
 (seed, batch row, kv head, first row), so forward and backward see the same mask.
 
+Soft-capping (`softcap` c, see softcap.py): s_ij = c tanh(scale q_i.k_j / c) before the mask bias; the
+backward multiplies dS by 1 - tanh^2 before it reaches dq and dk.
+
 A row with no visible key has m = -inf; it is given m = 0, so its weights are exp(-inf) = 0, its
 output 0 and N = 0, and its gradients 0 (never NaN). fp16/bf16 inputs are computed in fp32.
 
@@ -45,6 +48,7 @@ import threading
 import torch
 
 from .masks import as_4d, block_bias, key_end
+from .softcap import cap_, capped_minus_norm, chain_
 
 # Scores in all blocks in flight (heads x rows x keys, split among the threads); 2M fp32 = 8 MB, and two
 # or three temporaries of a block's size live at once. Measured on the 2-core dev CPU at T=4096 (H=8,
@@ -209,7 +213,8 @@ def _layout(q, k, v):
     return ct, qg, k.to(ct).contiguous(), v.to(ct).contiguous()
 
 
-def forward(q, k, v, p: float, scale: float, causal: bool, mask, dropout: Dropout | None = None):
+def forward(q, k, v, p: float, scale: float, causal: bool, mask, dropout: Dropout | None = None,
+            softcap: float | None = None):
     """out (B, H, Tq, Dv) in q's dtype and N (B, H, Tq) in the compute dtype (0 on rows with no visible key)."""
     plan = _Plan(q, k, v, causal, mask, dropout)
     B, Hkv, G, Tq, D, Dv = plan.B, plan.Hkv, plan.G, plan.Tq, plan.D, plan.Dv
@@ -223,6 +228,8 @@ def forward(q, k, v, p: float, scale: float, causal: bool, mask, dropout: Dropou
         hc, c = h1 - h0, r1 - r0
         qb = qg[b, h0:h1, :, r0:r1].reshape(hc, G * c, D)
         s = torch.baddbmm(zero, qb, kc[b, h0:h1, :end].transpose(1, 2), beta=0.0, alpha=scale)  # (hc, G*c, end)
+        if softcap is not None:
+            cap_(s, softcap)  # c tanh(s / c), before the mask
         plan.add_bias(s, b, h0, h1, r0, r1, end)
         m = s.amax(-1, keepdim=True)  # (hc, G*c, 1)
         if plan.may_be_empty:
@@ -251,7 +258,8 @@ def forward(q, k, v, p: float, scale: float, causal: bool, mask, dropout: Dropou
     return out.view(B, Hkv * G, Tq, Dv).to(q.dtype), norm.view(B, Hkv * G, Tq)
 
 
-def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask, dropout: Dropout | None = None):
+def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask, dropout: Dropout | None = None,
+             softcap: float | None = None):
     """Gradients (dq, dk, dv) of sum(dout * out) for out = A V with A = exp(s - norm); see the module docstring."""
     plan = _Plan(q, k, v, causal, mask, dropout)
     B, Hkv, G, Tq, D, Dv = plan.B, plan.Hkv, plan.G, plan.Tq, plan.D, plan.Dv
@@ -268,8 +276,12 @@ def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mas
         qb = qg[b, h0:h1, :, r0:r1].reshape(hc, G * c, D)
         dob = do[b, h0:h1, :, r0:r1].reshape(hc, G * c, Dv)
         delta = (dob * og[b, h0:h1, :, r0:r1].reshape(hc, G * c, Dv)).sum(-1, keepdim=True)  # (hc, G*c, 1)
-        s = torch.baddbmm(neg_norm[b, h0:h1, :, r0:r1].reshape(hc, G * c, 1), qb,
-                          kc[b, h0:h1, :end].transpose(1, 2), alpha=scale)  # s - N, (hc, G*c, end)
+        nn_b = neg_norm[b, h0:h1, :, r0:r1].reshape(hc, G * c, 1)
+        if softcap is None:
+            s = torch.baddbmm(nn_b, qb, kc[b, h0:h1, :end].transpose(1, 2), alpha=scale)  # s - N, (hc, G*c, end)
+        else:  # s = c tanh(scale q.k / c); keep the tanh for the chain rule
+            raw = torch.bmm(qb, kc[b, h0:h1, :end].transpose(1, 2)).mul_(scale / softcap)
+            s, tanh = capped_minus_norm(nn_b, raw, softcap)
         plan.add_bias(s, b, h0, h1, r0, r1, end)
         a = s.exp_() if p in (1.0, 2.0) else torch.exp(s)  # A (hc, G*c, end); hidden keys: exp(-inf) = 0
         ds = torch.bmm(dob, vc[b, h0:h1, :end].transpose(1, 2))  # dA = dO v^T
@@ -285,6 +297,8 @@ def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mas
             ds.addcmul_(a, delta, value=-1.0).mul_(a)  # A (dA - A delta)
         else:
             ds.mul_(a).sub_(s.mul_(p).exp_().mul_(delta))  # A dA - exp(p (s - N)) delta
+        if softcap is not None:
+            chain_(ds, tanh)  # d/ds_raw = d/ds_capped * (1 - tanh^2)
         dq[b, h0:h1, :, r0:r1] = torch.bmm(ds, kc[b, h0:h1, :end]).view(hc, G, c, D)
         dk[b, h0:h1, :end].baddbmm_(ds.transpose(1, 2), qb)  # sums the G query heads of each kv head
 

@@ -45,15 +45,17 @@ def visible_counts(mask: torch.Tensor | None, causal: bool, q_len: int, kv_len: 
 def hides_future(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
     """Whether `mask` already hides every key after each query's position (bottom-right causal), as a
     decoder's padding mask does: then a kernel may also skip those blocks. Keys beyond kv_len (a
-    static cache's unused slots) are not looked at. Checked _COUNT_ROWS rows
-    at a time; the last answer is kept for the same, unmodified mask object (every layer's call), except
-    for inference-mode tensors, which have no version counter to tell a modification (then it costs
-    about 1/(H*D) of the attention it saves)."""
-    global _last_hides
+    static cache's unused slots) are not looked at. A sliding-window mask hides the future too (and also
+    the keys before the window, which the kernels leave to the mask: nothing here assumes a full prefix).
+    Checked _COUNT_ROWS rows at a time; the answers for the last _HIDES_KEPT unmodified mask objects are
+    kept (a model with sliding and full layers alternates two masks, one per layer type), except for
+    inference-mode tensors, which have no version counter to tell a modification (then it costs about
+    1/(H*D) of the attention it saves)."""
     version = None if mask.is_inference() else mask._version  # inference tensors keep no version: not cached
-    ref, last_version, shape, answer = _last_hides
-    if version is not None and ref() is mask and last_version == version and shape == (q_len, kv_len):
-        return answer
+    if version is not None:
+        for ref, last_version, shape, answer in _hides_kept:
+            if ref() is mask and last_version == version and shape == (q_len, kv_len):
+                return answer
     m = as_4d(mask)
     answer = True
     if q_len > 1:  # one query (decoding) sees every key anyway
@@ -65,11 +67,13 @@ def hides_future(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
                 answer = False
                 break
     if version is not None:
-        _last_hides = (weakref.ref(mask), version, (q_len, kv_len), answer)
+        _hides_kept.insert(0, (weakref.ref(mask), version, (q_len, kv_len), answer))
+        del _hides_kept[_HIDES_KEPT:]
     return answer
 
 
-_last_hides = (lambda: None, -1, None, False)
+_HIDES_KEPT = 4
+_hides_kept: list = []  # (weakref to mask, its version, (q_len, kv_len), answer), most recent first
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,10 @@ no atomics) and one over query blocks (dq). Logits accumulate in fp32 (IEEE, not
 inputs); for fp16/bf16 the weights are rounded to the input dtype before the P V product, as flash
 attention does. Causal is bottom-right; masks are read through their strides (broadcast = stride 0).
 A row with no visible key gets out = 0 and N = 0, so its weights and gradients are 0.
+
+Not implemented here: logit soft-capping (`softcap`) and attention dropout. retrofit.kernels routes
+calls with either to the blockwise backend, so this kernel never sees them. q, k, v of mixed dtypes
+(bf16 autocast) are upcast to one dtype before any backend is chosen, so they arrive here equal.
 """
 
 from __future__ import annotations

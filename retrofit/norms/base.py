@@ -83,18 +83,18 @@ def visible_keys(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
 
 def kernel_call(kernel, module, query, key, value, attention_mask, *extra, scaling=None, dropout=0.0,
-                is_causal=None, **kwargs):
+                is_causal=None, softcap=None, **kwargs):
     """Run one of retrofit.kernels' attention functions in a transformers attention function's place.
 
     Returns (out (B, Tq, H, D), None) as transformers expects. `dropout` is the attention-weight
     dropout transformers passes (its models pass 0 outside training); applied only in training mode.
+    `softcap` (Gemma 2's attn_logit_softcapping) caps the scaled logits, c * tanh(s / c), inside the
+    kernel. `sliding_window` (in kwargs) needs nothing here: transformers builds the window into the
+    mask it passes (measured on transformers 5.23 under sdpa: a bool mask on sliding layers whenever the
+    window is shorter than the keys, None only when it hides nothing), and the kernels follow the mask.
     """
-    if kwargs.get("softcap") is not None:
-        from ..errors import RetrofitError
-        raise RetrofitError("this model soft-caps its attention logits, which retrofit's kernels do not do; "
-                            "use norm avnorm or softmax for it")
     key, value, mask, causal = visible_keys(module, query, key, value, attention_mask, is_causal)
     out = kernel(query, key, value, *extra, scale=scaling, causal=causal, attn_mask=mask,
-                 enable_gqa=key.shape[1] != query.shape[1],
+                 enable_gqa=key.shape[1] != query.shape[1], softcap=softcap,
                  dropout_p=dropout if module.training else 0.0)  # (B, H, Tq, D)
     return out.transpose(1, 2).contiguous(), None

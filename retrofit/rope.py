@@ -110,6 +110,8 @@ def normalize_rope(spec) -> dict:
         raise RetrofitError(f"rope factor must be a number >= 1, got {factor!r}")
     if factor < 1:
         raise RetrofitError(f"rope factor must be >= 1 (it is the context extension), got {factor!r}")
+    for key, value in spec.items():
+        _check_value(rope_type, key, value)
     missing = sorted(required - spec.keys())
     if missing:
         how = "pass a dict with both lists (head_dim/2 numbers each)" if rope_type == "longrope" else \
@@ -117,6 +119,21 @@ def normalize_rope(spec) -> dict:
         raise RetrofitError(f"rope type {rope_type!r} needs {' and '.join(missing)}: {how}")
     spec["factor"] = float(factor)
     return spec
+
+
+def _check_value(rope_type: str, key: str, value) -> None:
+    """transformers' validators only warn about a bad value; the init function would then fail mid-patch."""
+    if key in ("rope_type", "factor", "short_factor", "long_factor"):  # factor and lists are checked apart
+        return
+    if key == "truncate":
+        ok = isinstance(value, bool)
+    elif key == "original_max_position_embeddings":
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 2
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok:
+        want = {"truncate": "true or false", "original_max_position_embeddings": "an integer >= 2"}.get(key, "a number")
+        raise RetrofitError(f"rope {rope_type} {key} must be {want}, got {value!r}")
 
 
 def describe_rope(record) -> str:
@@ -244,7 +261,11 @@ def apply_rope(model: nn.Module, record: dict) -> list[str]:
     config = rope_config(model)
     for key, value in _new_values(config, record).items():
         setattr(config, key, value)
-    return _rebuild(model, config, keep_original=True)
+    try:
+        return _rebuild(model, config, keep_original=True)
+    except Exception:  # leave the model as it was: originals back, config values back
+        restore_rope(model, record)
+        raise
 
 
 def _rebuild(model: nn.Module, config, keep_original: bool) -> list[str]:

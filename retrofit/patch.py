@@ -2,6 +2,7 @@
 
     import retrofit
     report = retrofit.patch(model, "avnorm", kind="rms")   # prints what was patched
+    retrofit.patch(model, "softmax", rope="yarn:4")         # RoPE extension composes with every norm (rope.py)
     retrofit.unpatch(model)                                  # exactly the original model again
 
 How: transformers calls
@@ -12,7 +13,8 @@ transformers passes no mask at all: padding and KV-cache masks would be silently
 dispatches to the norm module attached to each attention module as its `retrofit` child; a module
 without one runs the wrapped kernel unchanged, so a config object shared with an unpatched model
 cannot change that model. No class is rewritten or reassigned. The patch is recorded as plain JSON in
-`config.retrofit`, which `retrofit.from_pretrained` reads to rebuild it.
+`config.retrofit`, which `retrofit.from_pretrained` reads to rebuild it. `rope=` sets transformers' own
+`config.rope_parameters` and rebuilds the rotary module(s), keeping the originals aside (rope.py).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from .errors import RetrofitError
-from .families import FAMILIES, family_of
+from .families import FAMILIES, family_of, position_query_scaling
 from .norms import AttentionShape, get_norm, make_options
 from .positions import has_positions_removed, remove_positions, restore_positions
+from .rope import apply_rope, describe_rope, plan_rope, reset_to_original, restore_rope
 from .version import VERSION
 
 CHILD = "retrofit"  # name of the norm module attached to each attention module
@@ -92,6 +95,7 @@ class PatchReport:
     family: str = "table"
     calibration: dict | None = None
     notes: list[str] = field(default_factory=list)
+    rope: str | None = None  # describe_rope of the RoPE extension, e.g. "yarn x4 (orig 8192)"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -108,7 +112,7 @@ class PatchReport:
             f"attention modules {len(self.modules)} patched over {self.base_attn_implementation}",
             f"parameters added  {self.params_added:,}",
             f"positions         {self.positions if self.nope else 'kept'}",
-        ]
+        ] + ([f"rope              {self.rope}"] if self.rope else [])
         return "\n".join(lines + [f"note              {n}" for n in self.notes])
 
 
@@ -126,11 +130,13 @@ def is_patched(model: nn.Module) -> bool:
     return any(CHILD in m._modules for m in model.modules()) or has_positions_removed(model)
 
 
-def _shape(module: nn.Module, config) -> AttentionShape:
+def _shape(module: nn.Module, config, positions: int | None = None) -> AttentionShape:
+    """positions: the model's original max positions (before a rope extension); default the config's."""
+    positions = positions or getattr(config, "max_position_embeddings", None)
     heads = getattr(config, "num_attention_heads", None) or module.num_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size", None) or config.hidden_size // heads
-    return AttentionShape(int(heads), int(kv_heads), int(head_dim), getattr(config, "max_position_embeddings", None))
+    return AttentionShape(int(heads), int(kv_heads), int(head_dim), positions)
 
 
 def _check_patchable(model: nn.Module, nope: bool) -> str:
@@ -156,11 +162,23 @@ def _check_patchable(model: nn.Module, nope: bool) -> str:
     return base
 
 
-def patch(model: nn.Module, norm: str = "avnorm", *, nope: bool = False, **options) -> PatchReport:
-    """Attach `norm` to every self-attention module of `model` (in place) and return a PatchReport."""
+def _check_query_scaling(norm: str, norm_cls, opts, config) -> None:
+    if not norm_cls.scales_queries_by_position or getattr(opts, "stack", False):
+        return
+    already = position_query_scaling(config)
+    if already:
+        raise RetrofitError(f"{config.model_type} already applies {already}; {norm} would scale its queries a "
+                            f"second time: pass stack=True to stack them anyway")
+
+
+def patch(model: nn.Module, norm: str = "avnorm", *, nope: bool = False, rope=None, **options) -> PatchReport:
+    """Attach `norm` to every self-attention module of `model` (in place) and return a PatchReport.
+    rope: extend RoPE, as 'yarn:4' or {'rope_type': 'yarn', 'factor': 4, ...} (see retrofit.rope)."""
     norm_cls = get_norm(norm)
     opts = make_options(norm, **options)
     base = _check_patchable(model, nope)
+    _check_query_scaling(norm, norm_cls, opts, model.config)
+    rope_plan = plan_rope(model, rope, nope=nope) if rope is not None else None  # refuses before any change
     modules = attention_modules(model)
     if not modules:
         family = family_of(model.config)
@@ -170,23 +188,25 @@ def patch(model: nn.Module, norm: str = "avnorm", *, nope: bool = False, **optio
     params_added = 0
     for _, module in modules:
         ref = next(module.parameters(), None)
-        child = norm_cls(opts, _shape(module, config))
+        child = norm_cls(opts, _shape(module, config, rope_plan and rope_plan["original_positions"]))
         if ref is not None:
             child.to(device=ref.device, dtype=ref.dtype)
         module.add_module(CHILD, child)
         params_added += sum(p.numel() for p in child.parameters())
     positions = remove_positions(model, family_of(config)) if nope else None
+    if rope_plan is not None:
+        apply_rope(model, rope_plan)
     model.set_attn_implementation(IMPLEMENTATIONS[base][0])
     config.retrofit = {
         "format": FORMAT, "retrofit_version": VERSION, "norm": norm,
         "options": dataclasses.asdict(opts), "nope": bool(nope),
-        "base_attn_implementation": base, "calibration": None,
+        "base_attn_implementation": base, "calibration": None, "rope": rope_plan,
     }
     return PatchReport(
         model_type=config.model_type, norm=norm, options=dataclasses.asdict(opts), nope=bool(nope),
         modules=[name for name, _ in modules], base_attn_implementation=base, positions=positions,
         params_added=params_added,
-        family="table" if family_of(config) else "generic",
+        family="table" if family_of(config) else "generic", rope=describe_rope(rope_plan) if rope_plan else None,
     )
 
 
@@ -198,6 +218,7 @@ def unpatch(model: nn.Module) -> None:
         module._modules.pop(CHILD, None)
     restore_positions(model)
     record = getattr(model.config, "retrofit", None) or {}
+    restore_rope(model, record.get("rope"))
     base = record.get("base_attn_implementation") or BASE_OF.get(model.config._attn_implementation, "sdpa")
     model.set_attn_implementation(base)
     if hasattr(model.config, "retrofit"):
@@ -216,7 +237,11 @@ def patch_from_record(model: nn.Module, record: dict) -> PatchReport:
         raise RetrofitError("config.retrofit is not a retrofit patch record (no 'norm')")
     if record.get("format", FORMAT) > FORMAT:
         raise RetrofitError(f"this checkpoint was written by a newer retrofit (format {record['format']}); upgrade retrofit")
-    report = patch(model, record["norm"], nope=bool(record.get("nope")), **(record.get("options") or {}))
+    rope = record.get("rope")
+    if rope:  # the checkpoint's config.json carries the extended values: start from the recorded originals
+        reset_to_original(model, rope)
+    report = patch(model, record["norm"], nope=bool(record.get("nope")), rope=rope and rope["parameters"],
+                   **(record.get("options") or {}))
     model.config.retrofit["calibration"] = record.get("calibration")
     report.calibration = record.get("calibration")
     return report

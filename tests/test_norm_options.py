@@ -17,6 +17,7 @@ from retrofit.recipe import recipe_from_dict, recipe_to_dict
 from tests.tiny import tiny_model
 
 SAMPLES = {bool: True, int: 16, float: 1.5, str: None}  # a valid non-default value per type (str: the default)
+COMPANIONS = {("ssmax", "beta"): {"scale": "llama4"}}  # options that only apply together with another
 
 
 def _options():
@@ -57,13 +58,15 @@ def test_the_cli_has_one_flag_per_option_and_no_other():
 
 @pytest.mark.parametrize("norm, option, value", OPTIONS, ids=[f"{n}.{o}" for n, o, _ in OPTIONS])
 def test_cli_recipe_and_python_accept_the_same_option_alike(norm, option, value):
-    python = make_options(norm, **{option: value})
-    from_cli = make_options(norm, **_cli_options(["--norm", norm, *_cli_argv(option, value)]))
-    recipe = _recipe({"norm": norm, option: value})
+    given = {**COMPANIONS.get((norm, option), {}), option: value}
+    python = make_options(norm, **given)
+    argv = [a for k, v in given.items() for a in _cli_argv(k, v)]
+    from_cli = make_options(norm, **_cli_options(["--norm", norm, *argv]))
+    recipe = _recipe({"norm": norm, **given})
     from_recipe = make_options(norm, **recipe.patch.options)
     assert python == from_cli == from_recipe
     model = tiny_model("llama")
-    retrofit.patch(model, norm, **{option: value})
+    retrofit.patch(model, norm, **given)
     assert model.config.retrofit["options"] == dataclasses.asdict(python)
     assert recipe_to_dict(recipe)["patch"][option] == getattr(python, option)  # saved flat, as it is written
 

@@ -40,6 +40,7 @@ class Norm(nn.Module):
     formula: ClassVar[str]
     Options: ClassVar[type]
     has_parameters: ClassVar[bool] = False
+    scales_queries_by_position: ClassVar[bool] = False  # True: refused on models that already do (families.py)
 
     def __init__(self, options: Any, shape: AttentionShape):
         super().__init__()

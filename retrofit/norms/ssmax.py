@@ -1,12 +1,27 @@
-"""ssmax — Scalable-Softmax (Nakanishi 2025): scale the logits by s_h * log n.
+"""ssmax — Scalable-Softmax (Nakanishi 2025): scale the logits by a function of n, the visible keys.
 
-    a_i = softmax(s_h * log(n) * q.k_i * scale)
+    retrofit.patch(model, "ssmax")                    # scale=learned: s_h * log n, s learned per head
+    retrofit.patch(model, "ssmax", scale="beyond")    # max(1, log n / log L): the original model inside L
+    retrofit.patch(model, "ssmax", scale="llama4")    # 1 + beta * log(1 + floor((n - 1) / L)): also 1 inside L
+
+    learned:  a_i = softmax(s_h * log(n) * q.k_i * scale)
+    beyond:   a_i = softmax(max(1, log n / log L) * q.k_i * scale)          (Qwen's log-n form)
+    llama4:   a_i = softmax((1 + beta * log(1 + floor((n - 1) / L))) * q.k_i * scale)
 
 n is the number of keys that query may see: position + 1 under the causal mask, counting cached
-keys while decoding and excluding padding — not the query length. s_h is a learned per-head scalar.
-Its default initial value 1 / log(ref_len) makes the factor exactly 1 at `ref_len` (default: the
-model's max positions), so a pretrained model is unchanged at that length. Implemented as a
-per-query scaling of q followed by attention (`retrofit.kernels.ssmax_attention`): no T x T tensor.
+keys while decoding and excluding padding — not the query length. L (`ref_len`) defaults to the model's
+ORIGINAL positions: with `rope=` extending the context, the max_position_embeddings from before the patch.
+
+learned: s_h's default initial value 1 / log(L) makes the factor exactly 1 at n = L, so a pretrained model
+is unchanged at that length (only there). Runs `retrofit.kernels.ssmax_attention`: no T x T tensor.
+
+beyond and llama4 have no parameters and are exactly 1.0 for every n <= L, so every query at a position
+< L is bitwise the original's (multiplying by 1.0 is exact); they scale q per query row and then call the
+wrapped base kernel (sdpa, or the model's eager with its soft-capping), whatever it is. llama4 is the
+floored form of Llama 4's attention temperature as Ministral 3 indexes it (floor(position / L),
+transformers' `get_llama_4_attn_scale`), which starts at position L; Llama 4 itself uses
+floor((position + 1) / floor_scale), which already scales position floor_scale - 1.
+Models that already scale queries by position (Llama 4, Ministral 3) are refused unless stack=True.
 """
 
 from __future__ import annotations
@@ -17,38 +32,74 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import RetrofitError
+from ..errors import RetrofitError, closest
 from ..kernels import ssmax_attention
+from ..kernels.masks import visible_counts
 from . import register_norm
-from .base import Norm, kernel_call, option
+from .base import Norm, kernel_call, option, visible_keys
+
+SCALES = ("learned", "beyond", "llama4")
 
 
 @register_norm
 class SSMax(Norm):
     name = "ssmax"
-    summary = "Scalable-Softmax: logits times s*log(n), n = visible keys; s learned per head"
-    formula = "a = softmax(s_h * log(n) * q.k / sqrt(d))"
-    has_parameters = True
+    summary = "Scalable-Softmax: logits times a function of n = visible keys (learned s*log n, or 1 inside L)"
+    formula = "a = softmax(f(n) * q.k / sqrt(d)); f = s_h*log n | max(1, log n/log L) | 1 + beta*log(1+floor((n-1)/L))"
+    has_parameters = True  # in the default (learned) mode
+    scales_queries_by_position = True
 
     @dataclass
     class Options:
-        s_init: float | None = option(None, "initial s; default 1/log(ref_len) (factor exactly 1 at ref_len)")
-        ref_len: int | None = option(None, "reference length for the default s_init; default the model's max positions")
+        scale: str = option("learned", "learned (s_h*log n) | beyond (max(1, log n/log L)) | llama4 (floored)")
+        s_init: float | None = option(None, "learned: initial s; default 1/log(ref_len) (factor exactly 1 there)")
+        ref_len: int | None = option(None, "L: default the model's original max positions (before rope=)")
+        beta: float | None = option(None, "llama4: strength; default 0.1 (Llama 4's attn_scale)")
+        stack: bool = option(False, "allow on models that already scale queries by position (Llama 4)")
 
         def __post_init__(self):
+            if self.scale not in SCALES:
+                raise RetrofitError(f"ssmax scale must be one of {', '.join(SCALES)}, got {self.scale!r}"
+                                    f"{closest(self.scale, SCALES)}")
             if self.ref_len is not None and (not isinstance(self.ref_len, int) or self.ref_len < 2):
                 raise RetrofitError(f"ssmax ref_len must be an integer >= 2, got {self.ref_len!r}")
-            if self.s_init is not None:
-                try:
-                    self.s_init = float(self.s_init)
-                except (TypeError, ValueError):
-                    raise RetrofitError(f"ssmax s_init must be a number, got {self.s_init!r}") from None
+            if self.s_init is not None and self.scale != "learned":
+                raise RetrofitError(f"ssmax s_init applies to scale=learned only (scale={self.scale} has no s)")
+            if self.beta is not None and self.scale != "llama4":
+                raise RetrofitError(f"ssmax beta applies to scale=llama4 only, not scale={self.scale}")
+            self.s_init = _float(self.s_init, "s_init")
+            self.beta = _float(self.beta, "beta")
+            if not isinstance(self.stack, bool):
+                raise RetrofitError(f"ssmax stack must be true or false, got {self.stack!r}")
 
     def __init__(self, options, shape):
         super().__init__(options, shape)
-        ref_len = options.ref_len or shape.max_positions or 2048
-        s_init = options.s_init if options.s_init is not None else 1.0 / math.log(ref_len)
-        self.s = nn.Parameter(torch.full((shape.num_heads,), s_init))  # (H,)
+        self.ref_len = options.ref_len or shape.max_positions or 2048  # L
+        if options.scale == "learned":
+            s_init = options.s_init if options.s_init is not None else 1.0 / math.log(self.ref_len)
+            self.s = nn.Parameter(torch.full((shape.num_heads,), s_init))  # (H,)
 
     def forward(self, module, query, key, value, attention_mask, *, base, **kwargs):
-        return kernel_call(ssmax_attention, module, query, key, value, attention_mask, self.s, **kwargs)
+        if self.options.scale == "learned":
+            return kernel_call(ssmax_attention, module, query, key, value, attention_mask, self.s, **kwargs)
+        # Count visible keys exactly as the kernels do (padding excluded, cached keys included), then scale q.
+        seen, _, mask, causal = visible_keys(module, query, key, value, attention_mask, kwargs.get("is_causal"))
+        n = visible_counts(mask, causal, query.shape[2], seen.shape[2], query.device)  # broadcastable to (B, H, Tq)
+        factor = self.factor(n).unsqueeze(-1)  # (..., Tq, 1): exactly 1.0 for n <= L
+        return base(module, (query * factor).to(query.dtype), key, value, attention_mask, **kwargs)
+
+    def factor(self, n: torch.Tensor) -> torch.Tensor:
+        """The logit multiplier for n visible keys (float32)."""
+        if self.options.scale == "beyond":
+            return (torch.log(n) / math.log(self.ref_len)).clamp_min(1.0)
+        beta = 0.1 if self.options.beta is None else self.options.beta
+        return 1.0 + beta * torch.log1p(torch.floor((n - 1.0) / self.ref_len))
+
+
+def _float(value, name: str):
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise RetrofitError(f"ssmax {name} must be a number, got {value!r}") from None

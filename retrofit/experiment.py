@@ -20,20 +20,38 @@ import argparse
 import copy
 import dataclasses
 import json
+import math
 import os
 import platform
+import re
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .atomic import atomic_write_text
+from .atomic import atomic_write_text, owned_folder, remove_owned
 from .errors import RetrofitError
 from .reference import ReferenceSection, load_reference
 from .recipe import PatchSection, Recipe, knob, load_recipe, register_section, save_recipe
 
 DEMO_RECIPE = Path(__file__).resolve().parent / "recipes" / "demo.yaml"
+
+# An arm's name becomes a folder (DIR/arms/NAME): letters, digits and -_.+, not starting with a dot, so
+# `..`, `.`, `a/b` or `.hidden` can never point outside DIR/arms or hide there.
+_ARM_NAME = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]{0,99}")
+
+
+def check_arm_name(name) -> None:
+    if not isinstance(name, str) or not _ARM_NAME.fullmatch(name) or name in ("base", "eval"):
+        raise RetrofitError(f"experiment arm name {name!r} must be a folder name of letters, digits and -_.+ "
+                            "not starting with a dot (and not base or eval), e.g. avnorm-rms")
+
+
+def _check_lr(value, key: str) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise RetrofitError(f"{key} must be a finite number > 0 (or null), got {value}")
 
 
 @dataclass
@@ -43,8 +61,8 @@ class ArmSection:
     lr: float | None = knob(None, "finetune learning rate of this arm; null = experiment.finetune_lr")
 
     def __post_init__(self):
-        if not self.name or "/" in self.name or self.name in ("base", "eval"):
-            raise RetrofitError(f"experiment arm name {self.name!r} must be a plain folder name (not base or eval)")
+        check_arm_name(self.name)
+        _check_lr(self.lr, f"experiment arm {self.name} lr")
 
 
 @dataclass
@@ -72,6 +90,7 @@ class ExperimentSection:
             raise RetrofitError(f"experiment.arms has duplicate names: {names}")
         if self.base_steps < 0 or self.finetune_steps < 1:
             raise RetrofitError("experiment.base_steps must be >= 0 and finetune_steps >= 1")
+        _check_lr(self.finetune_lr, "experiment.finetune_lr")
 
 
 register_section("experiment", ExperimentSection)
@@ -118,7 +137,9 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
     """Finetune one arm from the base; returns {step: metrics} of its recovery evaluations."""
     from .train import train
     from .train.tasks import load_run
-    arm_dir = out / "arms" / arm.name
+    check_arm_name(arm.name)  # again: an ArmSection can be changed after the recipe was checked
+    arms = out / "arms"
+    arm_dir = arms / arm.name
     recovery_file = arm_dir / "recovery.json"
     if _finished(arm_dir) and recovery_file.is_file():
         print(f"[experiment] arm {arm.name}: finished, skipping")
@@ -129,13 +150,30 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
                           at_steps=at, source=base)
     what = f"from {base}" if base else "from scratch"
     print(f"[experiment] arm {arm.name}: {arm.patch.norm or 'unpatched'}, {exp.finetune_steps} steps {what} -> {arm_dir}")
-    if arm_dir.exists() and not (arm_dir / "checkpoints").is_dir():
-        import shutil
-        shutil.rmtree(arm_dir)  # an arm that died before its first checkpoint starts over
-    result = train(stage, model=load_run(base) if base else None, resume=arm_dir.exists())
-    recovery = {int(k): v for k, v in result.evals.items()}
+    if arm_dir.exists() and not (arm_dir / "checkpoints").is_dir() and not _finished(arm_dir):
+        # an arm that died before its first checkpoint starts over, if the folder is provably the one we made
+        if remove_owned(arm_dir, arms):
+            print(f"[experiment] arm {arm.name}: removed {arm_dir} (it died before its first checkpoint)")
+    if not arm_dir.exists():
+        owned_folder(arm_dir)
+        resume = False
+    else:
+        resume = any(arm_dir.iterdir())
+    result = train(stage, model=load_run(base) if base else None, resume=resume)
+    recovery = recovery_points(arm_dir) | {int(k): v for k, v in result.evals.items()}
     atomic_write_text(recovery_file, json.dumps(recovery, indent=1))
     return recovery
+
+
+def recovery_points(run_dir: Path) -> dict[int, dict]:
+    """{step: eval metrics} from the run's log.jsonl: the whole curve, also the points logged before the
+    checkpoint a resumed run started from (its TrainResult holds only the evaluations it ran itself)."""
+    from .train.runlog import read_log
+    log = run_dir / "log.jsonl"
+    if not log.is_file():
+        return {}
+    return {int(r["step"]): {k: v for k, v in r.items() if k.startswith("eval/")}
+            for r in read_log(log) if any(k.startswith("eval/") for k in r)}
 
 
 def learned_limit(source: str) -> int | None:
@@ -263,6 +301,14 @@ class _Clock:
         return {k: (round(v, 1) if v is not None else None) for k, v in self.times.items()}
 
 
+def _one_line(err: Exception) -> str:
+    """What the report says about a failed arm: the error's first line (with its type when unexpected)."""
+    text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    if not isinstance(err, RetrofitError):
+        text = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return text[:300]
+
+
 def hardware() -> dict:
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
@@ -295,9 +341,11 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
         skipped = _finished(out / "arms" / arm.name) and (out / "arms" / arm.name / "recovery.json").is_file()
         try:
             recovery[arm.name] = run_arm(recipe, exp, arm, base, out)
-        except RetrofitError as err:  # a diverged arm is a result, not a crash of the experiment
-            failures[arm.name] = str(err)
-            print(f"[experiment] arm {arm.name} FAILED: {err}")
+        except Exception as err:  # a diverged (or crashed) arm is a result, not a crash of the experiment
+            if not isinstance(err, RetrofitError):
+                traceback.print_exc()
+            failures[arm.name] = _one_line(err)
+            print(f"[experiment] arm {arm.name} FAILED: {failures[arm.name]}")
         clock.stage(f"arm {arm.name}", time.perf_counter() - t0, skipped)
     t0 = time.perf_counter()
     done = [a.name for a in exp.arms if a.name not in failures]

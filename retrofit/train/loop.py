@@ -7,7 +7,13 @@ Each optimizer step takes the step's global batch (built identically on every pr
 process's slice of it in `micro_batch_size` pieces (no gradient sync until the last), and divides
 every loss sum by the global item count, so the gradient is the exact mean over the global batch for
 any number of processes or accumulation steps. The learning rate is a pure function of the step, so
-a resumed run needs only model, optimizer, RNG and data position to continue identically.
+a resumed run needs only model, optimizer, RNG and data position to continue identically (plus the
+open log window's loss sum, so a window spanning the resume logs the same mean).
+
+Reliability: the run folder is locked (RUN/.lock holds the pid) for the life of the run; a device-side
+flag records the first step whose loss or gradient norm was not finite, checked at log steps and before
+every save, so no checkpoint is written from a diverged step; the final model is written into
+RUN/.tmp-final and renamed into place, result.json last.
 
 callbacks: callables `fn(event, step, info)` with event "step" (info: metrics), "eval" (info:
 metrics, model), "checkpoint" (info: path) and "end" (info: model, before it is saved). The
@@ -87,8 +93,8 @@ def setup(recipe: Recipe, accelerator, *, model=None, tokenizer=None, data=None)
 
 def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, data=None, resume: bool = False,
           callbacks=()) -> TrainResult:
-    """Train as `recipe` says and save the run; see the module docstring. Long by design: it is the loop,
-    read top to bottom (setup, resume, steps with log/eval/checkpoint, final save)."""
+    """Train as `recipe` says and save the run; see the module docstring. The loop itself is _train, run
+    while this process holds the run folder's lock."""
     run_dir = run_dir_of(recipe)
     _check_run_dir(run_dir, resume)
     trackers = list(recipe.output.trackers)
@@ -103,7 +109,8 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
 
 
 def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume: bool, callbacks) -> TrainResult:
-    """train()'s body, run while the run folder is locked."""
+    """train()'s body, run while the run folder is locked. Long by design: it is the loop, read top to
+    bottom (setup, resume, steps with log/eval/checkpoint, final save)."""
     acc.wait_for_everyone()  # every process has checked the run folder before the main one writes to it
     t = recipe.train
     world, rank = acc.num_processes, acc.process_index

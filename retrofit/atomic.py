@@ -131,7 +131,7 @@ def folder_lock(folder, enabled: bool = True):
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK
-    f = open(path, "a+")
+    f = open(path, "a+")  # noqa: SIM115 -- held open across the yield: closing it releases the lock
     try:
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -150,10 +150,10 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
                           at_steps=at, source=base)
     what = f"from {base}" if base else "from scratch"
     print(f"[experiment] arm {arm.name}: {arm.patch.norm or 'unpatched'}, {exp.finetune_steps} steps {what} -> {arm_dir}")
-    if arm_dir.exists() and not (arm_dir / "checkpoints").is_dir() and not _finished(arm_dir):
-        # an arm that died before its first checkpoint starts over, if the folder is provably the one we made
-        if remove_owned(arm_dir, arms):
-            print(f"[experiment] arm {arm.name}: removed {arm_dir} (it died before its first checkpoint)")
+    # an arm that died before its first checkpoint starts over, if the folder is provably the one we made
+    started = arm_dir.exists() and not (arm_dir / "checkpoints").is_dir() and not _finished(arm_dir)
+    if started and remove_owned(arm_dir, arms):
+        print(f"[experiment] arm {arm.name}: removed {arm_dir} (it died before its first checkpoint)")
     if not arm_dir.exists():
         owned_folder(arm_dir)
         resume = False
@@ -341,7 +341,7 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
         skipped = _finished(out / "arms" / arm.name) and (out / "arms" / arm.name / "recovery.json").is_file()
         try:
             recovery[arm.name] = run_arm(recipe, exp, arm, base, out)
-        except Exception as err:  # a diverged (or crashed) arm is a result, not a crash of the experiment
+        except Exception as err:  # noqa: BLE001 -- a diverged (or crashed) arm is a result, not a crash of the experiment
             if not isinstance(err, RetrofitError):
                 traceback.print_exc()
             failures[arm.name] = _one_line(err)

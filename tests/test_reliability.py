@@ -20,8 +20,7 @@ from retrofit import atomic, experiment
 from retrofit.cli import main
 from retrofit.errors import RetrofitError
 from retrofit.recipe import load_recipe, recipe_from_dict
-from retrofit.train import checkpoint, read_log, train
-from retrofit.train import loop
+from retrofit.train import checkpoint, loop, read_log, train
 from tests.tiny import TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -263,9 +262,8 @@ def test_a_non_finite_loss_on_a_save_step_writes_no_checkpoint(tmp_path, monkeyp
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     run = tmp_path / "run"
     raw = counting_recipe(run, steps=2, save_every=0)
-    with atomic.folder_lock(run):
-        with pytest.raises(RetrofitError) as err:
-            train(recipe_from_dict(raw), resume=True)
+    with atomic.folder_lock(run), pytest.raises(RetrofitError) as err:
+        train(recipe_from_dict(raw), resume=True)
     assert f"in use by process {os.getpid()}" in str(err.value) and "\n" not in str(err.value)
     assert not (run / "log.jsonl").exists()
     assert train(recipe_from_dict(raw), resume=True).steps == 2  # released: the run goes ahead

@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from ..atomic import MARKER, atomic_write_text, owned_folder, owns, remove_owned
+from ..atomic import MARKER, atomic_write_text, owned_folder, remove_owned
 from ..errors import RetrofitError
 
 FOLDER, PREFIX, TMP, MANIFEST = "checkpoints", "step-", ".tmp-", "manifest.json"
@@ -73,9 +73,9 @@ def save_checkpoint(accelerator, run_dir, step: int, data_state: dict, recipe_fl
         (tmp / "meta.json").write_text(json.dumps(meta))
         fsync_tree(tmp)
         write_manifest(tmp)  # written last: what verify() checks before any resume uses the folder
-        if final.exists():  # re-reached after a resume: the older copy goes first (a kill now keeps tmp only)
-            if not remove_owned(final, root):
-                raise RetrofitError(f"{final} exists and was not written by retrofit; move it away and resume")
+        # re-reached after a resume: the older copy goes first (a kill now keeps tmp only)
+        if final.exists() and not remove_owned(final, root):
+            raise RetrofitError(f"{final} exists and was not written by retrofit; move it away and resume")
         os.rename(tmp, final)
         fsync_tree(root)
         for _, old in complete_checkpoints(run_dir)[:-keep]:

@@ -236,7 +236,8 @@ def patch_from_record(model: nn.Module, record: dict) -> PatchReport:
     if not isinstance(record, dict) or "norm" not in record:
         raise RetrofitError("config.retrofit is not a retrofit patch record (no 'norm')")
     if record.get("format", FORMAT) > FORMAT:
-        raise RetrofitError(f"this checkpoint was written by a newer retrofit (format {record['format']}); upgrade retrofit")
+        raise RetrofitError(f"this checkpoint was written by a newer retrofit (format {record['format']}); "
+                            "upgrade retrofit")
     rope = record.get("rope")
     if rope:  # the checkpoint's config.json carries the extended values: start from the recorded originals
         reset_to_original(model, rope)

@@ -44,7 +44,8 @@ def corpus(tmp_path_factory):
     char_tokenizer().save_pretrained(folder / "tok")
     g = torch.Generator().manual_seed(0)
     words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
-    lines = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (12,), generator=g)) + "." for _ in range(200)]
+    lines = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (12,), generator=g)) + "."
+             for _ in range(200)]
     (folder / "text.txt").write_text("\n".join(lines))
     return folder
 
@@ -110,7 +111,8 @@ def test_two_cpu_processes_match_one_process(tmp_path):
     path = tmp_path / "ddp.yaml"
     path.write_text(yaml.safe_dump(raw))
     two = tmp_path / "two"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "retrofit", "train", str(path), "--out", str(two)],
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "retrofit", "train", str(path), "--out", str(two)],
                           env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = train(load_recipe(path, [f"output.dir={tmp_path / 'one'}"]))
@@ -193,7 +195,8 @@ def test_crash_while_writing_a_checkpoint_never_leaves_one_that_loads(corpus, un
 # ---- LoRA ----------------------------------------------------------------------------------------------------------
 
 def test_lora_trains_adapters_and_patch_parameters_and_reloads_to_identical_logits(corpus, tmp_path):
-    raw = lm_recipe(corpus, tmp_path / "run", steps=6, peft={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    raw = lm_recipe(corpus, tmp_path / "run", steps=6, peft=lora)
     raw["patch"]["calibrate"] = 64
     raw["output"]["save_every"] = 0
     ids = torch.randint(2, 60, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -281,7 +284,8 @@ def test_cli_trains_the_shipped_tiny_recipe(tmp_path, capsys):
 
 
 def test_schedule_staging_and_the_world_size_guard(monkeypatch):
-    recipe = recipe_from_dict({"model": {"config": {"model_type": "llama"}}, "data": {"task": "counting", "seq_len": 64},
+    recipe = recipe_from_dict({"model": {"config": {"model_type": "llama"}},
+                               "data": {"task": "counting", "seq_len": 64},
                                "train": {"steps": 100, "warmup_steps": 10, "lr": 1.0, "min_lr_ratio": 0.1,
                                          "init_len": 16, "double_every": 5}})
     t = recipe.train

@@ -22,26 +22,23 @@ import json
 import os
 import platform
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_write_text, owned_folder, remove_owned
 from ..errors import RetrofitError
 from ..evaluate import evaluate_models
 from ..evaluate.report import write_report
 from ..load import load, load_config
 from ..positions import learned_position_limit
-from ..recipe import ArmSection, ExperimentSection, PatchSection, Recipe, load_recipe, save_recipe
-from ..train import train
+from ..recipe import ArmSection, ExperimentSection, PatchSection, Recipe, check_arm_name, load_recipe, save_recipe
+from ..train import read_log, train
 from .reference import load_reference
 from .report import write_experiment_report
 
 DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo.yaml"
-
-
-
-
 
 # ---- stages ------------------------------------------------------------------------------------------------------
 
@@ -81,7 +78,9 @@ def run_base(recipe: Recipe, exp: ExperimentSection, out: Path) -> str | None:
 
 def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, out: Path) -> dict:
     """Finetune one arm from the base; returns {step: metrics} of its recovery evaluations."""
-    arm_dir = out / "arms" / arm.name
+    check_arm_name(arm.name)  # again: an ArmSection can be changed after the recipe was checked
+    arms = out / "arms"
+    arm_dir = arms / arm.name
     recovery_file = arm_dir / "recovery.json"
     if _finished(arm_dir) and recovery_file.is_file():
         print(f"[experiment] arm {arm.name}: finished, skipping")
@@ -91,14 +90,31 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
                           lr=arm.lr if arm.lr is not None else exp.finetune_lr, warmup=exp.finetune_warmup,
                           at_steps=at, source=base)
     what = f"from {base}" if base else "from scratch"
-    print(f"[experiment] arm {arm.name}: {arm.patch.norm or 'unpatched'}, {exp.finetune_steps} steps {what} -> {arm_dir}")
-    if arm_dir.exists() and not (arm_dir / "checkpoints").is_dir():
-        import shutil
-        shutil.rmtree(arm_dir)  # an arm that died before its first checkpoint starts over
-    result = train(stage, model=load(base) if base else None, resume=arm_dir.exists())
-    recovery = {int(k): v for k, v in result.evals.items()}
+    print(f"[experiment] arm {arm.name}: {arm.patch.norm or 'unpatched'}, {exp.finetune_steps} steps {what} "
+          f"-> {arm_dir}")
+    # an arm that died before its first checkpoint starts over, if the folder is provably the one we made
+    started = arm_dir.exists() and not (arm_dir / "checkpoints").is_dir() and not _finished(arm_dir)
+    if started and remove_owned(arm_dir, arms):
+        print(f"[experiment] arm {arm.name}: removed {arm_dir} (it died before its first checkpoint)")
+    if not arm_dir.exists():
+        owned_folder(arm_dir)
+        resume = False
+    else:
+        resume = any(arm_dir.iterdir())
+    result = train(stage, model=load(base) if base else None, resume=resume)
+    recovery = recovery_points(arm_dir) | {int(k): v for k, v in result.evals.items()}
     atomic_write_text(recovery_file, json.dumps(recovery, indent=1))
     return recovery
+
+
+def recovery_points(run_dir: Path) -> dict[int, dict]:
+    """{step: eval metrics} from the run's log.jsonl: the whole curve, also the points logged before the
+    checkpoint a resumed run started from (its TrainResult holds only the evaluations it ran itself)."""
+    log = run_dir / "log.jsonl"
+    if not log.is_file():
+        return {}
+    return {int(r["step"]): {k: v for k, v in r.items() if k.startswith("eval/")}
+            for r in read_log(log) if any(k.startswith("eval/") for k in r)}
 
 
 def learned_limit(source: str) -> int | None:
@@ -220,6 +236,14 @@ class _Clock:
         return {k: (round(v, 1) if v is not None else None) for k, v in self.times.items()}
 
 
+def _one_line(err: Exception) -> str:
+    """What the report says about a failed arm: the error's first line (with its type when unexpected)."""
+    text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    if not isinstance(err, RetrofitError):
+        text = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return text[:300]
+
+
 def hardware() -> dict:
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
@@ -250,9 +274,11 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
         skipped = _finished(out / "arms" / arm.name) and (out / "arms" / arm.name / "recovery.json").is_file()
         try:
             recovery[arm.name] = run_arm(recipe, exp, arm, base, out)
-        except RetrofitError as err:  # a diverged arm is a result, not a crash of the experiment
-            failures[arm.name] = str(err)
-            print(f"[experiment] arm {arm.name} FAILED: {err}")
+        except Exception as err:  # noqa: BLE001 -- a diverged (or crashed) arm is a result, not a crash of the experiment
+            if not isinstance(err, RetrofitError):
+                traceback.print_exc()
+            failures[arm.name] = _one_line(err)
+            print(f"[experiment] arm {arm.name} FAILED: {failures[arm.name]}")
         clock.stage(f"arm {arm.name}", time.perf_counter() - t0, skipped)
     t0 = time.perf_counter()
     done = [a.name for a in exp.arms if a.name not in failures]

@@ -30,7 +30,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..atomic import atomic_folder
+from ..atomic import atomic_folder, owned_folder, remove_owned
 from ..errors import RetrofitError
 from ..evaluate.report import line_plot
 from ..load.adapters import (
@@ -177,9 +177,10 @@ def _stage_adapter(adapter_dir: Path, model_dir: Path | None, run: Path | None, 
 
 def _stage_merged(adapter_dir: Path, run: Path | None, stage: Path, link: bool) -> dict:
     merged = load_adapter(adapter_dir).merge_and_unload()
-    merged.save_pretrained(str(stage / ".merged"))
-    info = _stage_model(stage / ".merged", stage, link=False)
-    shutil.rmtree(stage / ".merged")
+    scratch = owned_folder(stage / ".merged")  # marked, so the clean-up below can prove it made the folder
+    merged.save_pretrained(str(scratch))
+    info = _stage_model(scratch, stage, link=False)
+    remove_owned(scratch, stage)
     _copy_tokenizer([adapter_dir] + ([run] if run else []), stage, link)
     info["base_model"] = read_record(adapter_dir).get("base_model")
     info["patch_files"] = sorted(stage.glob("model*.safetensors"))

@@ -22,7 +22,7 @@ import yaml
 
 from ..atomic import atomic_write_text
 from ..errors import RetrofitError, closest
-from .experiment import ArmSection, ExperimentSection, ReferenceSection
+from .experiment import ArmSection, ExperimentSection, ReferenceSection, check_arm_name
 from .schema import apply_overrides, build, knob, need, to_plain
 from .schema import documentation as _documentation
 from .sections import (
@@ -148,7 +148,7 @@ def flat(recipe: Recipe) -> dict:
 register_section("experiment", ExperimentSection)
 
 __all__ = [
-    "ArmSection", "ExperimentSection", "ReferenceSection", "knob", "need", "to_plain",
+    "ArmSection", "ExperimentSection", "ReferenceSection", "check_arm_name", "knob", "need", "to_plain",
     "CountingOptions", "DataSection", "EvalSection", "ModelSection", "OutputSection", "PasskeyOptions",
     "PatchSection", "PeftSection", "Recipe", "TrainSection", "apply_overrides", "build", "documentation", "flat",
     "load_recipe", "recipe_from_dict", "recipe_to_dict", "register_section", "save_recipe",

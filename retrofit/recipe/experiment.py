@@ -14,11 +14,28 @@ without importing the experiment driver.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 from ..errors import RetrofitError
 from .schema import knob
 from .sections import PatchSection
+
+# An arm's name becomes a folder (DIR/arms/NAME): letters, digits and -_.+, not starting with a dot, so
+# `..`, `.`, `a/b` or `.hidden` can never point outside DIR/arms or hide there.
+ARM_NAME = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]{0,99}")
+
+
+def check_arm_name(name) -> None:
+    if not isinstance(name, str) or not ARM_NAME.fullmatch(name) or name in ("base", "eval"):
+        raise RetrofitError(f"experiment arm name {name!r} must be a folder name of letters, digits and -_.+ "
+                            "not starting with a dot (and not base or eval), e.g. avnorm-rms")
+
+
+def check_lr(value, key: str) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise RetrofitError(f"{key} must be a finite number > 0 (or null), got {value}")
 
 
 @dataclass
@@ -47,8 +64,8 @@ class ArmSection:
     lr: float | None = knob(None, "finetune learning rate of this arm; null = experiment.finetune_lr")
 
     def __post_init__(self):
-        if not self.name or "/" in self.name or self.name in ("base", "eval"):
-            raise RetrofitError(f"experiment arm name {self.name!r} must be a plain folder name (not base or eval)")
+        check_arm_name(self.name)
+        check_lr(self.lr, f"experiment arm {self.name} lr")
 
 
 @dataclass
@@ -77,3 +94,4 @@ class ExperimentSection:
             raise RetrofitError(f"experiment.arms has duplicate names: {names}")
         if self.base_steps < 0 or self.finetune_steps < 1:
             raise RetrofitError("experiment.base_steps must be >= 0 and finetune_steps >= 1")
+        check_lr(self.finetune_lr, "experiment.finetune_lr")

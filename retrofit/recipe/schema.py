@@ -88,6 +88,11 @@ def _coerce(value, tp, path: str):
         if not isinstance(value, dict):
             raise bad
         return value
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string: take what float() takes
+        try:
+            return float(value)
+        except ValueError:
+            raise bad from None
     if tp in _SCALARS:  # bool is an int in Python, but `steps: true` is a mistake, not 1
         if not isinstance(value, _SCALARS[tp]) or (isinstance(value, bool) and tp is not bool):
             raise bad

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -214,7 +215,7 @@ class TrainSection:
 
     def __post_init__(self):
         need(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
-        need(self.lr >= 0, f"train.lr must be >= 0, got {self.lr}")
+        need(math.isfinite(self.lr) and self.lr >= 0, f"train.lr must be >= 0 and finite, got {self.lr}")
         need(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         need(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")

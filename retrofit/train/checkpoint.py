@@ -3,23 +3,28 @@
     run/checkpoints/step-0000100/   model, optimizer, RNG of every process (accelerate's save_state),
                                     meta.json: step, data position, the recipe it was trained with
 
-A checkpoint is written into `.tmp-step-...`, its files fsynced, `meta.json` written last, and only
-then renamed to `step-...`. A rename is atomic, so a kill at any moment leaves either the complete
-checkpoint or a `.tmp-` folder that nothing ever loads (and the next save deletes). Resume takes the
-newest `step-*` folder that has meta.json and refuses one trained with a different recipe.
+                                    manifest.json: size and sha256 of every file above (written last)
+
+A checkpoint is written into `.tmp-step-...` (created with retrofit's ownership marker), its files
+fsynced, `meta.json` then `manifest.json` written last, and only then renamed to `step-...`. A rename
+is atomic, so a kill at any moment leaves either the complete checkpoint or a `.tmp-` folder that
+nothing ever loads (and the next save deletes). Resume takes the newest `step-*` folder whose files
+match its manifest (a damaged one is named in one line and the one before it is used) and refuses one
+trained with a different recipe. Only folders holding the marker are ever deleted.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
+from ..atomic import MARKER, atomic_write_text, owned_folder, remove_owned
 from ..errors import RetrofitError
 
-FOLDER, PREFIX, TMP = "checkpoints", "step-", ".tmp-"
+FOLDER, PREFIX, TMP, MANIFEST = "checkpoints", "step-", ".tmp-", "manifest.json"
 
 # Keys that may differ between the run and its resumption without changing the result.
 _IGNORED = ("name", "output.", "train.progress", "train.log_every", "eval.")
@@ -34,7 +39,7 @@ def complete_checkpoints(run_dir) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _fsync_tree(path: Path) -> None:
+def fsync_tree(path: Path) -> None:
     for p in sorted(path.rglob("*")):
         if p.is_file():
             with open(p, "rb") as f:
@@ -46,31 +51,94 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(accelerator, run_dir, step: int, data_state: dict, recipe_flat: dict, keep: int) -> Path:
-    """Every process calls this (accelerate writes each process's RNG state); the main one commits."""
+def save_checkpoint(accelerator, run_dir, step: int, data_state: dict, recipe_flat: dict, keep: int,
+                    window: dict | None = None) -> Path:
+    """Every process calls this (accelerate writes each process's RNG state); the main one commits.
+    window: the open log window (loss sum, items) so a resumed run logs the same mean."""
     root = Path(run_dir) / FOLDER
     final, tmp = root / f"{PREFIX}{step:07d}", root / f"{TMP}{PREFIX}{step:07d}"
     if accelerator.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(TMP + "*"):
-            shutil.rmtree(stale, ignore_errors=True)
+            remove_owned(stale, root)  # a .tmp- folder without our marker is not ours to delete
+        if tmp.exists():
+            raise RetrofitError(f"{tmp} is in the way and was not made by retrofit; move it away and resume")
+        owned_folder(tmp)
     accelerator.wait_for_everyone()
     write_state(accelerator, tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         meta = {"step": step, "data": data_state, "recipe": recipe_flat, "processes": accelerator.num_processes,
-                "time": time.time()}
-        _fsync_tree(tmp)
-        (tmp / "meta.json").write_text(json.dumps(meta))  # written last: its presence marks completeness
-        _fsync_tree(tmp)
-        if final.exists():  # re-reached after a resume: the older copy goes first (a kill now keeps tmp only)
-            shutil.rmtree(final)
+                "time": time.time(), "window": window}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        fsync_tree(tmp)
+        write_manifest(tmp)  # written last: what verify() checks before any resume uses the folder
+        # re-reached after a resume: the older copy goes first (a kill now keeps tmp only)
+        if final.exists() and not remove_owned(final, root):
+            raise RetrofitError(f"{final} exists and was not written by retrofit; move it away and resume")
         os.rename(tmp, final)
-        _fsync_tree(root)
+        fsync_tree(root)
         for _, old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_owned(old, root)
     accelerator.wait_for_everyone()
     return final
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, MARKER))
+
+
+def write_manifest(folder: Path) -> None:
+    files = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _files(folder)}
+    atomic_write_text(folder / MANIFEST, json.dumps({"files": files}, indent=1))
+
+
+def verify(folder: Path) -> str | None:
+    """None when every file of the checkpoint matches its manifest, else what is wrong, naming the file.
+    A checkpoint written before manifests existed (no marker, no manifest) is taken as it is."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        return f"{MANIFEST} is missing" if (folder / MARKER).is_file() else None
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is unreadable"
+    for name, want in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["size"]:
+            return f"{name} has {path.stat().st_size} bytes, its manifest says {want['size']}"
+        if _sha256(path) != want["sha256"]:
+            return f"{name} does not match its sha256 in {MANIFEST}"
+    return None
+
+
+def resume_checkpoint(accelerator, run_dir, recipe_flat: dict) -> tuple[Path, dict] | None:
+    """Load the newest checkpoint that verifies, naming each damaged one it passes over; None when the run
+    has no checkpoint at all, an error when it has some and every one is damaged."""
+    found = complete_checkpoints(run_dir)
+    problems = []
+    for i, (_, path) in enumerate(reversed(found)):
+        problem = verify(path)
+        if problem is None:
+            return path, load_checkpoint(accelerator, path, recipe_flat)
+        older = found[-2 - i][1].name if i + 1 < len(found) else None
+        accelerator.print(f"checkpoint {path} is damaged: {problem}; "
+                          + (f"falling back to {older}" if older else "no older checkpoint"))
+        problems.append(f"{path.name}: {problem}")
+    if problems:
+        raise RetrofitError(f"no usable checkpoint in {Path(run_dir) / FOLDER} ({'; '.join(problems)}); "
+                            "restore it or start the run again in another output.dir")
+    return None
 
 
 def write_state(accelerator, folder: Path) -> None:

@@ -7,7 +7,13 @@ Each optimizer step takes the step's global batch (built identically on every pr
 process's slice of it in `micro_batch_size` pieces (no gradient sync until the last), and divides
 every loss sum by the global item count, so the gradient is the exact mean over the global batch for
 any number of processes or accumulation steps. The learning rate is a pure function of the step, so
-a resumed run needs only model, optimizer, RNG and data position to continue identically.
+a resumed run needs only model, optimizer, RNG and data position to continue identically (plus the
+open log window's loss sum, so a window spanning the resume logs the same mean).
+
+Reliability: the run folder is locked (RUN/.lock holds the pid) for the life of the run; a device-side
+flag records the first step whose loss or gradient norm was not finite, checked at log steps and before
+every save, so no checkpoint is written from a diverged step; the final model is written into
+RUN/.tmp-final and renamed into place, result.json last.
 
 callbacks: callables `fn(event, step, info)` with event "step" (info: metrics), "eval" (info:
 metrics, model), "checkpoint" (info: path) and "end" (info: model, before it is saved). The
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_write_text, folder_lock, fsync_dir, owned_folder, remove_owned
 from ..data import build_data
 from ..errors import RetrofitError
 from ..load import apply_patch, language_model, load_base, recipe_tokenizer, save_model
@@ -88,8 +94,8 @@ def setup(recipe: Recipe, accelerator, *, model=None, tokenizer=None, data=None)
 
 def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, data=None, resume: bool = False,
           callbacks=()) -> TrainResult:
-    """Train as `recipe` says and save the run; see the module docstring. Long by design: it is the loop,
-    read top to bottom (setup, resume, steps with log/eval/checkpoint, final save)."""
+    """Train as `recipe` says and save the run; see the module docstring. The loop itself is _train, run
+    while this process holds the run folder's lock."""
     run_dir = run_dir_of(recipe)
     _check_run_dir(run_dir, resume)
     trackers = list(recipe.output.trackers)
@@ -98,6 +104,14 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
         if importlib.util.find_spec("wandb") is None:
             raise RetrofitError("output.trackers has wandb but it is not installed: pip install wandb")
     acc = build.make_accelerator(recipe.train, run_dir, trackers)
+    with folder_lock(run_dir, enabled=acc.is_main_process):  # one writer per run folder; released on any exit
+        return _train(recipe, acc, run_dir, model=model, tokenizer=tokenizer, data=data, resume=resume,
+                      callbacks=callbacks)
+
+
+def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume: bool, callbacks) -> TrainResult:
+    """train()'s body, run while the run folder is locked. Long by design: it is the loop, read top to
+    bottom (setup, resume, steps with log/eval/checkpoint, final save)."""
     acc.wait_for_everyone()  # every process has checked the run folder before the main one writes to it
     t = recipe.train
     world, rank = acc.num_processes, acc.process_index
@@ -116,14 +130,14 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
     model.train()
     optimizer = build.make_optimizer(model, t)
     model, optimizer = acc.prepare(model, optimizer)
-    task, recipe_flat, start = recipe.data.task, flat(recipe), 0
+    task, recipe_flat, start, window = recipe.data.task, flat(recipe), 0, None
     if resume:
-        found = checkpoint.complete_checkpoints(run_dir)
+        found = checkpoint.resume_checkpoint(acc, run_dir, recipe_flat)  # newest one whose manifest verifies
         if found:
-            meta = checkpoint.load_checkpoint(acc, found[-1][1], recipe_flat)
+            path, meta = found
             data.load_state_dict(meta["data"])
-            start = meta["step"]
-            acc.print(f"resumed from {found[-1][1]} (step {start})")
+            start, window = meta["step"], meta.get("window")
+            acc.print(f"resumed from {path} (step {start})")
         else:
             acc.print(f"no complete checkpoint in {run_dir}: starting at step 0")
     result = TrainResult(run_dir, start, resumed_from=start if resume else None)
@@ -156,7 +170,23 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
                disable=not (acc.is_main_process and t.progress))
     window_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
     window_items, window_tokens, window_start = 0, 0, time.perf_counter()
+    if window:  # a log window that spans the checkpoint: its loss sum so far (counted once, on the main process)
+        window_loss.fill_(window["loss"] if acc.is_main_process else 0.0)
+        window_items = window["items"]
+    # First step whose loss or gradient norm was not finite (0 = none): kept on the device, so no step waits
+    # on the host; read (all processes together) at log steps and before anything is saved.
+    first_bad = torch.zeros((), dtype=torch.long, device=acc.device)
     params = [p for p in model.parameters() if p.requires_grad]
+
+    def check_finite(step: int, weights: bool = False) -> None:
+        nonlocal first_bad
+        if weights:  # an update from a finite loss can still overflow the weights
+            finite = torch.stack([torch.isfinite(p.detach()).all() for p in params]).all()
+            first_bad = torch.where((first_bad == 0) & ~finite, step, first_bad)
+        bad = [s for s in acc.gather(first_bad.reshape(1)).tolist() if s]  # every process decides alike
+        if bad:
+            raise RetrofitError(f"the training loss is not finite (nan or inf) at step {min(bad)}; nothing was saved "
+                                f"from it: lower train.lr or check the data")
     for step in range(start, t.steps):
         length = build.seq_len_at(step, recipe)
         rows = t.batch_size * recipe.data.seq_len // length        # global rows at this length
@@ -179,11 +209,14 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
         optimizer.zero_grad(set_to_none=True)
         done_steps = step + 1
         window_items, window_tokens = window_items + n_items, window_tokens + rows * length
+        finite = torch.isfinite(window_loss)  # losses are >= 0: once not finite, the window sum stays so
+        if torch.is_tensor(grad_norm):
+            finite = finite & torch.isfinite(grad_norm)
+        first_bad = torch.where((first_bad == 0) & ~finite, done_steps, first_bad)
 
         if done_steps % t.log_every == 0 or done_steps == t.steps:
+            check_finite(done_steps)
             mean = float(acc.reduce(window_loss, "sum")) / window_items
-            if not math.isfinite(mean):
-                raise RetrofitError(f"the training loss is {mean} at step {done_steps}; lower train.lr or check the data")
             elapsed = time.perf_counter() - window_start
             metrics = {"loss": mean, "lr": lr, "seq_len": length, "tokens": done_steps * tokens_per_step,
                        "tokens_per_s": window_tokens / max(elapsed, 1e-9)}
@@ -200,11 +233,14 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
         if _eval_due(done_steps, recipe):
             run_eval(done_steps)
         if recipe.output.save_every and done_steps % recipe.output.save_every == 0 and done_steps < t.steps:
+            check_finite(done_steps, weights=True)  # never a checkpoint from a diverged step
+            window = {"loss": float(acc.reduce(window_loss.clone(), "sum")), "items": window_items}
             path = checkpoint.save_checkpoint(acc, run_dir, done_steps, data.state_dict(), recipe_flat,
-                                              recipe.output.keep)
+                                              recipe.output.keep, window=window)
             notify("checkpoint", done_steps, path=path)
     bar.close()
 
+    check_finite(result.steps, weights=True)
     notify("end", result.steps, model=acc.unwrap_model(model))
     result.model = save_final(acc, model, run_dir, tokenizer, recipe, result, from_recipe)
     acc.end_training()
@@ -221,13 +257,36 @@ def save_final(acc, model, run_dir: Path, tokenizer, recipe: Recipe, result: Tra
     state = acc.get_state_dict(model) if sharded and peft is None else None  # FSDP: gathered on every rank
     saved = unwrapped
     if acc.is_main_process:
-        saved = save_model(unwrapped, run_dir, tokenizer=tokenizer, peft_save=peft.save if peft else None,
-                           state_dict=state)
+        with _atomic_files(run_dir) as tmp:
+            saved = save_model(unwrapped, tmp, tokenizer=tokenizer, peft_save=peft.save if peft else None,
+                               state_dict=state)
         last = max(result.evals) if result.evals else None
-        summary = {"steps": result.steps, "final_loss": result.losses.get(max(result.losses)) if result.losses else None,
+        final_loss = result.losses.get(max(result.losses)) if result.losses else None
+        summary = {"steps": result.steps, "final_loss": final_loss,
                    "eval": result.evals.get(last), "model_type": language_model(saved).config.model_type,
                    "retrofit": getattr(language_model(saved).config, "retrofit", None),
                    "processes": acc.num_processes, "model_from_recipe": from_recipe}
         atomic_write_text(run_dir / "result.json", json.dumps(summary, indent=2, default=str))  # marks the run finished
     acc.wait_for_everyone()
     return saved
+
+
+@contextlib.contextmanager
+def _atomic_files(run_dir: Path):
+    """A temporary folder inside the run folder; on success each file (or folder: adapter/) in it is renamed
+    into run_dir, so a kill mid-save never leaves a truncated model.safetensors under its final name."""
+    tmp = run_dir / ".tmp-final"
+    remove_owned(tmp, run_dir)  # left by a kill during an earlier save
+    owned_folder(tmp)
+    yield tmp
+    checkpoint.fsync_tree(tmp)
+    old = owned_folder(tmp / ".replaced")  # what the new files replace goes here, then with tmp
+    for entry in sorted(tmp.iterdir()):
+        if entry.name in (".replaced", checkpoint.MARKER):
+            continue
+        target = run_dir / entry.name
+        if target.is_dir() and not target.is_symlink():  # a folder (adapter/) cannot be replaced in one rename
+            os.replace(target, old / entry.name)
+        os.replace(entry, target)
+    fsync_dir(run_dir)
+    remove_owned(tmp, run_dir)

@@ -3,7 +3,9 @@
     a_i = exp(s_i) / (exp(b_h) + sum_j exp(s_j)),  computed as exp(s_i - m) / (exp(b_h - m) + sum_j exp(s_j - m))
 
 with m = max(b_h, max_j s_j) so the "+1" never overflows or vanishes. b_h = 0 gives the classic +1;
-`learnable: true` makes b_h a learned per-head logit (init 0). The weights may sum to less than 1,
+`learnable: true` makes b_h a learned per-head logit (init 0). On a model that has learned sinks of its own
+(gpt_oss) this is a second sink: refused unless `stack: true`, which adds both to the denominator,
+exp(b_h) + exp(b_model) = exp(logaddexp(b_h, b_model)). The weights may sum to less than 1,
 so a head can attend to nothing. As an LSE rescale of softmax attention:
 out = softmax_out * sigmoid(LSE(s) - b_h) (`retrofit.kernels.softmax1_attention`): no T x T tensor.
 """
@@ -18,7 +20,7 @@ from torch import nn
 from ..errors import RetrofitError
 from ..kernels import softmax1_attention
 from . import register_norm
-from .base import Norm, kernel_call, option
+from .base import Norm, kernel_call, model_sink, option
 
 
 @register_norm
@@ -31,8 +33,11 @@ class Softmax1(Norm):
     @dataclass
     class Options:
         learnable: bool = option(False, "learn a per-head sink logit b_h (init 0) instead of the fixed 0")
+        stack: bool = option(False, "allow on models with learned sinks of their own (gpt_oss): both sinks count")
 
         def __post_init__(self):
+            if not isinstance(self.stack, bool):
+                raise RetrofitError(f"softmax1 stack must be true or false, got {self.stack!r}")
             if isinstance(self.learnable, str) or not isinstance(self.learnable, (bool, int)):
                 raise RetrofitError(f"softmax1 learnable must be true or false, got {self.learnable!r}")
             self.learnable = bool(self.learnable)
@@ -45,5 +50,15 @@ class Softmax1(Norm):
         else:
             self.register_buffer("sink", sink, persistent=False)
 
+    @classmethod
+    def sink_refusal(cls, options) -> str | None:
+        if not options.stack:
+            return "softmax1 would add a second sink to the model's own learned sinks: pass stack=True to combine them"
+        return None
+
     def forward(self, module, query, key, value, attention_mask, *, base, **kwargs):
-        return kernel_call(softmax1_attention, module, query, key, value, attention_mask, self.sink, **kwargs)
+        sink = self.sink  # (H,)
+        theirs = model_sink(kwargs)
+        if theirs is not None:  # stack=True (patch refuses otherwise): both sinks in the denominator
+            sink = torch.logaddexp(sink.to(theirs.dtype), theirs)
+        return kernel_call(softmax1_attention, module, query, key, value, attention_mask, sink, **kwargs)

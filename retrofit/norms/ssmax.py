@@ -22,6 +22,8 @@ floored form of Llama 4's attention temperature as Ministral 3 indexes it (floor
 transformers' `get_llama_4_attn_scale`), which starts at position L; Llama 4 itself uses
 floor((position + 1) / floor_scale), which already scales position floor_scale - 1.
 Models that already scale queries by position (Llama 4, Ministral 3) are refused unless stack=True.
+A model's own learned sinks (gpt_oss) are kept: beyond and llama4 call its eager function, which applies them;
+learned scales q as above and runs softmax+1's kernel with the model's sink (a sink is no q.k logit: unscaled).
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ import torch
 from torch import nn
 
 from ..errors import RetrofitError, closest
-from ..kernels import ssmax_attention
+from ..kernels import softmax1_attention, ssmax_attention
 from ..kernels.masks import visible_counts
 from . import register_norm
-from .base import Norm, kernel_call, option, visible_keys
+from .base import Norm, kernel_call, model_sink, option, visible_keys
 
 SCALES = ("learned", "beyond", "llama4")
 
@@ -81,12 +83,23 @@ class SSMax(Norm):
 
     def forward(self, module, query, key, value, attention_mask, *, base, **kwargs):
         if self.options.scale == "learned":
-            return kernel_call(ssmax_attention, module, query, key, value, attention_mask, self.s, **kwargs)
-        # Count visible keys exactly as the kernels do (padding excluded, cached keys included), then scale q.
-        seen, _, mask, causal = visible_keys(module, query, key, value, attention_mask, kwargs.get("is_causal"))
-        n = visible_counts(mask, causal, query.shape[2], seen.shape[2], query.device)  # broadcastable to (B, H, Tq)
+            sink = model_sink(kwargs)
+            if sink is None:
+                return kernel_call(ssmax_attention, module, query, key, value, attention_mask, self.s, **kwargs)
+            n = self.visible(module, query, key, value, attention_mask, kwargs)
+            factor = self.s.float().view(-1, 1) * torch.log(n.float())  # (.., H, Tq), as ssmax_attention's
+            scaled = query.float() * factor.unsqueeze(-1)
+            return kernel_call(softmax1_attention, module, scaled, key, value, attention_mask, sink, **kwargs)
+        n = self.visible(module, query, key, value, attention_mask, kwargs)
         factor = self.factor(n).unsqueeze(-1)  # (..., Tq, 1): exactly 1.0 for n <= L
         return base(module, (query * factor).to(query.dtype), key, value, attention_mask, **kwargs)
+
+    @staticmethod
+    def visible(module, query, key, value, attention_mask, kwargs) -> torch.Tensor:
+        """Visible keys per query, counted exactly as the kernels do (padding excluded, cached keys included):
+        broadcastable to (B, H, Tq)."""
+        seen, _, mask, causal = visible_keys(module, query, key, value, attention_mask, kwargs.get("is_causal"))
+        return visible_counts(mask, causal, query.shape[2], seen.shape[2], query.device)
 
     def factor(self, n: torch.Tensor) -> torch.Tensor:
         """The logit multiplier for n visible keys (float32)."""

@@ -108,31 +108,38 @@ def available_bytes(device="cpu") -> int:
     return psutil.virtual_memory().available
 
 
-def activation_bytes(config, tokens: int, *, training: bool, dtype_bytes: int = 4) -> int:
+def activation_bytes(config, tokens: int, *, training: bool, dtype_bytes: int = 4,
+                     checkpointing: bool = False) -> int:
     """A lower bound on the activation memory of one forward over `tokens` tokens (batch x length).
 
-    Inference: the logits (tokens x vocab, fp32) plus a few hidden-size tensors of the layer being run.
-    Training keeps, per layer, at least the residual input, q/k/v, the attention output and the MLP's input
-    and hidden (~6 x hidden + intermediate per token), and the logits with their gradient. The attention the
-    kernels keep is O(T) (a log-sum-exp per head and query), so it is counted per token too. Deliberately
-    low: a run this refuses cannot fit; one it lets through may still need more."""
+    Inference (evaluation scores the logits in chunks, so they are not counted): the residual stream and a
+    few hidden-size tensors plus the MLP's hidden of the layer being run. Training keeps, per layer, at least
+    the residual input, q/k/v, the attention output and the MLP's input and hidden (~6 x hidden +
+    intermediate per token; only the layer inputs under gradient checkpointing), and the logits with their
+    fp32 copy for the loss. The attention the kernels keep is O(T) (a log-sum-exp per head and query), so
+    it is counted per token too. Deliberately low: a run this refuses cannot fit; one it lets through may
+    still need more."""
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
     inner = int(getattr(config, "intermediate_size", 0) or getattr(config, "n_inner", 0) or 4 * hidden)
-    if training:
-        per_token = layers * (6 * hidden + inner + heads) * dtype_bytes + 2 * vocab * 4
+    layer = (6 * hidden + inner + heads) * dtype_bytes  # what one layer keeps for its backward
+    if training and checkpointing:
+        per_token = layers * hidden * dtype_bytes + layer + vocab * (dtype_bytes + 4)
+    elif training:
+        per_token = layers * layer + vocab * (dtype_bytes + 4)
     else:
-        per_token = (4 * hidden + inner + heads) * dtype_bytes + vocab * 4
+        per_token = (4 * hidden + inner + heads) * dtype_bytes
     return int(tokens) * per_token
 
 
-def check_fits(config, tokens: int, *, training: bool, device="cpu", what: str = "", lower: str = "") -> None:
+def check_fits(config, tokens: int, *, training: bool, device="cpu", what: str = "", lower: str = "",
+               dtype_bytes: int = 4, checkpointing: bool = False) -> None:
     """Refuse (one-line RetrofitError naming the numbers) activations that cannot fit in available memory."""
     from .errors import RetrofitError
 
-    need = activation_bytes(config, tokens, training=training)
+    need = activation_bytes(config, tokens, training=training, dtype_bytes=dtype_bytes, checkpointing=checkpointing)
     free = available_bytes(device)
     if need > free:
         gib = 2 ** 30

@@ -107,16 +107,19 @@ def check_recipe(recipe) -> None:
     else:
         return
     device = device_for_memory()
+    # half-precision weights or mixed precision ("auto" may pick bf16) keep 2-byte activations: the lower bound
+    size = 4 if m.dtype == "float32" and recipe.train.precision == "fp32" else 2
     check_fits(config, recipe.data.seq_len * recipe.train.micro_batch_size, training=True, device=device,
+               dtype_bytes=size, checkpointing=recipe.train.gradient_checkpointing,
                what=f"training at data.seq_len {recipe.data.seq_len:,} x train.micro_batch_size "
                     f"{recipe.train.micro_batch_size}", lower="data.seq_len or train.micro_batch_size")
     longest = max(recipe.eval.lengths or [recipe.data.seq_len])
-    check_fits(config, longest * recipe.eval.batch_size, training=False, device=device,
+    check_fits(config, longest * recipe.eval.batch_size, training=False, device=device, dtype_bytes=size,
                what=f"evaluation at length {longest:,} x eval.batch_size {recipe.eval.batch_size}",
                lower="eval.lengths or eval.batch_size")
 
 
-def check_eval_memory(sources, lengths, batch_tokens: int, device=None) -> None:
+def check_eval_memory(sources, lengths, batch_tokens: int, device=None, dtype=None) -> None:
     """Each model's longest forward (the longest length, windows batched up to batch_tokens) must fit."""
     from ..load import load_config, source_kind
     from ..memory import check_fits
@@ -129,5 +132,6 @@ def check_eval_memory(sources, lengths, batch_tokens: int, device=None) -> None:
         if source_kind(source) == "gguf" or (folder.is_dir() and not (folder / "config.json").is_file()):
             continue  # a GGUF file, an adapter or a LoRA run: checked when it is loaded
         check_fits(load_config(source), tokens, training=False, device=device or device_for_memory(),
-                   what=f"{source} at length {longest:,} ({tokens:,} tokens per forward)",
+                   dtype_bytes=4 if dtype in (None, "float32") else 2,
+                   what=f"{source} at length {longest:,}",
                    lower="--lengths or --batch-tokens")

@@ -42,7 +42,7 @@ def run(args) -> int:
     check_out(args.out, "--out", empty=False)
     check_text_files([args.data], "--data")
     lengths = parse_lengths(args.lengths)
-    check_eval_memory(args.sources, lengths, max(lengths))  # one window of the longest length at a time
+    check_eval_memory(args.sources, lengths, max(lengths), dtype=args.dtype)  # one window of the longest length
     command = " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["diagnose"] else "..."
     diagnose_sources(args.sources, data=args.data, out=args.out, lengths=lengths,
                      tokenizer=args.tokenizer, windows=args.windows, queries=args.queries, patches=args.patch,

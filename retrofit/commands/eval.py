@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     check_counts(args, positive=("trials", "batch_tokens", "chunk_tokens", "max_tokens", "train_len", "alphabet"))
     check_out(args.out, "--out", empty=False)  # results are rewritten in place
     check_text_files(args.data or [], "--data")
-    check_eval_memory(args.models, parse_lengths(args.lengths), args.batch_tokens, args.device)
+    check_eval_memory(args.models, parse_lengths(args.lengths), args.batch_tokens, args.device, args.dtype)
     try:
         depths = [float(d) for d in args.depths.split(",")]
     except ValueError:

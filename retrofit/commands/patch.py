@@ -96,7 +96,8 @@ def save_atomically(model, tokenizer, out: str) -> None:
 def run(args) -> int:
     check_counts(args, positive=("calibrate_tokens", "check_tokens"))
     check_out(args.out, "--out")
-    check_text_files([p for p in (args.calibrate, args.check_text) if p], "--calibrate/--check-text")
+    check_text_files([args.calibrate] if args.calibrate else [], "--calibrate")
+    check_text_files([args.check_text] if args.check_text else [], "--check-text")
     options = {k: getattr(args, k) for k in NORM_FLAGS if getattr(args, k) is not None}
     make_options(args.norm, **options)  # fail on a bad norm or option before loading anything
     if args.calibrate and args.norm != "avnorm":

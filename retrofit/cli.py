@@ -5,13 +5,18 @@
 
 Each verb is a module retrofit/commands/<verb>.py providing `add_arguments(parser)` and `run(args) -> int`
 (a module serving several verbs names them in CLI_COMMANDS = {verb: (add_arguments, run)}). Bad input
-raises `RetrofitError`: printed as one line, exit code 2, no traceback.
+raises `RetrofitError`: printed as one line, exit code 2, no traceback. So do the errors of the machine and
+of damaged files (one_line_error): permissions, a full disk, a truncated safetensors file, text that is not
+UTF-8, a damaged JSON file, memory that cannot be allocated. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import json
+import re
 import sys
 
 from .errors import RetrofitError
@@ -29,6 +34,46 @@ COMMANDS = {
     "push": ("retrofit.commands.push", "push a patched checkpoint or run to the Hugging Face Hub"),
     "bench": ("retrofit.commands.bench", "benchmarks: attention kernels, training loop, evaluation"),
 }
+
+
+# errno -> what to do about it (the message itself is the system's: "Permission denied: 'x'")
+WHAT_TO_DO = {
+    errno.EACCES: "check its permissions, or choose another path",
+    errno.EPERM: "check its permissions, or choose another path",
+    errno.EISDIR: "give a file there, not a folder",
+    errno.ENOTDIR: "a part of that path is a file, not a folder",
+    errno.ENOSPC: "the disk is full: free some space or choose another --out",
+    errno.EDQUOT: "the disk quota is used up: free some space or choose another --out",
+    errno.EROFS: "that file system is read-only: choose another --out",
+    errno.ENOENT: "check the path",
+    errno.EEXIST: "choose another path or remove it",
+}
+# what PyTorch's allocators say when they cannot allocate (CPU: DefaultCPUAllocator; CUDA: OutOfMemoryError)
+ALLOCATION = re.compile(r"can't allocate|could not allocate|cannot allocate|out of memory|not enough memory", re.I)
+
+
+def one_line_error(err: BaseException) -> str | None:
+    """The one line for an error of the machine or of a damaged file (not of retrofit's code); None for a bug."""
+    name = type(err).__name__
+    if isinstance(err, MemoryError) or name == "OutOfMemoryError" or (
+            isinstance(err, RuntimeError) and ALLOCATION.search(str(err))):
+        first = (str(err).strip().splitlines() or [name])[0][:200]
+        return (f"out of memory ({first}); lower the length or batch (--lengths, --batch-tokens, data.seq_len, "
+                "train.micro_batch_size) or use a machine with more memory")
+    if name == "SafetensorError":
+        return f"a .safetensors file is damaged ({str(err).strip()[:160]}); re-download or re-save the model"
+    if isinstance(err, UnicodeDecodeError):
+        return (f"a file is not UTF-8 text (byte {err.start} is {err.object[err.start]:#04x}); convert it to UTF-8, "
+                "e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8")
+    if isinstance(err, json.JSONDecodeError):
+        return (f"a JSON file is damaged ({err.msg}, line {err.lineno} column {err.colno}); restore or re-create it "
+                "(a run's result.json is rewritten by resuming the run)")
+    if isinstance(err, OSError):
+        what = err.strerror or (str(err).strip().splitlines() or [name])[0][:200]
+        where = f": {err.filename}" if err.filename else ""
+        todo = WHAT_TO_DO.get(err.errno)
+        return f"{what}{where}" + (f"; {todo}" if todo else "")
+    return None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,13 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     except RetrofitError as err:
         print(f"retrofit {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except FileNotFoundError as err:
-        print(f"retrofit {args.command}: error: {err.strerror or err}: {err.filename or ''}".rstrip(": "),
-              file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("retrofit: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:
+        line = one_line_error(err)
+        if line is None:
+            raise  # a bug in retrofit: keep the traceback
+        print(f"retrofit {args.command}: error: {line}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

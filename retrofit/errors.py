@@ -1,9 +1,13 @@
 """The one exception type a user can hit: its message is a single line saying what was wrong and what to do.
 
-The CLI prints it without a traceback and exits with code 2 (bad input).
+The CLI prints it without a traceback and exits with code 2 (bad input). Text files are read here too
+(read_utf8, check_utf8): one rule for every verb, UTF-8 or an error naming the file and the first bad byte.
 """
 
+import codecs
 import difflib
+import os
+from pathlib import Path
 
 
 class RetrofitError(ValueError):
@@ -14,3 +18,55 @@ def closest(word: str, choices) -> str:
     """' (did you mean X?)' for the closest choice, or '' when nothing is close: the tail of a one-line error."""
     match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.5)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+# ---- the one text-reading rule: UTF-8 or a one-line error naming the file and the first bad byte ------------------
+
+def _not_utf8(label: str, err: UnicodeDecodeError, offset: int) -> RetrofitError:
+    return RetrofitError(f"{label} is not UTF-8 text (byte {offset + err.start:,} is {err.object[err.start]:#04x}); "
+                         f"convert it to UTF-8, e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8")
+
+
+def _checked_path(path, what: str) -> tuple[Path, str]:
+    label = f"{what} {path}".strip()
+    p = Path(os.path.expanduser(str(path)))
+    if p.is_dir():
+        raise RetrofitError(f"{label} is a folder; give a text file")
+    if not p.is_file():
+        raise RetrofitError(f"{label}: no such file")
+    return p, label
+
+
+def read_utf8(path, what: str = "") -> str:
+    """The text of a file, which must be UTF-8 (every verb reads text this way: train, eval, patch, diagnose).
+
+    `what` names the flag or key in the error ("--calibrate", "data.files")."""
+    p, label = _checked_path(path, what)
+    try:
+        data = p.read_bytes()
+    except OSError as err:
+        raise RetrofitError(f"cannot read {label}: {err.strerror or err}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _not_utf8(label, err, 0) from None
+
+
+def check_utf8(path, what: str = "", chunk: int = 1 << 20) -> None:
+    """read_utf8's checks without holding the file in memory (training corpora can be large)."""
+    p, label = _checked_path(path, what)
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    try:
+        with open(p, "rb") as f:
+            while block := f.read(chunk):
+                try:
+                    decoder.decode(block)
+                except UnicodeDecodeError as err:
+                    raise _not_utf8(label, err, offset) from None
+                offset += len(block)
+            try:
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError as err:
+                raise _not_utf8(label, err, offset) from None
+    except OSError as err:
+        raise RetrofitError(f"cannot read {label}: {err.strerror or err}") from None

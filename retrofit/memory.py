@@ -11,6 +11,10 @@
 
 On the CPU the numbers are the whole process's resident memory, model weights included; freed heap
 is handed back to the OS on entry (malloc_trim), so one block's peak does not leak into the next.
+
+    check_fits(config, tokens=seq_len * micro_batch, training=True, device="cpu", lower="data.seq_len ...")
+
+refuses, before anything is allocated, a forward whose activations cannot fit in the memory available now.
 """
 
 from __future__ import annotations
@@ -92,3 +96,55 @@ class PeakMemory:
             self._stop.set()
             self._thread.join()
             self.peak_mb = max(self.peak_mb, rss_mb())
+
+
+def available_bytes(device="cpu") -> int:
+    """Memory free for new tensors now: the CUDA device's free memory, else the machine's available RAM."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil  # ships with accelerate
+
+    return psutil.virtual_memory().available
+
+
+def activation_bytes(config, tokens: int, *, training: bool, dtype_bytes: int = 4,
+                     checkpointing: bool = False) -> int:
+    """A lower bound on the activation memory of one forward over `tokens` tokens (batch x length).
+
+    Inference (evaluation scores the logits in chunks, so they are not counted): the residual stream and a
+    few hidden-size tensors plus the MLP's hidden of the layer being run. Training keeps, per layer, at least
+    the residual input, q/k/v, the attention output and the MLP's input and hidden (~6 x hidden +
+    intermediate per token; only the layer inputs under gradient checkpointing), and the logits with their
+    fp32 copy for the loss. The attention the kernels keep is O(T) (a log-sum-exp per head and query), so
+    it is counted per token too. Deliberately low: a run this refuses cannot fit; one it lets through may
+    still need more."""
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    inner = int(getattr(config, "intermediate_size", 0) or getattr(config, "n_inner", 0) or 4 * hidden)
+    layer = (6 * hidden + inner + heads) * dtype_bytes  # what one layer keeps for its backward
+    if training and checkpointing:
+        per_token = layers * hidden * dtype_bytes + layer + vocab * (dtype_bytes + 4)
+    elif training:
+        per_token = layers * layer + vocab * (dtype_bytes + 4)
+    else:
+        per_token = (4 * hidden + inner + heads) * dtype_bytes
+    return int(tokens) * per_token
+
+
+def check_fits(config, tokens: int, *, training: bool, device="cpu", what: str = "", lower: str = "",
+               dtype_bytes: int = 4, checkpointing: bool = False) -> None:
+    """Refuse (one-line RetrofitError naming the numbers) activations that cannot fit in available memory."""
+    from .errors import RetrofitError
+
+    need = activation_bytes(config, tokens, training=training, dtype_bytes=dtype_bytes, checkpointing=checkpointing)
+    free = available_bytes(device)
+    if need > free:
+        gib = 2 ** 30
+        raise RetrofitError(
+            f"{what or 'this run'}: {tokens:,} tokens per forward need at least {need / gib:,.1f} GiB of activations "
+            f"({getattr(config, 'num_hidden_layers', '?')} layers, hidden {getattr(config, 'hidden_size', '?')}, "
+            f"vocab {getattr(config, 'vocab_size', '?')}), but only {free / gib:,.1f} GiB is available on "
+            f"{torch.device(device).type}; lower {lower or 'the length or the batch'}")

@@ -192,7 +192,8 @@ def test_eval_keeps_a_model_with_the_same_rope_and_refuses_another(llama_folder,
     assert same["models"][0]["rope"] == f"yarn x4 (orig {L})"
     with pytest.raises(RetrofitError, match="already patched with rope yarn x4"):
         evaluate_models([str(out)], tokens=_tokens(), lengths=[32], rope="dynamic:4", progress=False)
-    assert main(["eval", str(out), "--data", str(tmp_path / "none.json"), "--rope", "yarm:4"]) == 2
+    (tmp_path / "tokens.json").write_text(json.dumps(_tokens()))  # valid data: the rope is what is wrong
+    assert main(["eval", str(out), "--data", str(tmp_path / "tokens.json"), "--rope", "yarm:4"]) == 2
     assert "did you mean 'yarn'" in capsys.readouterr().err
 
 

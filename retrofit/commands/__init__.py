@@ -2,4 +2,136 @@
 
 Each module provides `add_arguments(parser)` and `run(args) -> int`, parses the command line, calls one
 library function and prints; no library module uses argparse (retrofit/cli.py maps verbs to modules).
+The checks every verb makes at the top of `run`, before loading anything, live here: counts that must be
+positive, an output path we can write, and activations that fit in memory.
 """
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import RetrofitError, check_utf8
+
+
+def check_counts(args, positive=(), nonnegative=()) -> None:
+    """--trials 0, --check-tokens -5 ...: one line naming the flag, before any work."""
+    for names, least in ((positive, 1), (nonnegative, 0)):
+        for name in names:
+            value = getattr(args, name, None)
+            if value is not None and value < least:
+                raise RetrofitError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+
+
+def check_out_file(path, flag: str = "--out") -> None:
+    """An output *file* (a benchmark's JSON): not a folder, not a symbolic link, in a folder we can write."""
+    out = Path(os.path.expanduser(str(path)))
+    if out.is_symlink():
+        raise RetrofitError(f"{flag} {path} is a symbolic link; give the real file path")
+    if out.is_dir():
+        raise RetrofitError(f"{flag} {path} is a folder; give a file path, e.g. {Path(path) / 'bench.json'}")
+    check_out(out.parent, flag, empty=False)
+
+
+def check_text_files(paths, flag: str) -> None:
+    """Each file exists, is a file, is not empty and is UTF-8 (the one text rule: retrofit.errors.check_utf8)."""
+    for path in paths:
+        check_utf8(path, flag)
+        if Path(os.path.expanduser(str(path))).stat().st_size == 0:
+            raise RetrofitError(f"{flag} {path} is empty; give a file with text in it")
+
+
+def check_out(path, flag: str = "--out", *, empty: bool = True) -> None:
+    """Refuse an output path that is a file, a symbolic link, not empty (when `empty`) or not writable."""
+    if path is None:
+        return
+    out = Path(os.path.expanduser(str(path)))
+    if out.is_symlink():
+        raise RetrofitError(f"{flag} {path} is a symbolic link; give the real folder (retrofit never writes "
+                            "through a link it did not make)")
+    if out.exists() and not out.is_dir():
+        raise RetrofitError(f"{flag} {path} is a file, not a folder; choose another {flag} or remove it")
+    if empty and out.is_dir() and any(out.iterdir()):
+        raise RetrofitError(f"{flag} {path} exists and is not empty; choose another {flag} or remove it")
+    parent = out
+    while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
+        parent = parent.parent  # the nearest folder that exists: the one we would create ours in
+    if not parent.is_dir():
+        raise RetrofitError(f"{flag} {path}: {parent} is a file, so no folder can be made under it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise RetrofitError(f"{flag} {path}: {parent} is not writable; choose a folder you can write to")
+
+
+
+def device_for_memory():
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_model(source) -> None:
+    """What loading `source` would refuse, found without loading it: an unfinished run, a damaged
+    config.json or safetensors file, a malformed `retrofit` section."""
+    from ..load import check_finished, check_model_files, source_kind
+    from ..load.checkpoint import is_checkpoint
+
+    check_finished(source)
+    kind = source_kind(source)
+    if kind == "folder":
+        check_model_files(os.path.expanduser(str(source)))
+        if (Path(os.path.expanduser(str(source))) / "config.json").is_file():
+            is_checkpoint(source)  # raises on a malformed retrofit section
+    elif kind == "hub":
+        is_checkpoint(source)
+
+
+def check_recipe(recipe) -> None:
+    """Before the model is built: the data files (retrofit.data.text.check_files), and memory: training
+    (data.seq_len x train.micro_batch_size) and its evaluation (the longest eval length x eval.batch_size)
+    must fit (retrofit.memory.check_fits)."""
+    from ..data.text import check_files
+    from ..load import load_config
+    from ..memory import check_fits
+
+    check_files(recipe.data)  # before any model is loaded: a bad file list fails in a second
+    m = recipe.model
+    if m.source is not None:
+        check_model(m.source)
+        config = load_config(m.source, m.revision)
+    elif m.config and "model_type" in m.config:
+        from transformers import AutoConfig
+        cfg = dict(m.config)
+        try:
+            config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        except (ValueError, TypeError):
+            return  # building the model reports a bad config in its own words
+    else:
+        return
+    device = device_for_memory()
+    # half-precision weights or mixed precision ("auto" may pick bf16) keep 2-byte activations: the lower bound
+    size = 4 if m.dtype == "float32" and recipe.train.precision == "fp32" else 2
+    check_fits(config, recipe.data.seq_len * recipe.train.micro_batch_size, training=True, device=device,
+               dtype_bytes=size, checkpointing=recipe.train.gradient_checkpointing,
+               what=f"training at data.seq_len {recipe.data.seq_len:,} x train.micro_batch_size "
+                    f"{recipe.train.micro_batch_size}", lower="data.seq_len or train.micro_batch_size")
+    longest = max(recipe.eval.lengths or [recipe.data.seq_len])
+    check_fits(config, longest * recipe.eval.batch_size, training=False, device=device, dtype_bytes=size,
+               what=f"evaluation at length {longest:,} x eval.batch_size {recipe.eval.batch_size}",
+               lower="eval.lengths or eval.batch_size")
+
+
+def check_eval_memory(sources, lengths, batch_tokens: int, device=None, dtype=None) -> None:
+    """Each model's longest forward (the longest length, windows batched up to batch_tokens) must fit."""
+    from ..load import load_config, source_kind
+    from ..memory import check_fits
+
+    longest = max(lengths)
+    tokens = max(1, batch_tokens // longest) * longest
+    for source in sources:
+        check_model(source)
+        folder = Path(os.path.expanduser(str(source)))
+        if source_kind(source) == "gguf" or (folder.is_dir() and not (folder / "config.json").is_file()):
+            continue  # a GGUF file, an adapter or a LoRA run: checked when it is loaded
+        check_fits(load_config(source), tokens, training=False, device=device or device_for_memory(),
+                   dtype_bytes=4 if dtype in (None, "float32") else 2,
+                   what=f"{source} at length {longest:,}",
+                   lower="--lengths or --batch-tokens")

@@ -16,12 +16,16 @@ import argparse
 import importlib
 
 from ..errors import RetrofitError
+from . import check_counts, check_out_file
 
 BENCHES = {
     "attention": "retrofit.bench.attention",
     "train": "retrofit.bench.train",
     "eval": "retrofit.bench.eval",
 }
+# integer options of the benchmarks that must be >= 1 (checked whichever benchmark has them)
+COUNTS = ("heads", "dim", "batch", "repeats", "timeout", "length", "chunk_tokens", "seq_len", "steps", "warmup",
+          "threads")
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -55,4 +59,8 @@ def run(args: argparse.Namespace) -> int:
     doc = (module.__doc__ or "").strip().splitlines()
     parser = _RaisingParser(prog=f"retrofit bench {args.bench}", description=doc[0] if doc else None)
     module.add_arguments(parser)
-    return int(module.run(parser.parse_args(args.options)) or 0)
+    options = parser.parse_args(args.options)
+    check_counts(options, positive=COUNTS)
+    if getattr(options, "out", None):
+        check_out_file(options.out)
+    return int(module.run(options) or 0)

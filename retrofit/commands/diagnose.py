@@ -14,6 +14,7 @@ import sys
 
 from ..diagnose import diagnose_sources
 from ..lengths import parse_lengths
+from . import check_counts, check_eval_memory, check_out, check_text_files
 
 DEFAULT_LENGTHS = "32,64,...,1024"
 
@@ -37,8 +38,13 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    check_counts(args, positive=("windows", "queries"), nonnegative=("calibrate_tokens",))
+    check_out(args.out, "--out", empty=False)
+    check_text_files([args.data], "--data")
+    lengths = parse_lengths(args.lengths)
+    check_eval_memory(args.sources, lengths, max(lengths), dtype=args.dtype)  # one window of the longest length
     command = " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["diagnose"] else "..."
-    diagnose_sources(args.sources, data=args.data, out=args.out, lengths=parse_lengths(args.lengths),
+    diagnose_sources(args.sources, data=args.data, out=args.out, lengths=lengths,
                      tokenizer=args.tokenizer, windows=args.windows, queries=args.queries, patches=args.patch,
                      calibrate_tokens=args.calibrate_tokens, labels=args.label or None, dtype=args.dtype,
                      seed=args.seed, progress=not args.quiet, command=command)

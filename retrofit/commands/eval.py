@@ -26,6 +26,8 @@ from ..diagnose.sources import parse_patch
 from ..errors import RetrofitError
 from ..evaluate import check_variants, evaluate_models
 from ..evaluate.report import cost_table_markdown, loss_table_markdown, write_report
+from ..lengths import parse_lengths
+from . import check_counts, check_eval_memory, check_out, check_text_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_counts(args, positive=("trials", "batch_tokens", "chunk_tokens", "max_tokens", "train_len", "alphabet"))
+    check_out(args.out, "--out", empty=False)  # results are rewritten in place
+    check_text_files(args.data or [], "--data")
+    check_eval_memory(args.models, parse_lengths(args.lengths), args.batch_tokens, args.device, args.dtype)
     try:
         depths = [float(d) for d in args.depths.split(",")]
     except ValueError:

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from ..experiment import DEMO_RECIPE, run_experiment, summary_table
+from ..recipe import load_recipe
+from . import check_out, check_recipe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,14 +31,22 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    _print_summary(run_experiment(args.recipe, args.out, args.overrides), Path(args.out))
+    _print_summary(run_experiment(_checked_recipe(args.recipe, args), args.out), Path(args.out))
     return 0
+
+
+def _checked_recipe(path, args):
+    """The recipe with its overrides, refused before anything is written when --out or memory cannot do."""
+    check_out(args.out, "--out", empty=False)  # an experiment folder is resumed
+    recipe = load_recipe(path, args.overrides)
+    check_recipe(recipe)
+    return recipe
 
 
 def run_demo(args) -> int:
     """`retrofit demo`: the embedded default experiment (recipes/demo.yaml), offline, on the CPU."""
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    _print_summary(run_experiment(DEMO_RECIPE, args.out, args.overrides), Path(args.out))
+    _print_summary(run_experiment(_checked_recipe(DEMO_RECIPE, args), args.out), Path(args.out))
     return 0
 
 

@@ -21,12 +21,13 @@ import torch
 
 from ..atomic import atomic_folder
 from ..calibrate import calibrate
-from ..errors import RetrofitError
+from ..errors import RetrofitError, read_utf8
 from ..hub import check_repo, find_token, push
 from ..load import is_hub_id, load_model, load_tokenizer
 from ..norms import NORMS, make_options
 from ..patch import patch
 from ..rope import normalize_rope
+from . import check_counts, check_out, check_text_files
 
 
 def norm_flags() -> dict[str, dict]:
@@ -76,7 +77,7 @@ def add_arguments(parser):
 def _read_tokens(tokenizer, path: str, limit: int) -> torch.Tensor:
     if tokenizer is None:
         raise RetrofitError("this model ships no tokenizer, so text files cannot be used with it")
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    text = read_utf8(path)
     ids = tokenizer(text, return_tensors="pt").input_ids[0][:limit]
     if ids.numel() < 2:
         raise RetrofitError(f"{path} has fewer than 2 tokens")
@@ -98,6 +99,10 @@ def save_atomically(model, tokenizer, out: str) -> None:
 
 
 def run(args) -> int:
+    check_counts(args, positive=("calibrate_tokens", "check_tokens"))
+    check_out(args.out, "--out")
+    check_text_files([args.calibrate] if args.calibrate else [], "--calibrate")
+    check_text_files([args.check_text] if args.check_text else [], "--check-text")
     options = {k: getattr(args, k) for k in NORM_FLAGS if getattr(args, k) is not None}
     make_options(args.norm, **options)  # fail on a bad norm, option or rope before loading anything
     if args.rope is not None:
@@ -105,13 +110,8 @@ def run(args) -> int:
         if args.nope:
             raise RetrofitError("--rope and --nope together make no sense: --nope removes the rotary embedding; "
                                 "choose one")
-    for path in (args.calibrate, args.check_text):
-        if path and not Path(path).is_file():
-            raise RetrofitError(f"no such file: {path}")
     if args.calibrate and args.norm != "avnorm":
         raise RetrofitError("--calibrate sets AVNorm gains; it needs --norm avnorm")
-    if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
-        raise RetrofitError(f"{args.out} exists and is not empty; choose another --out or remove it")
     if args.push_to_hub:  # a bad repo id or a missing token fails before any loading
         check_repo(args.push_to_hub)
         find_token()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..hub import push
+from . import check_out
 
 
 def add_arguments(parser) -> None:
@@ -27,6 +28,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    check_out(args.dry_run, "--dry-run")
     where = push(args.source, args.repo, private=args.private, revision=args.revision, merged=args.merged,
                  base_model=args.base_model, license=args.license, eval_dir=args.eval_dir, dry_run=args.dry_run)
     if args.dry_run:

@@ -13,6 +13,7 @@ import argparse
 from ..errors import RetrofitError
 from ..recipe import documentation, load_recipe
 from ..train import train
+from . import check_out, check_recipe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +40,11 @@ def run(args: argparse.Namespace) -> int:
         raise RetrofitError("pass either --out or --resume (which names the run folder), not both")
     if args.out or args.resume:
         overrides.append(f"output.dir={args.out or args.resume}")
+    check_out(args.out, "--out", empty=False)  # a run folder may exist: training resumes or refuses it
     recipe = load_recipe(args.recipe, overrides)
+    if not args.out and recipe.output.dir:
+        check_out(recipe.output.dir, "output.dir", empty=False)
+    check_recipe(recipe)
     result = train(recipe, resume=bool(args.resume))
     last = result.losses.get(max(result.losses)) if result.losses else None
     print(f"done: {result.steps} steps" + (f", final loss {last:.4g}" if last is not None else "")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RetrofitError
+from ..errors import RetrofitError, check_utf8
 from ..recipe import DataSection
 from .tasks import seeded_generator
 
@@ -34,13 +34,29 @@ def _expand_files(patterns: list[str], key: str) -> list[str]:
         if not matched:
             raise RetrofitError(f"data.{key}: no such file: {pattern}")
         files.extend(matched)
+    for f in files:
+        if os.path.isdir(f):
+            raise RetrofitError(f"data.{key}: {f} is a folder; list its files or use a glob, e.g. {f}/*.txt")
+        if os.path.getsize(f) == 0:
+            raise RetrofitError(f"data.{key}: {f} is empty; remove it from the list or give it text")
     suffixes = {Path(f).suffix.lower() for f in files}
     unknown = suffixes - BUILDERS.keys()
     if unknown:
         raise RetrofitError(f"data.{key}: cannot read {', '.join(sorted(unknown))} files; use .txt, .jsonl or .parquet")
     if len({BUILDERS[s] for s in suffixes}) > 1:
         raise RetrofitError(f"data.{key}: mixes file types ({', '.join(sorted(suffixes))}); use one type per list")
+    for f in files:
+        if BUILDERS[Path(f).suffix.lower()] != "parquet":
+            check_utf8(f, f"data.{key}")  # the one text rule (retrofit.errors): UTF-8 or a one-line error
     return files
+
+
+def check_files(section: DataSection) -> None:
+    """data.files and data.val_files exist, are files, are not empty and (text) are UTF-8: checked before
+    the model is loaded, so a bad list fails in a second."""
+    for key in ("files", "val_files"):
+        if getattr(section, key, None):
+            _expand_files(getattr(section, key), key)
 
 
 def open_texts(section: DataSection, *, split: str | None = None, files: list[str] | None = None,

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from ..atomic import atomic_write_text
 from ..calibrate import calibrate
-from ..errors import RetrofitError
+from ..errors import RetrofitError, read_utf8
 from ..load import load_model, load_tokenizer
 from ..norms import get_norm
 from ..patch import patch, patch_record
@@ -131,9 +131,7 @@ def diagnose_sources(sources: list[str], *, data: str, out, lengths: list[int], 
     names = [parse_patch(spec)[0] for spec in patches]
     for name in names:
         get_norm(name)  # an unknown norm fails now, not after loading a model
-    if not Path(data).is_file():
-        raise RetrofitError(f"--data {data}: no such file")
-    text = Path(data).read_text(encoding="utf-8", errors="replace")
+    text = read_utf8(data, "--data")  # the one text rule (retrofit.errors): UTF-8 or a one-line error
     plan = Plan(lengths=list(lengths), queries=queries, seed=seed)
     calibrate_tokens = calibrate_tokens if "avnorm" in names else 0
     shared_tokenizer = load_tokenizer(tokenizer) if tokenizer else None

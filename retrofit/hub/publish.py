@@ -44,7 +44,8 @@ from ..load.adapters import (
     read_record,
 )
 from ..load.checkpoint import patch_tensors
-from ..load.sources import is_hub_id
+from ..load.runs import check_finished
+from ..load.sources import check_model_files, is_hub_id
 from ..norms import AttentionShape, get_norm, make_options
 from ..train.runlog import read_log
 from .model_card import GUARD, model_card
@@ -95,6 +96,8 @@ def _locate(source) -> tuple[Path | None, Path | None, Path | None]:
     path = Path(os.path.expanduser(str(source)))
     if not path.is_dir():
         raise RetrofitError(f"{source}: push takes a local folder (a run, a patched checkpoint or an adapter)")
+    check_finished(path)  # an unfinished run: how to resume it, not a half-written model on the Hub
+    check_model_files(path)  # config.json that is not JSON, a truncated safetensors file: named
     adapter = next((p for p in (path, path / "adapter") if (p / ADAPTER_CONFIG).is_file()), None)
     config = _json(path / "config.json")
     if config and not isinstance(config.get("retrofit"), dict) and adapter is None:
@@ -106,6 +109,32 @@ def _locate(source) -> tuple[Path | None, Path | None, Path | None]:
     if model is None and adapter is None:
         raise RetrofitError(f"{source} holds neither a model (config.json) nor an adapter ({ADAPTER_CONFIG})")
     return model, adapter, run
+
+
+# recipe keys that hold local paths: published as file names (a reader's machine has none of this one's folders)
+LOCAL_PATH_KEYS = {"model": ("source", "tokenizer"), "data": ("files", "val_files", "cache_dir"), "output": ("dir",)}
+
+
+def public_path(value):
+    """A local path as it is published: its name (`/home/me/runs/x` -> `x`); Hub ids and other values as they are."""
+    if not isinstance(value, str) or is_hub_id(value):
+        return value
+    looks_local = os.path.isabs(os.path.expanduser(value)) or os.path.exists(value) or os.sep in value
+    return Path(value).name if looks_local and Path(value).name else value
+
+
+def public_recipe(text: str) -> str:
+    """recipe.yaml with every local path replaced by its name (comments and layout kept: text replacement)."""
+    raw = yaml.safe_load(text) or {}
+    found = []
+    for section, keys in LOCAL_PATH_KEYS.items():
+        for key in keys:
+            value = (raw.get(section) or {}).get(key) if isinstance(raw.get(section), dict) else None
+            found += value if isinstance(value, list) else [value]
+    for value in sorted({v for v in found if isinstance(v, str)}, key=len, reverse=True):  # longest first
+        if public_path(value) != value:
+            text = text.replace(value, public_path(value))
+    return text
 
 
 def _place(src: Path, dst: Path, link: bool) -> None:
@@ -237,9 +266,10 @@ def stage(source, out, *, repo: str, merged: bool = False, base_model: str | Non
     src = Path(os.path.expanduser(str(source)))
     recipe, run_source = (run / "recipe.yaml" if run else None), None
     if recipe is not None and recipe.is_file():
-        _place(recipe, out / "recipe.yaml", link=False)
-        info["recipe_text"] = recipe.read_text()
-        run_source = ((yaml.safe_load(info["recipe_text"]) or {}).get("model") or {}).get("source")
+        text = recipe.read_text()
+        run_source = ((yaml.safe_load(text) or {}).get("model") or {}).get("source")
+        info["recipe_text"] = public_recipe(text)  # local paths go up as file names
+        (out / "recipe.yaml").write_text(info["recipe_text"])
     experiment_eval = run.parent.parent / "eval" if run and run.parent.name == "arms" else None  # retrofit experiment
     bases = [b for b in (base_model, info.pop("recorded_base", None), info["base_model"], run_source) if b]
     info.update(repo=repo, command=command, merged=merged and adapter_dir is not None,
@@ -249,7 +279,10 @@ def stage(source, out, *, repo: str, merged: bool = False, base_model: str | Non
                 summary=_json(run / "result.json") if run else {},
                 curve=_training_curve(run / "log.jsonl", out) if run and (run / "log.jsonl").is_file() else None,
                 eval_md=_stage_eval(eval_dir, [p for p in (src, run, run and run / "eval", experiment_eval) if p], out))
-    (out / "README.md").write_text(model_card(info))
+    card = model_card(info)
+    for local in sorted({b for b in bases if public_path(b) != b} | {str(src)}, key=len, reverse=True):
+        card = card.replace(local, public_path(local))  # the card names local folders, never their paths
+    (out / "README.md").write_text(card)
     return info
 
 

@@ -23,7 +23,7 @@ from transformers.utils import logging as hf_logging
 from ..errors import RetrofitError
 from ..patch import CHILD, patch_from_record
 from .models import as_dtype, load_config, load_plain_model
-from .sources import call_loader, hub_reachable, location, source_kind
+from .sources import call_loader, check_safetensors, hub_reachable, location, source_kind
 
 
 def patch_record_of(config, source) -> dict | None:
@@ -72,6 +72,7 @@ def patch_tensors(source: str, kind: str, revision: str | None,
     marker = f".{CHILD}."
     tensors = {}
     for f in files:
+        check_safetensors(f)  # a damaged file is named, not safetensors' nameless header error
         tensors.update({k: v for k, v in load_file(f).items() if marker in k})
     return tensors
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from ..rope import normalize_rope
 from .adapters import ADAPTER_CONFIG, is_adapter, load_adapter
 from .checkpoint import is_checkpoint, load_checkpoint
 from .models import load_plain_model, load_tokenizer, model_from_config
-from .sources import location, source_kind
+from .sources import check_model_files, location, source_kind
 from .task_model import HEAD_FILE, TASK_FILE, CountingModel, language_model
 
 ADAPTER_DIR = "adapter"
@@ -45,6 +46,7 @@ def load(source, *, adapter: bool = False, task_head: bool = True, dtype=None, a
     """The model behind any source (see the module docstring), in eval mode. `task_head=False` returns the
     language model of a counting run; `adapter=True` rebuilds a LoRA run from its base and adapter/."""
     run = Path(str(source)).expanduser()
+    check_finished(run)
     if adapter or (run.is_dir() and not (run / "config.json").is_file() and (run / ADAPTER_DIR).is_dir()):
         lm = _load_adapter_run(run)
     else:
@@ -60,9 +62,25 @@ def load(source, *, adapter: bool = False, task_head: bool = True, dtype=None, a
     return model.eval()
 
 
+def check_finished(run) -> None:
+    """A training run folder without result.json is unfinished (its model may be half-written, or absent):
+    refuse it with how to resume it, in every verb that loads it (eval, diagnose, push, patch, the API)."""
+    run = Path(os.path.expanduser(str(run)))
+    if not run.is_dir() or (run / "result.json").is_file():
+        return
+    marks = [n for n in ("recipe.yaml", "checkpoints", "log.jsonl") if (run / n).exists()]
+    if marks:
+        resume = f"retrofit train {run / 'recipe.yaml'} --resume {run}" if (run / "recipe.yaml").is_file() \
+            else f"retrofit train RECIPE --resume {run}"
+        raise RetrofitError(f"{run} is an unfinished training run (it has {', '.join(marks)} but no result.json); "
+                            f"resume it with `{resume}`, or give a finished run")
+
+
 def _load_model(source: str, *, dtype, attn_implementation, revision, device_map):
     kind = source_kind(source)
     where, _ = location(source, kind)
+    if kind == "folder":
+        check_model_files(where)
     if (kind == "folder" and (Path(where) / ADAPTER_CONFIG).is_file()) or (kind == "hub" and is_adapter(source,
                                                                                                           revision)):
         return load_adapter(where, revision=revision, dtype=dtype, device_map=device_map)

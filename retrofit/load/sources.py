@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import re
 import socket
@@ -108,3 +109,50 @@ def location(source: str, kind: str) -> tuple[str, dict]:
         path = Path(os.path.expanduser(source))
         return str(path.parent), {"gguf_file": path.name}
     return os.path.expanduser(source) if kind == "folder" else source, {}
+
+
+def check_model_files(folder) -> None:
+    """A model folder's config.json parses and each *.safetensors file is whole: a one-line error naming the
+    damaged file, instead of safetensors' nameless "Error while deserializing header" (or a silent load)."""
+    folder = Path(os.path.expanduser(str(folder)))
+    config = folder / "config.json"
+    if config.is_file():
+        try:
+            json.loads(config.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:
+            reason = f"{err.msg}, line {err.lineno} column {err.colno}" if isinstance(err, json.JSONDecodeError) \
+                else "not UTF-8"
+            raise RetrofitError(f"{config} is not valid JSON ({reason}); restore it or save the model again") \
+                from None
+    for path in sorted(folder.glob("*.safetensors")):
+        check_safetensors(path)
+
+
+def check_safetensors(path) -> None:
+    """Read the header of a .safetensors file (8-byte length, JSON, data offsets) and check the file holds
+    every byte it promises; reads the header only, not the tensors."""
+    path = Path(path)
+    size = path.stat().st_size
+
+    def damaged(why: str) -> RetrofitError:
+        return RetrofitError(f"{path} is damaged ({why}); download or save the model again")
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise damaged(f"{size} bytes: too short for a safetensors header")
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            raise damaged(f"its header claims {length:,} bytes, the file has {size:,}: truncated or not safetensors")
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, UnicodeDecodeError):
+            raise damaged("its header is not JSON: garbage, or not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise damaged("its header is not a JSON object")
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise damaged("its header has no valid data_offsets") from None
+    if 8 + length + end > size:
+        raise damaged(f"truncated: {size:,} bytes of {8 + length + end:,}")

@@ -1,0 +1,356 @@
+"""Bad input to every verb: exit code 2, exactly one line on stderr, no traceback, nothing half-written.
+
+Most cases run in-process through `retrofit.cli.main` (a subprocess costs ~3 s of imports); a handful run as
+real subprocesses to prove the same end to end. One tiny model folder (and its damaged copies) per module.
+`python tests/bad_inputs_table.py` prints the table of these cases: input -> exit code -> first line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import retrofit
+from retrofit.cli import main
+from tests.test_data import char_tokenizer
+from tests.tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+ROOT = os.geteuid() == 0  # root writes into a chmod 555 folder: test a path under a file instead
+
+
+def build_world(root: Path) -> dict:
+    """Every input the cases name, keyed by placeholder: a tiny model, its damaged copies, texts, recipes."""
+    w = {"root": str(root)}
+    model = root / "model"
+    tiny_model("llama").save_pretrained(model)
+    char_tokenizer().save_pretrained(model)
+    w["model"] = str(model)
+    ckpt = tiny_model("llama")
+    retrofit.patch(ckpt, "avnorm")
+    ckpt.save_pretrained(root / "ckpt")
+    char_tokenizer().save_pretrained(root / "ckpt")
+    w["ckpt"] = str(root / "ckpt")
+
+    def copy(name, source=model):
+        shutil.copytree(source, root / name)
+        w[name] = str(root / name)
+        return root / name
+
+    weights = (copy("trunc") / "model.safetensors")
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    garbage = copy("garbage") / "model.safetensors"
+    garbage.write_bytes((64).to_bytes(8, "little") + b"\x00garbage{" * 40 + garbage.read_bytes()[400:])
+    (copy("badjson") / "config.json").write_text('{"model_type": "llama", ')
+    for name, value in (("retro_empty", {}), ("retro_null", None), ("retro_str", "avnorm")):
+        config = copy(name) / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "retrofit": value}))
+    ckpt_trunc = copy("ckpt_trunc", root / "ckpt") / "model.safetensors"
+    ckpt_trunc.write_bytes(ckpt_trunc.read_bytes()[:-100])
+    (copy("ckpt_badjson", root / "ckpt") / "config.json").write_text("not json at all")
+    (root / "nocfg").mkdir()
+    (root / "nocfg" / "model.safetensors").write_bytes(b"")
+    w["nocfg"] = str(root / "nocfg")
+    unfinished = root / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "recipe.yaml").write_text("name: x\n")
+    (unfinished / "log.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    (unfinished / "checkpoints").mkdir()
+    w["unfinished"] = str(unfinished)
+
+    w["text"] = str(root / "text.txt")
+    Path(w["text"]).write_text("the cat sat on a mat and the dog ran far. " * 60)
+    w["latin1"] = str(root / "latin1.txt")
+    Path(w["latin1"]).write_bytes("caf\u00e9 cr\u00e8me ".encode("latin-1") * 10)
+    w["empty"] = str(root / "empty.txt")
+    Path(w["empty"]).write_text("")
+    (root / "folder").mkdir()
+    (root / "folder" / "a.txt").write_text("text in a folder")
+    w["folder"] = str(root / "folder")
+    w["missing"] = str(root / "no-such-thing")
+    w["notmodel"] = str(root / "notmodel.bin")
+    Path(w["notmodel"]).write_bytes(b"\x00" * 64)
+    w["afile"] = str(root / "afile")
+    Path(w["afile"]).write_text("precious")
+    w["link"] = str(root / "link")
+    os.symlink(root / "folder", w["link"])
+    if ROOT:
+        w["unwritable"] = str(root / "afile" / "sub")
+    else:
+        (root / "ro").mkdir()
+        os.chmod(root / "ro", 0o555)
+        w["unwritable"] = str(root / "ro" / "out")
+
+    recipe = {"name": "bad-inputs",
+              "model": {"source": str(model)},
+              "patch": {"norm": "avnorm"},
+              "data": {"task": "lm", "files": [w["text"]], "seq_len": 16, "val_blocks": 1},
+              "train": {"steps": 1, "batch_size": 2, "micro_batch_size": 2, "lr": 1e-3, "warmup_steps": 1,
+                        "progress": False},
+              "eval": {"batches": 1, "batch_size": 2},
+              "output": {"save_every": 0}}
+    w["recipe"] = str(root / "recipe.yaml")
+    Path(w["recipe"]).write_text(yaml.safe_dump(recipe))
+    w["bad_yaml"] = str(root / "bad.yaml")
+    Path(w["bad_yaml"]).write_text("model: [unclosed\n  source: x\n")
+    w["list_yaml"] = str(root / "list.yaml")
+    Path(w["list_yaml"]).write_text("- a\n- b\n")
+    return w
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return build_world(tmp_path_factory.mktemp("bad-inputs"))
+
+
+# (id, argv with {placeholders}, regex the one line must match). {out} is a fresh path that must not exist after.
+CASES = [
+    # ---- patch: models
+    ("patch-missing", "patch {missing} --norm avnorm", r"no such file or folder: .*no-such-thing"),
+    ("patch-a-file", "patch {notmodel} --norm avnorm", r"notmodel.bin is a file, not a model folder"),
+    ("patch-no-config", "patch {nocfg} --norm avnorm", r"folder without config.json"),
+    ("patch-truncated", "patch {trunc} --norm avnorm --out {out}", r"trunc/model.safetensors is damaged .*truncated"),
+    ("patch-garbage-header", "patch {garbage} --norm avnorm --out {out}", r"garbage/model.safetensors is damaged"),
+    ("patch-config-not-json", "patch {badjson} --norm avnorm --out {out}", r"badjson/config.json is not valid JSON"),
+    ("patch-retrofit-empty", "patch {retro_empty} --norm avnorm --out {out}", r"malformed 'retrofit' section"),
+    ("patch-retrofit-null", "patch {retro_null} --norm avnorm --out {out}", r"malformed 'retrofit' section"),
+    ("patch-retrofit-string", "patch {retro_str} --norm avnorm --out {out}", r"malformed 'retrofit' section"),
+    ("patch-ckpt-truncated", "patch {ckpt_trunc} --norm avnorm --out {out}", r"ckpt_trunc/model.safetensors is dam"),
+    ("patch-unfinished-run", "patch {unfinished} --norm avnorm --out {out}", r"unfinished training run.*--resume"),
+    # ---- patch: options, texts, outputs
+    ("patch-unknown-norm", "patch {model} --norm avnrm", r"did you mean 'avnorm'"),
+    ("patch-bad-option", "patch {model} --norm psoftmax --p 0.5", r"p must be a finite number >= 1"),
+    ("patch-option-of-other-norm", "patch {model} --norm psoftmax --kind rms", r"has no option 'kind'"),
+    ("patch-unknown-flag", "patch {model} --norm avnorm --bogus", r"unrecognized arguments: --bogus"),
+    ("patch-bad-dtype", "patch {model} --norm avnorm --dtype float8 --out {out}", r"unknown dtype 'float8'"),
+    ("patch-calibrate-tokens-negative", "patch {model} --norm avnorm --calibrate {text} --calibrate-tokens -5",
+     r"--calibrate-tokens must be >= 1, got -5"),
+    ("patch-check-tokens-zero", "patch {model} --norm avnorm --check-text {text} --check-tokens 0",
+     r"--check-tokens must be >= 1, got 0"),
+    ("patch-calibrate-not-utf8", "patch {model} --norm avnorm --calibrate {latin1} --out {out}",
+     r"--calibrate .*latin1.txt is not UTF-8 text \(byte 3 is 0xe9\); convert it"),
+    ("patch-check-text-not-utf8", "patch {model} --norm avnorm --check-text {latin1}",
+     r"--check-text .*latin1.txt is not UTF-8"),
+    ("patch-calibrate-folder", "patch {model} --norm avnorm --calibrate {folder}", r"folder is a folder; give a text"),
+    ("patch-calibrate-missing", "patch {model} --norm avnorm --calibrate {missing}", r"no-such-thing: no such file"),
+    ("patch-calibrate-empty", "patch {model} --norm avnorm --calibrate {empty}", r"empty.txt is empty"),
+    ("patch-calibrate-not-avnorm", "patch {model} --norm psoftmax --calibrate {text}", r"needs --norm avnorm"),
+    ("patch-out-is-a-file", "patch {model} --norm avnorm --out {afile}", r"--out .*afile is a file, not a folder"),
+    ("patch-out-unwritable", "patch {model} --norm avnorm --out {unwritable}", r"--out .*(not writable|is a file)"),
+    ("patch-out-symlink", "patch {model} --norm avnorm --out {link}", r"--out .*link is a symbolic link"),
+    ("patch-out-not-empty", "patch {model} --norm avnorm --out {folder}", r"exists and is not empty"),
+    # ---- norms
+    ("norms-unknown-flag", "norms --bogus", r"unrecognized arguments: --bogus"),
+    # ---- train: recipes, overrides, data, outputs, memory
+    ("train-no-recipe", "train", r"name a recipe"),
+    ("train-missing-recipe", "train {missing}.yaml --out {out}", r"no such recipe file: .*no-such-thing.yaml"),
+    ("train-bad-yaml", "train {bad_yaml} --out {out}", r"bad.yaml is not valid YAML at line 2"),
+    ("train-yaml-not-a-mapping", "train {list_yaml} --out {out}", r"list.yaml: a recipe must be a YAML mapping"),
+    ("train-unknown-key", "train {recipe} train.lrr=1 --out {out}", r"train.*lrr.*did you mean 'lr'"),
+    ("train-bad-type", "train {recipe} train.steps=many --out {out}", r"train.steps must be an integer, got 'many'"),
+    ("train-lr-inf", "train {recipe} train.lr=.inf --out {out}", r"train.lr must be >= 0 and finite, got inf"),
+    ("train-lr-negative", "train {recipe} train.lr=-1 --out {out}", r"train.lr must be >= 0 and finite, got -1"),
+    ("train-unknown-section", "train {recipe} trian.lr=1 --out {out}",
+     r"unknown recipe section 'trian' \(did you mean 'train'\?\)"),
+    ("train-data-folder", "train {recipe} data.files=[{folder}] --out {out}", r"data.files: .*folder is a folder"),
+    ("train-data-not-utf8", "train {recipe} data.files=[{latin1}] --out {out}",
+     r"data.files .*latin1.txt is not UTF-8"),
+    ("train-data-empty", "train {recipe} data.files=[{empty}] --out {out}", r"data.files: .*empty.txt is empty"),
+    ("train-data-missing", "train {recipe} data.files=[{missing}.txt] --out {out}", r"data.files: no such file"),
+    ("train-data-unknown-type", "train {recipe} data.files=[{notmodel}] --out {out}", r"cannot read .bin files"),
+    ("train-seq-len-huge", "train {recipe} data.seq_len=2000000000 --out {out}",
+     r"data.seq_len 2,000,000,000 .* GiB .*lower data.seq_len or train.micro_batch_size"),
+    ("train-seq-len-2e9", "train {recipe} data.seq_len=2e9 --out {out}", r"data.seq_len must be an integer, got '2e9'"),
+    ("train-model-truncated", "train {recipe} model.source={trunc} --out {out}", r"trunc/model.safetensors is dam"),
+    ("train-model-unfinished", "train {recipe} model.source={unfinished} --out {out}", r"unfinished training run"),
+    ("train-model-retrofit-string", "train {recipe} model.source={retro_str} --out {out}", r"malformed 'retrofit'"),
+    ("train-out-is-a-file", "train {recipe} --out {afile}", r"--out .*afile is a file"),
+    ("train-out-unwritable", "train {recipe} --out {unwritable}", r"--out .*(not writable|is a file)"),
+    ("train-out-symlink", "train {recipe} --out {link}", r"symbolic link"),
+    ("train-out-and-resume", "train {recipe} --out {out} --resume {out}", r"either --out or --resume"),
+    # ---- eval
+    ("eval-missing", "eval {missing} --data {text} --out {out}", r"no such file or folder"),
+    ("eval-truncated", "eval {trunc} --data {text} --lengths 8 --out {out}", r"trunc/model.safetensors is damaged"),
+    ("eval-garbage", "eval {garbage} --data {text} --lengths 8 --out {out}", r"garbage/model.safetensors is damaged"),
+    ("eval-config-not-json", "eval {badjson} --data {text} --lengths 8 --out {out}", r"config.json is not valid JSON"),
+    ("eval-retrofit-null", "eval {retro_null} --data {text} --lengths 8 --out {out}", r"malformed 'retrofit'"),
+    ("eval-unfinished-run", "eval {unfinished} --data {text} --lengths 8 --out {out}",
+     r"unfinished.*retrofit train .*recipe.yaml --resume"),
+    ("eval-data-not-utf8", "eval {model} --data {latin1} --lengths 8 --out {out}", r"--data .*latin1.txt is not UTF-8"),
+    ("eval-data-folder", "eval {model} --data {folder} --lengths 8 --out {out}", r"--data .*folder is a folder"),
+    ("eval-data-empty", "eval {model} --data {empty} --lengths 8 --out {out}", r"--data .*empty.txt is empty"),
+    ("eval-data-missing", "eval {model} --data {missing} --lengths 8 --out {out}", r"no such file"),
+    ("eval-trials-zero", "eval {model} --data {text} --trials 0 --out {out}", r"--trials must be >= 1, got 0"),
+    ("eval-batch-tokens-zero", "eval {model} --data {text} --batch-tokens 0 --out {out}", r"--batch-tokens must be"),
+    ("eval-max-tokens-negative", "eval {model} --data {text} --max-tokens -1 --out {out}", r"--max-tokens must be"),
+    ("eval-chunk-tokens-zero", "eval {model} --data {text} --chunk-tokens 0 --out {out}", r"--chunk-tokens must be"),
+    ("eval-bad-lengths", "eval {model} --data {text} --lengths 8,x --out {out}", r"--lengths"),
+    ("eval-bad-depths", "eval {model} --data {text} --depths a,b --lengths 8 --out {out}", r"--depths"),
+    ("eval-length-huge", "eval {model} --data {text} --lengths 2000000000 --out {out}",
+     r"at length 2,000,000,000: .* GiB .*lower --lengths or --batch-tokens"),
+    ("eval-out-is-a-file", "eval {model} --data {text} --lengths 8 --out {afile}", r"--out .*afile is a file"),
+    ("eval-out-unwritable", "eval {model} --data {text} --lengths 8 --out {unwritable}", r"not writable|is a file"),
+    # ---- experiment and demo
+    ("experiment-missing-recipe", "experiment {missing}.yaml --out {out}", r"no such recipe file"),
+    ("experiment-no-section", "experiment {recipe} --out {out}", r"no experiment section"),
+    ("experiment-arm-dotdot",
+     "demo experiment.arms=[{{\"name\":\"..\",\"patch\":{{\"norm\":\"softmax\"}}}}] --out {out}",
+     r"arm name '..'"),
+    ("demo-lr-inf", "demo train.lr=.inf --out {out}", r"train.lr must be >= 0 and finite, got inf"),
+    ("demo-unknown-key", "demo experiment.finetune_stepz=3 --out {out}",
+     r"experiment.finetune_stepz \(did you mean 'finetune_steps'\?\)"),
+    ("demo-seq-len-huge", "demo data.seq_len=2000000000 --out {out}", r"GiB .*lower data.seq_len"),
+    ("demo-out-is-a-file", "demo --out {afile}", r"--out .*afile is a file"),
+    ("demo-out-symlink", "demo --out {link}", r"symbolic link"),
+    # ---- diagnose
+    ("diagnose-missing", "diagnose {missing} --data {text} --out {out}", r"no such file or folder"),
+    ("diagnose-truncated", "diagnose {trunc} --data {text} --lengths 8,16 --out {out}", r"safetensors is damaged"),
+    ("diagnose-unfinished", "diagnose {unfinished} --data {text} --lengths 8,16 --out {out}", r"unfinished"),
+    ("diagnose-data-not-utf8", "diagnose {model} --data {latin1} --out {out}", r"--data .*latin1.txt is not UTF-8"),
+    ("diagnose-data-folder", "diagnose {model} --data {folder} --out {out}", r"--data .*folder is a folder"),
+    ("diagnose-data-empty", "diagnose {model} --data {empty} --out {out}", r"--data .*empty.txt is empty"),
+    ("diagnose-windows-zero", "diagnose {model} --data {text} --windows 0 --out {out}", r"--windows must be >= 1"),
+    ("diagnose-calibrate-negative", "diagnose {model} --data {text} --calibrate-tokens -5 --out {out}",
+     r"--calibrate-tokens must be >= 0, got -5"),
+    ("diagnose-unknown-patch", "diagnose {model} --data {text} --lengths 8,16 --patch avnrm --out {out}", r"avnrm"),
+    ("diagnose-out-is-a-file", "diagnose {model} --data {text} --out {afile}", r"--out .*afile is a file"),
+    # ---- push (dry runs: nothing is uploaded)
+    ("push-missing", "push {missing} --repo me/x --dry-run {out}", r"no-such-thing"),
+    ("push-plain-model", "push {model} --repo me/x --dry-run {out}", r"not a retrofit checkpoint"),
+    ("push-unfinished-run", "push {unfinished} --repo me/x --dry-run {out}", r"unfinished training run"),
+    ("push-ckpt-truncated", "push {ckpt_trunc} --repo me/x --dry-run {out}", r"ckpt_trunc/model.safetensors is dam"),
+    ("push-config-not-json", "push {ckpt_badjson} --repo me/x --dry-run {out}", r"config.json is not valid JSON"),
+    ("push-bad-repo", "push {ckpt} --repo not/a/repo --dry-run {out}", r"--repo must be a Hub repository id"),
+    ("push-dry-run-is-a-file", "push {ckpt} --repo me/x --dry-run {afile}", r"--dry-run .*afile is a file"),
+    ("push-dry-run-unwritable", "push {ckpt} --repo me/x --dry-run {unwritable}", r"not writable|is a file"),
+    # ---- bench
+    ("bench-unknown", "bench nosuch", r"unknown benchmark 'nosuch'"),
+    ("bench-heads-zero", "bench attention --heads 0 --out {out}/b.json", r"--heads must be >= 1, got 0"),
+    ("bench-unknown-flag", "bench attention --bogus", r"unrecognized arguments: --bogus"),
+    ("bench-out-is-a-folder", "bench attention --seq 8 --out {folder}", r"--out .*folder is a folder"),
+    ("bench-eval-length-zero", "bench eval --length 0 --out {out}/b.json", r"--length must be >= 1"),
+]
+
+
+def argv(template: str, world: dict, out: Path) -> list[str]:
+    return template.format(**world, out=out).split()
+
+
+def snapshot(root: Path) -> dict:
+    """Every path under root with its size and modification time: what a failed command must not change."""
+    return {str(p): (p.is_dir(), p.lstat().st_size if not p.is_dir() else 0, p.lstat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("case_id,template,match", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(case_id, template, match, world, tmp_path, capsys):
+    out = tmp_path / "out"
+    before = snapshot(Path(world["root"]))
+    try:
+        code = main(argv(template, world, out))
+    except SystemExit as exit_:  # argparse usage errors exit 2 themselves
+        code = exit_.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (code, err)
+    assert "Traceback" not in err
+    assert len(lines) == 1, err
+    assert __import__("re").search(match, lines[0]), lines[0]
+    assert not out.exists(), f"{out} was left behind"
+    assert snapshot(Path(world["root"])) == before  # no temporary folder, no half-written file, no change
+
+
+END_TO_END = ["patch-truncated", "train-seq-len-huge"]  # the rest run in-process: same code, no imports
+
+
+def test_end_to_end_in_subprocesses(world, tmp_path):
+    """`python -m retrofit ...` for a few cases, started together (each pays ~3 s of imports, more when busy)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for case_id in END_TO_END:
+        template = next(c for c in CASES if c[0] == case_id)[1]
+        runs[case_id] = subprocess.Popen([sys.executable, "-m", "retrofit", *argv(template, world, tmp_path / case_id)],
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for case_id, proc in runs.items():
+        _, stderr = proc.communicate(timeout=180)
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and "Traceback" not in stderr and len(lines) == 1, (case_id, stderr)
+        assert not (tmp_path / case_id).exists()
+
+
+def test_the_memory_guard_fails_fast_before_allocating(world, tmp_path, capsys):
+    start = time.perf_counter()
+    code = main(argv("train {recipe} data.seq_len=2000000000 train.micro_batch_size=1 train.batch_size=1 --out {out}",
+                     world, tmp_path / "out"))
+    assert code == 2 and time.perf_counter() - start < 10
+    assert "GiB of activations" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["3e-4", "0.0003", "1e-3"])
+def test_valid_floats_train(value, world, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(argv(f"train {{recipe}} train.lr={value} --out {{out}}", world, out)) == 0, capsys.readouterr().err
+    assert (out / "result.json").is_file()
+
+
+def test_an_internal_bug_keeps_its_traceback(monkeypatch, world):
+    def broken(args):
+        raise KeyError("a bug")
+    monkeypatch.setattr("retrofit.commands.norms.run", broken)
+    with pytest.raises(KeyError):
+        main(["norms"])
+
+
+@pytest.mark.parametrize("error,match", [
+    (PermissionError(13, "Permission denied", "/x/y"), r"Permission denied: /x/y; check its permissions"),
+    (OSError(28, "No space left on device", "/x"), r"No space left on device: /x; the disk is full"),
+    (OSError(30, "Read-only file system", "/x"), r"read-only: choose another --out"),
+    (IsADirectoryError(21, "Is a directory", "/x"), r"Is a directory: /x; give a file"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: you tried to "
+                  "allocate 68719476736 bytes"), r"out of memory .*lower the length or batch"),
+    (MemoryError(), r"out of memory"),
+    (json.JSONDecodeError("Expecting value", "x", 0), r"a JSON file is damaged \(Expecting value, line 1"),
+    (UnicodeDecodeError("utf-8", b"ab\xff", 2, 3, "invalid start byte"), r"not UTF-8 text \(byte 2 is 0xff\)"),
+])
+def test_machine_and_file_errors_at_the_boundary_are_one_line(error, match, monkeypatch, capsys):
+    def failing(args):
+        raise error
+    monkeypatch.setattr("retrofit.commands.norms.run", failing)
+    assert main(["norms"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and __import__("re").search(match, err), err
+
+
+def test_a_safetensors_error_at_the_boundary_is_one_line(monkeypatch, capsys, world):
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    def failing(args):
+        load_file(str(Path(world["garbage"]) / "model.safetensors"))
+    monkeypatch.setattr("retrofit.commands.norms.run", failing)
+    assert main(["norms"]) == 2
+    assert "safetensors file is damaged" in capsys.readouterr().err
+    assert SafetensorError  # the type the boundary maps by name
+
+
+def test_push_publishes_names_not_local_paths(world, tmp_path, capsys):
+    """A finished run pushed as a dry run: recipe.yaml and the card carry file names, not this machine's paths."""
+    run = tmp_path / "runs" / "tiny-run"
+    assert main(argv(f"train {{recipe}} model.tokenizer={{model}} --out {run}", world, tmp_path)) == 0
+    staged = tmp_path / "staged"
+    assert main(["push", str(run), "--repo", "me/x", "--dry-run", str(staged)]) == 0, capsys.readouterr().err
+    published = (staged / "recipe.yaml").read_text() + (staged / "README.md").read_text()
+    for local in (str(tmp_path), world["root"], str(run), world["text"], world["model"]):
+        assert local not in published
+    recipe = yaml.safe_load((staged / "recipe.yaml").read_text())
+    assert recipe["output"]["dir"] == "tiny-run" and recipe["data"]["files"] == ["text.txt"]
+    assert recipe["model"]["tokenizer"] == "model" and recipe["model"]["source"] == "model"

@@ -34,6 +34,8 @@ from .sections import (
     PasskeyOptions,
     PatchSection,
     PeftSection,
+    RecoverySection,
+    ScheduleSection,
     TrainSection,
 )
 
@@ -146,10 +148,12 @@ def flat(recipe: Recipe) -> dict:
 
 
 register_section("experiment", ExperimentSection)
+register_section("recovery", RecoverySection)
 
 __all__ = [
     "ArmSection", "ExperimentSection", "ReferenceSection", "check_arm_name", "knob", "need", "to_plain",
     "CountingOptions", "DataSection", "EvalSection", "ModelSection", "OutputSection", "PasskeyOptions",
-    "PatchSection", "PeftSection", "Recipe", "TrainSection", "apply_overrides", "build", "documentation", "flat",
+    "PatchSection", "PeftSection", "Recipe", "RecoverySection",
+    "ScheduleSection", "TrainSection", "apply_overrides", "build", "documentation", "flat",
     "load_recipe", "recipe_from_dict", "recipe_to_dict", "register_section", "save_recipe",
 ]

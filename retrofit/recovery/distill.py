@@ -52,11 +52,16 @@ def final_hidden(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _teacher_mode(model: nn.Module):
+def teacher_mode(model: nn.Module):
+    """The teacher: the patch bypassed, LoRA adapters disabled (PEFT), no dropout, no gradient. It is the original
+    model exactly while the base weights are frozen (recovery.freeze_base, or train.peft); a full finetune moves
+    those weights, and the teacher with them."""
     was = model.training
+    inner = _inner(model)
+    adapters = inner.disable_adapter() if hasattr(inner, "disable_adapter") else contextlib.nullcontext()
     model.eval()  # no dropout in the teacher
     try:
-        with patch_bypassed(model), torch.no_grad():
+        with patch_bypassed(model), adapters, torch.no_grad():
             yield
     finally:
         model.train(was)
@@ -103,7 +108,7 @@ def kl_and_ce_sum(model: nn.Module, batch: dict, *, lm_weight: float = 1.0, kl_w
     labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)  # position t scored on token t+1
     teacher_h = None
     if kl_weight:
-        with _teacher_mode(model):
+        with teacher_mode(model):
             teacher_h = final_hidden(model, batch["input_ids"])
     student_h = final_hidden(model, batch["input_ids"])
     return chunked_kl_sum(model, student_h, teacher_h, labels, lm_weight=lm_weight, kl_weight=kl_weight,
@@ -138,7 +143,7 @@ def attention_outputs(model: nn.Module):
 def match_sum(model: nn.Module, batch: dict) -> torch.Tensor:
     """Sum over layers and tokens of ||o_student - o_teacher||^2 / mean ||o_teacher||^2 (scale-free per layer)."""
     ids = batch["input_ids"]
-    with _teacher_mode(model), attention_outputs(model) as teacher:
+    with teacher_mode(model), attention_outputs(model) as teacher:
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
     with attention_outputs(model) as student:
         model(input_ids=ids, use_cache=False, logits_to_keep=1)

@@ -33,7 +33,7 @@ class PSoftmax(Norm):
     name = "psoftmax"
     summary = "exp(s) normalized by its Lp norm (p=2: variance-preserving L2 softmax)"
     formula = "a = exp(s) / ||exp(s)||_p"
-    has_parameters = True  # with gain set
+    has_parameters = False  # only with gain set (hub/publish.py reads this for the default options)
     knob, knob_identity = "p", 1.0
 
     @dataclass

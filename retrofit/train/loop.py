@@ -40,7 +40,7 @@ from ..load import apply_patch, language_model, load_base, recipe_tokenizer, sav
 from ..recipe import Recipe, flat, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, knob_values, record_knob
 from . import build, checkpoint
-from .tasks import evaluate, items, recovery_loss_sum
+from .tasks import evaluate, items, loss_sum, recovery_loss_sum
 
 
 @dataclass
@@ -135,6 +135,7 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
     model.train()
     rec = recipe.section("recovery")  # retrofit.recovery: schedules, distillation, patch learning rate
     schedule = rec.schedule if rec is not None else None
+    mixed = rec is not None and (rec.lm_weight != 1.0 or rec.distills())  # else the task's own loss
     optimizer = build.make_optimizer(model, t, rec)
     model, optimizer = acc.prepare(model, optimizer)
     task, recipe_flat, start, window, saved_knob = recipe.data.task, flat(recipe), 0, None, None
@@ -216,7 +217,7 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
             part = {k: v[lo: lo + per_micro].to(acc.device) for k, v in batch.items() if torch.is_tensor(v)}
             sync = contextlib.nullcontext() if i == accum - 1 else acc.no_sync(model)
             with sync:
-                loss = recovery_loss_sum(model, part, task, rec, step)
+                loss = recovery_loss_sum(model, part, task, rec, step) if mixed else loss_sum(model, part, task)
                 acc.backward(loss * (world / n_items))  # DDP averages over processes: world/n makes it the global mean
             window_loss += loss.detach().double()
         if rec is not None and step < rec.match_steps:

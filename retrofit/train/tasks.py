@@ -38,8 +38,6 @@ def loss_sum(model: nn.Module, batch: dict, task: str) -> torch.Tensor:
 def recovery_loss_sum(model: nn.Module, batch: dict, task: str, recovery, step: int) -> torch.Tensor:
     """The recipe's recovery losses (retrofit.recovery.distill), summed like loss_sum: attention-output matching
     for the first recovery.match_steps updates, then lm_weight * CE + kl_weight * KL(teacher || student)."""
-    if recovery is None or (recovery.lm_weight == 1.0 and not recovery.distills()):
-        return loss_sum(model, batch, task)
     if step < recovery.match_steps:
         return match_sum(model, batch)
     if not recovery.kl_weight:

@@ -118,8 +118,14 @@ def load_recipe(path, overrides=()) -> Recipe:
 
 
 def documentation(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, doc) for every recipe field, nested sections included."""
-    return _documentation(cls, prefix)
+    """(dotted key, default, doc) for every recipe field, nested sections included (for Recipe: the registered
+    optional sections too, e.g. experiment.*, recovery.*)."""
+    rows = _documentation(cls, prefix)
+    if cls is Recipe:
+        rows = [r for r in rows if r[0] != f"{prefix}extras"]
+        for name, section in EXTRA_SECTIONS.items():
+            rows += _documentation(section, f"{prefix}{name}.")
+    return rows
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:

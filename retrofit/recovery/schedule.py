@@ -11,6 +11,8 @@ The knob is a plain float on each norm module (softmax1: its sink buffer), set b
 alone (`apply_schedule`), so a resumed run is bitwise the uninterrupted one. At its end value every norm runs its
 plain code path (bitwise the plain patch); after training the final value is written into config.retrofit's
 options (`record_knob`), so retrofit.from_pretrained rebuilds exactly what was trained.
+Under train.compile a Python float that changes every step is a new guard value: expect a recompile per step
+while the schedule moves (none after it ends).
 """
 
 from __future__ import annotations

@@ -1,12 +1,23 @@
 """What retrofit knows about each model family, in one table keyed by `config.model_type`.
 
 Adding a family whose attention goes through transformers' attention registry is one row here
-(plus a tiny config in tests/tiny.py so the test matrix covers it).
+(plus a tiny config in tests/tiny.py COVERAGE, so tests/test_families.py runs it through the whole matrix).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+
+def _no_rope_layers(config) -> list[int]:
+    """SmolLM3, Llama 4: layer i applies RoPE iff config.no_rope_layers[i] (1 = RoPE, 0 = none)."""
+    return [i for i, use_rope in enumerate(getattr(config, "no_rope_layers", None) or []) if not use_rope]
+
+
+def _global_layers(config) -> list[int]:
+    """Cohere 2 rotates q and k on its sliding layers only: its full-attention layers have no positions."""
+    return [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind == "full_attention"]
 
 
 @dataclass(frozen=True)
@@ -16,6 +27,7 @@ class Family:
     positions_path: str         # dotted path, from the CausalLM model, of the module that makes them
     max_learned_positions: str | None = None  # config key bounding learned positions (None: unbounded)
     final_norm: str = "model.norm"  # dotted path of the norm before the LM head
+    nope_layers: Callable | None = None  # config -> indices of layers that add no positions already
 
 
 FAMILIES: dict[str, Family] = {
@@ -26,11 +38,33 @@ FAMILIES: dict[str, Family] = {
     "gemma": Family("GemmaAttention", "rotary", "model.rotary_emb"),
     "gemma2": Family("Gemma2Attention", "rotary", "model.rotary_emb"),
     "phi3": Family("Phi3Attention", "rotary", "model.rotary_emb"),
+    # Issue #16. Read from transformers 5.23's modeling files; each is in tests/test_families.py's matrix.
+    "qwen3": Family("Qwen3Attention", "rotary", "model.rotary_emb"),  # q/k RMSNorm before RoPE: in the module
+    "qwen3_moe": Family("Qwen3MoeAttention", "rotary", "model.rotary_emb"),
+    "qwen2_moe": Family("Qwen2MoeAttention", "rotary", "model.rotary_emb"),
+    "mixtral": Family("MixtralAttention", "rotary", "model.rotary_emb"),  # MoE: attention is Mistral's
+    # sliding and full layers with one cos/sin table per layer type; scaling = query_pre_attn_scalar ** -0.5
+    "gemma3_text": Family("Gemma3Attention", "rotary", "model.rotary_emb"),
+    "smollm3": Family("SmolLM3Attention", "rotary", "model.rotary_emb", nope_layers=_no_rope_layers),
+    "olmo2": Family("Olmo2Attention", "rotary", "model.rotary_emb"),
+    "cohere2": Family("Cohere2Attention", "rotary", "model.rotary_emb", nope_layers=_global_layers),
+    "granite": Family("GraniteAttention", "rotary", "model.rotary_emb"),  # scaling = config.attention_multiplier
+    "starcoder2": Family("Starcoder2Attention", "rotary", "model.rotary_emb"),
+    # chunked-attention layers rotate (complex freqs_cis), NoPE layers scale q by a log-position temperature
+    "llama4_text": Family("Llama4TextAttention", "rotary", "model.rotary_emb", nope_layers=_no_rope_layers),
+    # learned per-head sinks (module.sinks, passed as s_aux) in its eager function; no sdpa path
+    "gpt_oss": Family("GptOssAttention", "rotary", "model.rotary_emb"),
 }
 
 
 def family_of(config) -> Family | None:
     return FAMILIES.get(getattr(config, "model_type", None))
+
+
+def layers_without_positions(config) -> list[int]:
+    """Layers of this model that already add no positional information (SmolLM3, Llama 4, Cohere 2)."""
+    family = family_of(config)
+    return family.nope_layers(config) if family is not None and family.nope_layers else []
 
 
 # Models that already scale each query by a function of its position (a Llama-4-style attention temperature):

@@ -20,6 +20,7 @@ cannot change that model. No class is rewritten or reassigned. The patch is reco
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import sys
 from dataclasses import dataclass, field
@@ -30,9 +31,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from .errors import RetrofitError
-from .families import FAMILIES, family_of, position_query_scaling
+from .families import FAMILIES, family_of, layers_without_positions, position_query_scaling
 from .norms import AttentionShape, get_norm, make_options
-from .positions import has_positions_removed, remove_positions, restore_positions
+from .positions import already_without_positions, has_positions_removed, remove_positions, restore_positions
 from .rope import apply_rope, describe_rope, plan_rope, reset_to_original, restore_rope
 from .version import VERSION
 
@@ -139,6 +140,27 @@ def _shape(module: nn.Module, config, positions: int | None = None) -> Attention
     return AttentionShape(int(heads), int(kv_heads), int(head_dim), positions)
 
 
+def _base_implementation(model: nn.Module) -> str:
+    """The implementation a patch wraps: the model's own, checked with transformers' own support test.
+
+    Ours on an unpatched model (built from a patched model's config object) means its base. What we cannot wrap
+    — paged (continuous batching), flash and flex kernels, Hub kernels — is refused with what to load instead."""
+    current = model.config._attn_implementation
+    base = BASE_OF.get(current, current)
+    instead = "'sdpa' (or 'eager')" if getattr(model, "_supports_sdpa", True) else "'eager'"
+    if base not in IMPLEMENTATIONS:
+        what = ("paged attention (continuous batching)" if base.startswith("paged|") else
+                "a Hub kernel" if "/" in base else f"attention implementation {base!r}")
+        raise RetrofitError(f"cannot patch over {what}: retrofit wraps sdpa and eager only; load the model with "
+                            f"attn_implementation={instead}")
+    try:  # transformers' own check: e.g. gpt_oss has no sdpa path (its sinks live in its eager function)
+        model.get_correct_attn_implementation(base)
+    except (ValueError, ImportError):
+        raise RetrofitError(f"{type(model).__name__} does not support attention implementation {base!r}; load it "
+                            f"with attn_implementation={instead}") from None
+    return base
+
+
 def _check_patchable(model: nn.Module, nope: bool) -> str:
     """Refuse what we cannot patch faithfully; returns the base attention implementation."""
     config = getattr(model, "config", None)
@@ -146,13 +168,10 @@ def _check_patchable(model: nn.Module, nope: bool) -> str:
         raise RetrofitError(f"{type(model).__name__} is not a Hugging Face model (it has no config)")
     if is_patched(model):
         raise RetrofitError("this model is already patched; call retrofit.unpatch(model) first")
-    base = config._attn_implementation
-    if base not in IMPLEMENTATIONS:
-        raise RetrofitError(f"cannot patch over attention implementation {base!r}: load the model with "
-                            "attn_implementation='sdpa' (or 'eager')")
     if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
         raise RetrofitError(f"{type(model).__name__} does not route attention through transformers' "
                             "attention registry, so retrofit cannot patch it")
+    base = _base_implementation(model)
     if config.model_type == "gpt2" and base == "eager" and getattr(config, "reorder_and_upcast_attn", False):
         raise RetrofitError("GPT-2 with reorder_and_upcast_attn=True under eager bypasses the attention "
                             "registry; load it with attn_implementation='sdpa' or set reorder_and_upcast_attn=False")
@@ -162,13 +181,48 @@ def _check_patchable(model: nn.Module, nope: bool) -> str:
     return base
 
 
-def _check_query_scaling(norm: str, norm_cls, opts, config) -> None:
-    if not norm_cls.scales_queries_by_position or getattr(opts, "stack", False):
-        return
-    already = position_query_scaling(config)
-    if already:
+def _detach_config(model: nn.Module) -> str | None:
+    """An unpatched model whose config names our implementation was built from a patched model's config object
+    (transformers' from_config does not copy it): give it its own copy, or patching and unpatching this model
+    would rewrite the other's record and switch the other back to its base. Returns the report's note."""
+    if model.config._attn_implementation not in BASE_OF:
+        return None
+    memo: dict = {}
+    config = copy.deepcopy(model.config, memo)
+    for module in model.modules():  # every module holding the config (or one of its sub-configs) gets the copy's
+        if id(getattr(module, "config", None)) in memo:
+            module.config = memo[id(module.config)]
+    if hasattr(config, "retrofit"):
+        del config.retrofit  # the other model's record
+    model.config = config
+    return "config copied: it was shared with a patched model (built from its config)"
+
+
+def has_sinks(module: nn.Module) -> bool:
+    """Learned per-head sink logits of the model's own (gpt_oss's `sinks`, passed to attention as s_aux)."""
+    return isinstance(getattr(module, "sinks", None), nn.Parameter)
+
+
+def _check_sinks(norm: str, norm_cls, opts, config, modules) -> str | None:
+    """Refuse a norm that would drop or double the model's learned sinks; returns the report's note."""
+    if not any(has_sinks(m) for _, m in modules):
+        return None
+    refusal = norm_cls.sink_refusal(opts)
+    if refusal:
+        raise RetrofitError(f"{config.model_type} has learned attention sinks: {refusal}")
+    how = "stacked with softmax1's sink" if norm == "softmax1" else "kept"
+    return f"the model's learned attention sinks are {how}"
+
+
+def _check_query_scaling(norm: str, norm_cls, opts, config) -> str | None:
+    """Refuse scaling queries by position twice unless stack=True; returns the report's note."""
+    already = position_query_scaling(config) if norm_cls.scales_queries_by_position else None
+    if not already:
+        return None
+    if not getattr(opts, "stack", False):
         raise RetrofitError(f"{config.model_type} already applies {already}; {norm} would scale its queries a "
                             f"second time: pass stack=True to stack them anyway")
+    return f"{norm} stacked on the model's own {already}"
 
 
 def patch(model: nn.Module, norm: str = "avnorm", *, nope: bool = False, rope=None, **options) -> PatchReport:
@@ -177,7 +231,8 @@ def patch(model: nn.Module, norm: str = "avnorm", *, nope: bool = False, rope=No
     norm_cls = get_norm(norm)
     opts = make_options(norm, **options)
     base = _check_patchable(model, nope)
-    _check_query_scaling(norm, norm_cls, opts, model.config)
+    notes = [_check_query_scaling(norm, norm_cls, opts, model.config)]
+    notes.append(_detach_config(model))
     rope_plan = plan_rope(model, rope, nope=nope) if rope is not None else None  # refuses before any change
     modules = attention_modules(model)
     if not modules:
@@ -185,6 +240,9 @@ def patch(model: nn.Module, norm: str = "avnorm", *, nope: bool = False, rope=No
         tried = family.attention if family else "modules named *Attention with a layer_idx"
         raise RetrofitError(f"found no attention module to patch in {type(model).__name__} (looked for {tried})")
     config = model.config
+    notes.append(_check_sinks(norm, norm_cls, opts, config, modules))
+    if not nope and layers_without_positions(config):
+        notes.append(already_without_positions(config))
     params_added = 0
     for _, module in modules:
         ref = next(module.parameters(), None)
@@ -207,6 +265,7 @@ def patch(model: nn.Module, norm: str = "avnorm", *, nope: bool = False, rope=No
         modules=[name for name, _ in modules], base_attn_implementation=base, positions=positions,
         params_added=params_added,
         family="table" if family_of(config) else "generic", rope=describe_rope(rope_plan) if rope_plan else None,
+        notes=[note for note in notes if note],
     )
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .errors import RetrofitError
-from .families import Family, family_of
+from .families import Family, family_of, layers_without_positions
 
 
 class NoPositionEmbedding(nn.Module):
@@ -30,21 +30,29 @@ class NoPositionEmbedding(nn.Module):
 
 
 class IdentityRotary(nn.Module):
-    """Stands in for a rotary embedding: cos = 1, sin = 0, i.e. no rotation at any position."""
+    """Stands in for a rotary embedding: the rotation by angle 0 at every position (cos = 1, sin = 0).
+
+    What a rotary module returns differs by family — (cos, sin) of the full or the half head size, Llama 4's
+    complex freqs_cis, Gemma 3's table chosen by a layer_type argument — so the original is asked once per
+    call, at one position, for that structure, and ones (and zeros for sin) of the full shape are returned.
+    """
 
     def __init__(self, original: nn.Module):
         super().__init__()
-        inv_freq = getattr(original, "inv_freq", None)
-        if inv_freq is None:
+        buffers = [b for name, b in original.named_buffers(recurse=False) if name.endswith("inv_freq")]
+        if not buffers:
             raise RetrofitError(f"cannot remove positions: {type(original).__name__} has no inv_freq")
-        self.rotary_dim = 2 * inv_freq.numel()
         self._original = [original]
-        self.register_buffer("anchor", torch.empty(0, device=inv_freq.device), persistent=False)
+        self.register_buffer("anchor", torch.empty(0, device=buffers[0].device), persistent=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
-        shape = (*position_ids.shape, self.rotary_dim)  # (B, T, rotary_dim), as the original returns
-        return (torch.ones(shape, dtype=x.dtype, device=x.device),
-                torch.zeros(shape, dtype=x.dtype, device=x.device))
+        probe = self._original[0](x, torch.zeros_like(position_ids[..., :1]), *args, **kwargs)  # position 0
+        lead = position_ids.shape  # (B, T)
+        if isinstance(probe, torch.Tensor):  # complex freqs_cis (Llama 4): 1 + 0i
+            return torch.ones((*lead, probe.shape[-1]), dtype=probe.dtype, device=probe.device)
+        cos, sin = probe
+        return (torch.ones((*lead, cos.shape[-1]), dtype=cos.dtype, device=cos.device),
+                torch.zeros((*lead, sin.shape[-1]), dtype=sin.dtype, device=sin.device))
 
 
 def _parent(model: nn.Module, path: str):
@@ -65,7 +73,15 @@ def remove_positions(model: nn.Module, family: Family) -> str:
         setattr(parent, name, NoPositionEmbedding(original))
         return f"{family.positions_path}: learned positions removed"
     setattr(parent, name, IdentityRotary(original))
-    return f"{family.positions_path}: rotary made identity"
+    return f"{family.positions_path}: rotary made identity" + already_without_positions(model.config, "; ")
+
+
+def already_without_positions(config, prefix: str = "") -> str:
+    """'layers 1, 3 already had no positions' for a family that has such layers (PatchReport), else ''."""
+    layers = layers_without_positions(config)
+    if not layers:
+        return ""
+    return prefix + f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))} already had no positions"
 
 
 def restore_positions(model: nn.Module) -> int:

@@ -5,6 +5,7 @@ full weight matrix in float64 and applies each norm exactly as the posts define 
 is the unpatched twin switched to this function, with positions removed by hand for NoPE: GPT-2's
 table zeroed, rotary frequencies zeroed (cos = 1, sin = 0).
 
+A model's own learned sinks (gpt_oss's s_aux) join every row's denominator, combined with softmax+1's.
 It applies Gemma 2's logit soft-cap (c * tanh(s / c), after SSMax's query scaling, before the mask)
 and a layer's `sliding_window` explicitly from the kwargs the model passes, on top of the mask
 (query at cache index i sees keys i - W < j <= i), so a kernel that ignored the window would differ.
@@ -52,11 +53,15 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
     if kwargs.get("softcap") is not None:
         s = kwargs["softcap"] * torch.tanh(s / kwargs["softcap"])
     s = (s + bias).masked_fill(~allowed, -math.inf)
-    if name == "psoftmax":
+    sink = params["sink"].double() if name == "softmax1" else None
+    if kwargs.get("s_aux") is not None:  # the model's own learned sinks (gpt_oss): one more logit per row
+        theirs = kwargs["s_aux"].double()
+        sink = theirs if sink is None else torch.logaddexp(sink, theirs)
+    if name == "psoftmax" and sink is None:
         e = torch.exp(s - s.amax(-1, keepdim=True))
         w = e / (e ** opts["p"]).sum(-1, keepdim=True) ** (1.0 / opts["p"])
-    elif name == "softmax1":
-        sink = params["sink"].double().view(1, h, 1, 1)
+    elif sink is not None:  # softmax+1 (p-softmax only at p = 1 here): exp(b_h) joins the denominator
+        sink = sink.view(1, h, 1, 1)
         mx = torch.maximum(s.amax(-1, keepdim=True), sink)
         e = torch.exp(s - mx)
         w = e / (torch.exp(sink - mx) + e.sum(-1, keepdim=True))
@@ -147,8 +152,12 @@ def reference_model(original, patched, nope: bool):
     if nope:
         if ref.config.model_type == "gpt2":
             ref.transformer.wpe.weight.data.zero_()
-        else:
-            ref.model.rotary_emb.inv_freq.zero_()
-            ref.model.rotary_emb.original_inv_freq = ref.model.rotary_emb.inv_freq
+        else:  # every frequency table (Gemma 3 has one per layer type) zeroed, and no cos/sin scaling
+            rotary = ref.model.rotary_emb
+            for buffer_name, buffer in rotary.named_buffers(recurse=False):
+                if buffer_name.endswith("inv_freq"):
+                    buffer.zero_()
+            for attr in [a for a in vars(rotary) if a.endswith("attention_scaling")]:
+                setattr(rotary, attr, 1.0)
     ref.set_attn_implementation(NAME)
     return ref

@@ -6,6 +6,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 VOCAB = 97
+_DENSE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
 
 # model_type -> the config keys that make it tiny. GQA (fewer KV heads) wherever the family has it.
 TINY = {
@@ -27,14 +29,39 @@ TINY = {
                  original_max_position_embeddings=64, pad_token_id=0),
 }
 
+# Issue #16, model coverage (tests/test_families.py). Kept apart from TINY, whose every family test_patch.py runs
+# through its full matrix. Per-family quirks the matrix must exercise are set explicitly.
+COVERAGE = {
+    "qwen3": dict(_DENSE, head_dim=8),
+    "qwen3_moe": dict(_DENSE, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen2_moe": dict(_DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16),
+    "gemma3_text": dict(_DENSE, head_dim=8, query_pre_attn_scalar=16, sliding_window=4,  # its own scaling
+                        layer_types=["sliding_attention", "full_attention"]),
+    "smollm3": dict(_DENSE, no_rope_layers=[1, 0], pad_token_id=0),  # layer 1 already has no RoPE
+    "olmo2": dict(_DENSE),
+    "cohere2": dict(_DENSE, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "granite": dict(_DENSE, attention_multiplier=0.5, embedding_multiplier=2.0, residual_multiplier=0.5,
+                    logits_scaling=2.0),
+    "starcoder2": dict(_DENSE, sliding_window=None),
+    "llama4_text": dict(_DENSE, head_dim=8, intermediate_size_mlp=64, num_local_experts=2, num_experts_per_tok=1,
+                        no_rope_layers=[1, 0], attention_chunk_size=4, floor_scale=4, attn_scale=0.5),
+    "gpt_oss": dict(_DENSE, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "mixtral": dict(_DENSE, num_local_experts=2, num_experts_per_tok=1, sliding_window=None),
+}
 
+
+# gemma2 has no sdpa path in transformers (soft-capping) and gpt_oss none at all (_supports_sdpa = False): eager.
 # gemma2 has no sdpa path in transformers (soft-capping): it runs eager.
-DEFAULT_ATTN = {"gemma2": "eager"}
+DEFAULT_ATTN = {"gemma2": "eager", "gpt_oss": "eager"}  # gpt_oss: sinks live in its eager function only
 
 
 def tiny_config(model_type: str = "llama", attn_implementation: str | None = None, **overrides):
     attn_implementation = attn_implementation or DEFAULT_ATTN.get(model_type, "sdpa")
-    cfg = AutoConfig.for_model(model_type, **{**TINY[model_type], **overrides})
+    cfg = AutoConfig.for_model(model_type, **{**{**TINY, **COVERAGE}[model_type], **overrides})
     cfg._attn_implementation = attn_implementation
     return cfg
 

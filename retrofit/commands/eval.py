@@ -2,18 +2,29 @@
 
     retrofit eval runs/base runs/avnorm --data persuasion.txt --lengths 256,512,...,65536 \\
         --train-len 1024 --max-tokens 65536 --out eval/
+    retrofit eval HuggingFaceTB/SmolLM2-135M --rope yarn:4 --data persuasion.txt --lengths 512,...,32768
+    retrofit eval base.gguf --patch avnorm:kind=rms --rope dynamic:4 --data persuasion.txt   # training-free
 
+--patch NORM[:KEY=VALUE,...] and --rope TYPE:FACTOR[,KEY=VALUE...] patch every model on the fly before it is
+evaluated (--rope alone keeps softmax attention); a model already patched is kept if it carries that patch.
+--variants FILE (a YAML list of {name, patch, rope, calibrate}) evaluates every model once per variant:
+    - {name: original}
+    - {name: yarn4, rope: "yarn:4"}
+    - {name: yarn4+avnorm, rope: "yarn:4", patch: {norm: avnorm}, calibrate: {data: emma.txt, tokens: 8192}}
 Parses the command line, calls `retrofit.evaluate.evaluate_models`, writes the report, prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
+import yaml
 
+from ..diagnose.sources import parse_patch
 from ..errors import RetrofitError
-from ..evaluate import evaluate_models
+from ..evaluate import check_variants, evaluate_models
 from ..evaluate.report import cost_table_markdown, loss_table_markdown, write_report
 
 
@@ -37,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey depths, 0 = start .. 1 = end")
     parser.add_argument("--trials", type=int, default=8, help="passkey trials / counting sequences per length")
     parser.add_argument("--alphabet", type=int, default=None, help="counting alphabet (default: the run's recipe)")
+    parser.add_argument("--patch", metavar="NORM[:KEY=VALUE,...]", default=None,
+                        help="patch every model before evaluating it, e.g. avnorm:kind=rms or ssmax:scale=beyond")
+    parser.add_argument("--rope", metavar="TYPE:FACTOR[,KEY=VALUE...]", default=None,
+                        help="extend every model's RoPE before evaluating it: yarn:4, dynamic:4, linear:4 "
+                             "(with --patch, or alone: softmax attention)")
+    parser.add_argument("--variants", metavar="FILE", default=None,
+                        help="YAML list of {name, patch: {norm, ...options}, rope}: evaluate every model once per "
+                             "variant, side by side (training-free settings in one report)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -47,15 +66,29 @@ def run(args: argparse.Namespace) -> int:
         depths = [float(d) for d in args.depths.split(",")]
     except ValueError:
         raise RetrofitError(f"--depths {args.depths!r}: give numbers between 0 and 1, like 0,0.5,1") from None
+    patch = None
+    if args.patch:
+        norm, options = parse_patch(args.patch)
+        patch = {"norm": norm, **options}
+    variants = _read_variants(args.variants) if args.variants else None
     counting = {"sequences": args.trials, **({"alphabet": args.alphabet} if args.alphabet else {})}
     results = evaluate_models(
         args.models, data=args.data, lengths=args.lengths, train_len=args.train_len,
         tasks=args.tasks.split(",") if args.tasks else None, max_tokens=args.max_tokens, tokenizer=args.tokenizer,
         names=args.names.split(",") if args.names else None, batch_tokens=args.batch_tokens,
         chunk_tokens=args.chunk_tokens, dtype=args.dtype, device=args.device,
-        passkey={"depths": depths, "trials": args.trials}, counting=counting, progress=not args.no_progress)
+        passkey={"depths": depths, "trials": args.trials}, counting=counting, progress=not args.no_progress,
+        patch=patch, rope=args.rope, variants=variants)
     paths = write_report(results, args.out)
     if any(m["lengths"] for m in results["models"]):
         print(loss_table_markdown(results) + "\n\n" + cost_table_markdown(results))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _read_variants(path: str) -> list[dict]:
+    try:
+        variants = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise RetrofitError(f"--variants {path}: cannot read it ({str(err).splitlines()[0]})") from None
+    return check_variants(variants)

@@ -2,6 +2,7 @@
 
     retrofit patch gpt2 --norm avnorm --out gpt2-avnorm
     retrofit patch ./smollm2.gguf --norm avnorm --calibrate book.txt --check-text para.txt --out smol-avnorm
+    retrofit patch ./smollm2.gguf --norm softmax --rope yarn:4 --out smol-yarn     # RoPE 8192 -> 32768 positions
 
 SOURCE is a Hub id, a local folder or a .gguf file. Prints the PatchReport; with --check-text, the
 model's loss on that text before and after patching.
@@ -26,6 +27,7 @@ from ..load import is_hub_id, load_model, load_tokenizer
 from ..norms import NORMS, make_options
 from ..patch import patch
 from ..recovery.probe import describe_spread, head_spread, knob_losses
+from ..rope import normalize_rope
 
 
 def norm_flags() -> dict[str, dict]:
@@ -52,6 +54,9 @@ def add_arguments(parser):
     parser.add_argument("--norm", required=True,
                         help="softmax | avnorm | psoftmax | ssmax | softmax1 (see `retrofit norms`)")
     parser.add_argument("--nope", action="store_true", help="also remove positional information")
+    parser.add_argument("--rope", metavar="TYPE:FACTOR[,KEY=VALUE...]", default=None,
+                        help="extend RoPE: yarn:4, dynamic:4, linear:4, llama3:8,low_freq_factor=1,high_freq_factor=4 "
+                             "(KEY: any of the type's keys, original = original_max_position_embeddings)")
     for flag, spec in NORM_FLAGS.items():
         name = "--" + flag.replace("_", "-")
         about = f"{'/'.join(spec['norms'])}: {spec['doc']}"
@@ -110,7 +115,12 @@ def save_atomically(model, tokenizer, out: str) -> None:
 
 def run(args) -> int:
     options = {k: getattr(args, k) for k in NORM_FLAGS if getattr(args, k) is not None}
-    make_options(args.norm, **options)  # fail on a bad norm or option before loading anything
+    make_options(args.norm, **options)  # fail on a bad norm, option or rope before loading anything
+    if args.rope is not None:
+        normalize_rope(args.rope)
+        if args.nope:
+            raise RetrofitError("--rope and --nope together make no sense: --nope removes the rotary embedding; "
+                                "choose one")
     for path in (args.calibrate, args.check_text):
         if path and not Path(path).is_file():
             raise RetrofitError(f"no such file: {path}")
@@ -129,7 +139,7 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.source) if (needs_tokens or args.out or args.push_to_hub) else None
     check = _read_tokens(tokenizer, args.check_text, args.check_tokens) if args.check_text else None
     before = text_loss(model, check) if check is not None else None
-    report = patch(model, args.norm, nope=args.nope, **options)
+    report = patch(model, args.norm, nope=args.nope, rope=args.rope, **options)
     if args.calibrate:
         ids = _read_tokens(tokenizer, args.calibrate, args.calibrate_tokens)
         report.calibration = calibrate(model, (c[None] for c in ids.split(512)))
@@ -155,7 +165,8 @@ def _push(model, tokenizer, args) -> None:
     flags = [f"--{k.replace('_', '-')}" + ("" if getattr(args, k) is True else f" {getattr(args, k)}")
              for k in NORM_FLAGS if getattr(args, k) is not None]
     command = " ".join(["retrofit patch", Path(args.source).name if not is_hub_id(args.source) else args.source,
-                        f"--norm {args.norm}", *(["--nope"] if args.nope else []), *flags,
+                        f"--norm {args.norm}", *(["--nope"] if args.nope else []),
+                        *([f"--rope {args.rope}"] if args.rope else []), *flags,
                         *(["--calibrate FILE"] if args.calibrate else [])])
     with tempfile.TemporaryDirectory(prefix="retrofit-patch-") as tmp:
         folder = args.out or os.path.join(tmp, "model")

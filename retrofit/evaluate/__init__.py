@@ -4,6 +4,8 @@
         --train-len 1024 --max-tokens 65536 --out eval/
 
     results = evaluate_models(["runs/base", "runs/avnorm"], data=["persuasion.txt"], lengths="256,...,65536")
+    results = evaluate_models(["HuggingFaceTB/SmolLM2-135M"], data=["persuasion.txt"], lengths="512,...,32768",
+                              rope="yarn:4")      # patched on the fly: softmax + YaRN, the training-free baseline
 
 Modules: windows (data, windows, position buckets) <- losses (chunked scoring, passkey, counting)
 <- this file (every model at every length -> the results dict, schema in docs/results-schema.md)
@@ -12,16 +14,24 @@ Modules: windows (data, windows, position buckets) <- losses (chunked scoring, p
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from pathlib import Path
 
+import torch
 import yaml
 
+from ..calibrate import calibrate
 from ..errors import RetrofitError
 from ..lengths import parse_lengths
 from ..load import CountingModel, language_model, load, load_tokenizer
+from ..load.runs import same_rope
 from ..memory import PeakMemory
+from ..norms import make_options
+from ..patch import patch as patch_model
+from ..patch import patch_record
 from ..positions import position_limit
+from ..rope import describe_rope, normalize_rope
 from .losses import (
     LOGIT_TRANSFORMS,
     check_head,
@@ -30,7 +40,9 @@ from .losses import (
     evaluate_counting,
     evaluate_lengths,
     evaluate_passkey,
+    fresh_dynamic_rope,
     head_logits,
+    original_positions,
     token_losses,
 )
 from .windows import cut_windows, position_buckets, read_token_file, tokenize_files, tokenizer_fingerprint
@@ -53,13 +65,18 @@ def model_name(source) -> str:
 
 def evaluate_models(sources: list, *, data=None, tokens=None, lengths, train_len=None, tasks=None, max_tokens=None,
                     tokenizer=None, names=None, batch_tokens=16384, chunk_tokens=1024, dtype=None, device="cpu",
-                    passkey=None, counting=None, progress=True) -> dict:
+                    passkey=None, counting=None, progress=True, patch=None, rope=None, variants=None) -> dict:
     """Evaluate every model (any source `retrofit.load.load` takes, or a loaded model) -> results dict.
 
     tasks: some of "lm", "passkey", "counting"; None = "counting" for counting runs, "lm" otherwise.
     The lm data: `tokens` (token ids, or a list of documents), or `data` paths (.json token files, or
     text tokenized by `tokenizer`, else each model's own). passkey/counting: keyword dicts for
     evaluate_passkey/evaluate_counting. Schema of the result: docs/results-schema.md.
+    patch ({"norm": NAME, **options}) and rope ('yarn:4' or a dict, see retrofit.rope): patch each unpatched
+    model before evaluating it (rope alone: norm softmax, i.e. attention unchanged); a model that is already
+    patched is evaluated as it is if it carries that same patch (rope alone: that same rope), else refused.
+    variants: [{"name", "patch", "rope"}, ...] evaluates every source once per variant, each patched that way
+    (training-free settings side by side in one report); names become SOURCE+VARIANT with several sources.
     """
     lengths = parse_lengths(lengths) if isinstance(lengths, str) else sorted(set(lengths))
     names = list(names) if names else _unique([model_name(s) for s in sources])
@@ -68,8 +85,15 @@ def evaluate_models(sources: list, *, data=None, tokens=None, lengths, train_len
     unknown = set(tasks or ()) - {"lm", "passkey", "counting"}
     if unknown:
         raise RetrofitError(f"unknown tasks {sorted(unknown)}: choose from lm, passkey, counting")
+    if variants and (patch is not None or rope is not None):
+        raise RetrofitError("give either variants or one patch/rope for every model, not both")
+    # a bad norm, option or rope fails before any model loads
+    settings = [(v["name"], _eval_patch(v.get("patch"), v.get("rope"), v.get("calibrate")))
+                for v in check_variants(variants)] if variants else [(None, _eval_patch(patch, rope))]
     data = [data] if isinstance(data, (str, Path)) else list(data or [])
     prepared = _prepare_data(sources, data, tokens, tokenizer, lengths, tasks)
+    jobs = [(source, name if variant is None else variant if len(sources) == 1 else f"{name}+{variant}", prep, ep)
+            for source, name, prep in zip(sources, names, prepared) for variant, ep in settings]
     results = {"schema": "retrofit.eval/1", "train_len": train_len, "lengths": lengths,
                "data": {"files": [str(p) for p in data],
                         "documents": [len(d) for d in next((d for _, d, _ in prepared if d), [])]},
@@ -77,36 +101,108 @@ def evaluate_models(sources: list, *, data=None, tokens=None, lengths, train_len
                             "chunk_tokens": chunk_tokens, "device": str(device), "passkey": passkey,
                             "counting": counting, "window": "L + 1 tokens: read L, predict tokens 1..L"},
                "models": []}
-    for source, name, (key, documents, tok) in zip(sources, names, prepared):
+    for source, name, (key, documents, tok), eval_patch in jobs:
         model = _load(source, dtype, device)
         lm, counting_model = _language_model(model)
-        wanted = tasks or (["counting"] if counting_model else ["lm"])
-        if counting_model != ("counting" in wanted) or (counting_model and len(wanted) > 1):
+        if eval_patch is not None:
+            _patch_on_the_fly(lm, eval_patch, name)
+            if eval_patch.get("calibrate"):
+                _calibrate_on_the_fly(lm, eval_patch["calibrate"], tok, name)
+        wanted_tasks = tasks or (["counting"] if counting_model else ["lm"])
+        if counting_model != ("counting" in wanted_tasks) or (counting_model and len(wanted_tasks) > 1):
             raise RetrofitError(f"{name} is {'a counting run' if counting_model else 'a language model'}: "
                                 f"evaluate it with --tasks {'counting' if counting_model else 'lm and/or passkey'}")
-        if "lm" in wanted and documents is None and not data:
+        if "lm" in wanted_tasks and documents is None and not data:
             raise RetrofitError("no data to evaluate on: pass --data FILE (text, or .json token ids)")
-        if ("lm" in wanted and documents is None) or ("passkey" in wanted and tok is None):
+        if ("lm" in wanted_tasks and documents is None) or ("passkey" in wanted_tasks and tok is None):
             raise RetrofitError(f"no tokenizer for {name}: pass --tokenizer PATH (a tokenizer folder)")
         check_lengths(lm, lengths, name)
         entry = {"name": name, "source": str(source) if isinstance(source, (str, Path)) else None,
                  "model_type": lm.config.model_type, "tokenizer": key, "dtype": str(lm.dtype).removeprefix("torch."),
                  "retrofit": getattr(lm.config, "retrofit", None), "max_learned_positions": position_limit(lm),
                  "max_position_embeddings": config_value(lm.config, "max_position_embeddings"),
-                 "memory_kind": PeakMemory(device).kind, "lengths": []}
-        if "lm" in wanted:
+                 "rope": describe_rope(patch_record(lm)), "original_positions": original_positions(lm),
+                 "eval_patch": eval_patch, "memory_kind": PeakMemory(device).kind, "lengths": []}
+        if "lm" in wanted_tasks:
             entry["lengths"] = evaluate_lengths(lm, documents, lengths, max_tokens=max_tokens,
                                                 batch_tokens=batch_tokens, chunk_tokens=chunk_tokens, name=name,
                                                 progress=progress)
-        if "passkey" in wanted:
+        if "passkey" in wanted_tasks:
             entry["passkey"] = evaluate_passkey(lm, tok, lengths, batch_tokens=batch_tokens, **(passkey or {}))
-        if "counting" in wanted:
+        if "counting" in wanted_tasks:
             options = {"alphabet": _run_alphabet(source), **(counting or {})}
             entry["counting"] = evaluate_counting(model, lengths, batch_tokens=batch_tokens, **options)
         results["models"].append(entry)
         del model, lm
         gc.collect()
     return results
+
+
+def check_variants(variants) -> list[dict]:
+    """Variants as `retrofit eval --variants FILE` reads them: a list of {name, patch, rope}, names unique.
+    patch: {"norm": NAME, **options} (or null: the model's own attention); rope: 'yarn:4' or a mapping."""
+    if not isinstance(variants, list) or not variants:
+        raise RetrofitError("variants must be a non-empty list of {name, patch, rope} mappings")
+    seen = set()
+    for i, v in enumerate(variants):
+        if not isinstance(v, dict) or not isinstance(v.get("name"), str) or not v["name"]:
+            raise RetrofitError(f"variant {i + 1} needs a name, e.g. {{name: yarn4, rope: 'yarn:4'}}; got {v!r}")
+        unknown = set(v) - {"name", "patch", "rope", "calibrate"}
+        if unknown:
+            raise RetrofitError(f"variant {v['name']!r} has unknown keys {sorted(unknown)}; use name, patch, rope, "
+                                "calibrate")
+        cal = v.get("calibrate")
+        if cal is not None and not (isinstance(cal, dict) and isinstance(cal.get("data"), str)
+                                    and isinstance(cal.get("tokens", 8192), int) and cal.get("tokens", 8192) > 0
+                                    and Path(cal["data"]).is_file()):
+            raise RetrofitError(f"variant {v['name']!r}: calibrate must be {{data: TEXT_FILE, tokens: N > 0}} with an "
+                                f"existing file (AVNorm gains from text that is not the evaluation text); got {cal!r}")
+        if v["name"] in seen:
+            raise RetrofitError(f"two variants are named {v['name']!r}: give each its own name")
+        if v.get("patch") is not None and not isinstance(v["patch"], dict):
+            raise RetrofitError(f"variant {v['name']!r}: patch must be a mapping like {{norm: avnorm, kind: rms}}")
+        seen.add(v["name"])
+    return variants
+
+
+def _eval_patch(patch, rope, calibration=None) -> dict | None:
+    """{"norm", "options", "rope"} to apply at evaluation (None: nothing), checked without loading a model.
+    norm None = --rope alone: softmax on an unpatched model, any norm on a patched one."""
+    if patch is None and rope is None:
+        return None
+    options = dict(patch or {})
+    norm = options.pop("norm", None)
+    if patch is not None and not norm:
+        raise RetrofitError("the evaluation patch needs a norm, e.g. --patch avnorm:kind=rms (see `retrofit norms`)")
+    if norm is not None:
+        options = dataclasses.asdict(make_options(norm, **options))
+    return {"norm": norm, "options": options, "rope": normalize_rope(rope) if rope is not None else None,
+            **({"calibrate": calibration} if calibration else {})}
+
+
+def _calibrate_on_the_fly(lm, spec: dict, tokenizer, name: str) -> dict:
+    """AVNorm gains from spec['data'] (its first spec['tokens'] tokens, in 512-token rows), as retrofit patch
+    --calibrate does: a fresh AVNorm without them would be evaluated at unit gain, which no one would use."""
+    if tokenizer is None:
+        raise RetrofitError(f"no tokenizer for {name} to read the calibration text with: pass --tokenizer")
+    ids = torch.tensor(tokenize_files(tokenizer, [spec["data"]])[0][:spec.get("tokens", 8192)], dtype=torch.long)
+    batches = [row[None] for row in ids.split(512) if len(row) > 1]
+    return calibrate(lm, batches)
+
+
+def _patch_on_the_fly(lm, wanted: dict, name: str) -> None:
+    """Patch an unpatched model as `wanted` says; keep a model that already carries it; refuse any other."""
+    record = patch_record(lm)
+    if record is None:
+        patch_model(lm, wanted["norm"] or "softmax", rope=wanted["rope"], **wanted["options"])
+        return
+    if not same_rope(record.get("rope"), wanted["rope"]):
+        raise RetrofitError(f"{name} is already patched with rope {describe_rope(record)}, not "
+                            f"{describe_rope(wanted['rope'])}: evaluate it without --rope, or its unpatched base")
+    same_norm = record["norm"] == wanted["norm"] and record.get("options") == wanted["options"]
+    if wanted["norm"] is not None and not same_norm:
+        raise RetrofitError(f"{name} is already patched with {record['norm']} {record.get('options')}; --patch "
+                            "applies to unpatched models: evaluate it without --patch")
 
 
 def _prepare_data(sources, data, tokens, tokenizer, lengths, tasks) -> list[tuple]:
@@ -167,6 +263,7 @@ def _unique(names: list[str]) -> list[str]:
 
 __all__ = [
     "LOGIT_TRANSFORMS", "check_head", "check_lengths", "cut_windows", "evaluate_counting", "evaluate_lengths",
-    "evaluate_models", "evaluate_passkey", "head_logits", "parse_lengths", "position_buckets", "read_token_file",
+    "check_variants", "evaluate_models", "evaluate_passkey", "fresh_dynamic_rope", "head_logits", "original_positions",
+    "parse_lengths", "position_buckets", "read_token_file",
     "token_losses", "tokenize_files", "tokenizer_fingerprint",
 ]

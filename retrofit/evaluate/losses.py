@@ -35,6 +35,37 @@ def config_value(config, name):
     return value
 
 
+def original_positions(model) -> int | None:
+    """The positions the model was trained for: a rope patch's original_positions (it raises
+    max_position_embeddings), else max_position_embeddings."""
+    rope = (config_value(model.config, "retrofit") or {}).get("rope")
+    return rope["original_positions"] if rope else config_value(model.config, "max_position_embeddings")
+
+
+def fresh_dynamic_rope(model) -> int:
+    """Put every dynamic-NTK rotary module back to its state before any call; returns how many.
+
+    transformers' `dynamic_rope_update` recomputes inv_freq only for a call longer than every earlier one (and
+    resets only for a call within the original length), so a window of length L evaluated after a longer one
+    would use the longer one's frequencies. Called before each length, every length is scored as a fresh model
+    scores it: results do not depend on which lengths came before, or in which order."""
+    reset = 0
+    for module in model.modules():
+        rope_types = getattr(module, "rope_type", None)
+        if not hasattr(module, "original_max_seq_len") or rope_types is None:
+            continue
+        by_layer = rope_types if isinstance(rope_types, dict) else {None: rope_types}
+        for layer_type, rope_type in by_layer.items():
+            if "dynamic" not in str(rope_type):
+                continue
+            prefix = f"{layer_type}_" if layer_type else ""
+            original = getattr(module, f"{prefix}original_inv_freq")
+            module.register_buffer(f"{prefix}inv_freq", original.clone(), persistent=False)
+            setattr(module, f"{prefix}max_seq_len_cached", module.original_max_seq_len)
+            reset += 1
+    return reset
+
+
 def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """(B, T, d) final hidden states -> (B, T, V) float32 logits, as the model's own forward makes them."""
     logits = model.get_output_embeddings()(hidden).float()
@@ -94,10 +125,11 @@ def evaluate_lengths(model, documents: list, lengths: list[int], *, max_tokens=N
 
     check_lengths(model, lengths, name)
     device = next(model.parameters()).device
-    max_positions = config_value(model.config, "max_position_embeddings")
+    max_positions = original_positions(model)
     check_head(model, cut_windows(documents, min(lengths), 1)[:, :-1].to(device))
     rows = []
     for length in lengths:
+        fresh_dynamic_rope(model)
         windows = cut_windows(documents, length, max_tokens)  # (N, L + 1)
         batch = max(1, batch_tokens // length)
         position_sum = torch.zeros(length, dtype=torch.float64)  # summed over windows
@@ -133,6 +165,7 @@ def evaluate_passkey(model, tokenizer, lengths: list[int], *, depths=(0.0, 0.25,
     device = next(model.parameters()).device
     rows = []
     for length in lengths:
+        fresh_dynamic_rope(model)
         for depth in depths:
             batch = passkey_batch(tokenizer, trials, length + 1, depth=depth, digits=digits, seed=seed)
             ids, labels = batch["input_ids"].to(device), batch["labels"][:, 1:].to(device)  # (n, L + 1), (n, L)
@@ -154,6 +187,7 @@ def evaluate_counting(model, lengths: list[int], *, sequences=8, alphabet=8, see
     device = next(model.parameters()).device
     rows = []
     for length in lengths:
+        fresh_dynamic_rope(model)
         batch = counting_batch(sequences, length, alphabet=alphabet, seed=seed)
         l1_sum, sq_sum = torch.zeros(length, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         step = max(1, batch_tokens // length)

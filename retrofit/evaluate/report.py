@@ -47,7 +47,8 @@ _MODEL = {
     "type": "object", "required": ["name", "model_type", "lengths"],
     "properties": {"name": _STR, "source": {"type": ["string", "null"]}, "model_type": _STR, "tokenizer": _STR,
                    "dtype": _STR, "retrofit": {"type": ["object", "null"]}, "max_learned_positions": _INT_OR_NULL,
-                   "max_position_embeddings": _INT_OR_NULL, "memory_kind": {"enum": ["rss", "cuda_allocated"]},
+                   "max_position_embeddings": _INT_OR_NULL, "original_positions": _INT_OR_NULL, "rope": _STR,
+                   "eval_patch": {"type": ["object", "null"]}, "memory_kind": {"enum": ["rss", "cuda_allocated"]},
                    "lengths": {"type": "array", "items": _LENGTH_ROW},
                    "passkey": {"type": "array", "items": _PASSKEY_ROW},
                    "counting": {"type": "array", "items": _COUNTING_ROW}}}
@@ -134,21 +135,35 @@ def markdown_table(header: list, rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in rows])
 
 
+def model_label(m: dict) -> str:
+    """A model's name with its RoPE extension, e.g. 'softmax-yarn [yarn x4 (orig 8192)]'; the name alone without."""
+    return f"{m['name']} [{m['rope']}]" if m.get("rope") not in (None, "none") else m["name"]
+
+
+def model_limit(m: dict) -> int | None:
+    """The positions a model was trained for: original_positions (before a RoPE extension), else
+    max_position_embeddings (results written before original_positions existed)."""
+    return m.get("original_positions", m.get("max_position_embeddings"))
+
+
 def loss_table_markdown(results: dict, metric: str = "loss") -> str:
-    """Rows models, columns lengths; the training length's column is marked, and values at lengths
-    beyond a model's max_position_embeddings carry a dagger."""
+    """Rows models (named with their RoPE extension), columns lengths; the training length's column is
+    marked, and values at lengths beyond a model's original positions carry a dagger."""
     train = results.get("train_len")
     header = ["model"] + [f"**{n}** (train)" if n == train else str(n) for n in results["lengths"]]
     rows = []
     for m in results["models"]:
         by_length = {r["length"]: r for r in m.get("lengths", [])}
-        rows.append([m["name"]] + [
+        rows.append([model_label(m)] + [
             None if n not in by_length
             else f"{by_length[n][metric]:.3f}" + (" †" * by_length[n]["beyond_max_positions"])
             for n in results["lengths"]])
     table = markdown_table(header, rows)
     if any(r["beyond_max_positions"] for m in results["models"] for r in m.get("lengths", [])):
-        table += "\n\n† beyond the model's max_position_embeddings (RoPE: evaluated anyway)."
+        extended = any(m.get("rope") not in (None, "none") for m in results["models"])
+        table += ("\n\n† beyond the model's original positions (" + ", ".join(
+            f"{m['name']} {model_limit(m)}" for m in results["models"] if model_limit(m)) + "): RoPE evaluated "
+                  "anyway" + (", extended where [TYPE xFACTOR] names it." if extended else "."))
     return table
 
 
@@ -235,19 +250,20 @@ def line_plot(series: dict, path, **kwargs) -> Path:
 
 
 def length_marks(results: dict) -> list[tuple[int, str]]:
-    """Vertical lines for length plots: the training length, and the models' max_position_embeddings
-    when they share one inside the plotted range (a RoPE model evaluated beyond its positions)."""
+    """Vertical lines for length plots: the training length, and the models' original positions (their
+    max_position_embeddings before any RoPE extension) when they share one inside the plotted range."""
     marks = [(results["train_len"], "train length")] if results.get("train_len") else []
-    limits = {m.get("max_position_embeddings") for m in results["models"]}
+    limits = {model_limit(m) for m in results["models"]}
     limit = limits.pop() if len(limits) == 1 else None
     if limit and limit != results.get("train_len") and limit < max(results["lengths"], default=0):
-        marks.append((limit, "max_position_embeddings"))
+        extended = any(m.get("rope") not in (None, "none") for m in results["models"])
+        marks.append((limit, "original positions" if extended else "max_position_embeddings"))
     return marks
 
 
 def plot_loss_vs_length(results: dict, path) -> Path:
     """Mean loss against context length: one line per model, log2 x-axis, the training length marked."""
-    series = {m["name"]: ([r["length"] for r in m["lengths"]], [r["loss"] for r in m["lengths"]])
+    series = {model_label(m): ([r["length"] for r in m["lengths"]], [r["loss"] for r in m["lengths"]])
               for m in results["models"] if m.get("lengths")}
     return line_plot(series, path, xlabel="context length (tokens)", ylabel="mean next-token loss",
                      title="Loss by context length", marks=length_marks(results))
@@ -262,7 +278,7 @@ def plot_loss_by_position(results: dict, path) -> Path:
         series = {f"L={r['length']}": ([b["end"] for b in r["by_position"]], [b["loss"] for b in r["by_position"]])
                   for r in m["lengths"]}
         draw_lines(ax, series, xlabel="position in window (tokens of context)", ylabel="loss",
-                   title=m["name"], marks=length_marks(results))
+                   title=model_label(m), marks=length_marks(results))
     fig.savefig(path, dpi=120)
     return Path(path)
 
@@ -281,7 +297,7 @@ def plot_passkey(results: dict, path) -> Path:
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
         ax.set_xlabel("context length")
         ax.set_ylabel("passkey depth")
-        ax.set_title(m["name"])
+        ax.set_title(model_label(m))
         fig.colorbar(image, ax=ax, label="accuracy")
     fig.savefig(path, dpi=120)
     return Path(path)
@@ -292,7 +308,7 @@ def plot_counting(results: dict, path) -> Path:
     models = [m for m in results["models"] if m.get("counting")]
     fig, axes = _figure(2)
     for ax, metric in zip(axes, ("l1", "mse")):
-        series = {m["name"]: ([r["length"] for r in m["counting"]], [r[metric] for r in m["counting"]])
+        series = {model_label(m): ([r["length"] for r in m["counting"]], [r[metric] for r in m["counting"]])
                   for m in models}
         draw_lines(ax, series, xlabel="sequence length", ylabel=metric.upper(), title=f"Counting {metric.upper()}",
                    marks=length_marks(results))
@@ -340,7 +356,9 @@ def results_markdown(results: dict, plots=()) -> str:
         lines.append(f"- **{m['name']}**: {m['model_type']}, {m.get('dtype', '?')}, "
                      f"source `{m.get('source') or 'in memory'}`, "
                      f"patch {json.dumps(m.get('retrofit'))}, learned positions {m.get('max_learned_positions')}, "
-                     f"max_position_embeddings {m.get('max_position_embeddings')}")
+                     f"max_position_embeddings {m.get('max_position_embeddings')}, "
+                     f"RoPE extension {m.get('rope', 'none')}, original positions {model_limit(m)}"
+                     + (f", patched for this evaluation {json.dumps(m['eval_patch'])}" if m.get("eval_patch") else ""))
     lm = [("Loss by context length", loss_table_markdown(results)),
           ("Time and memory per length", cost_table_markdown(results)),
           (f"Loss by position at length {max(results['lengths'], default=0)}", position_table_markdown(results))]

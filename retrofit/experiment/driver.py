@@ -34,6 +34,7 @@ from ..evaluate.report import write_report
 from ..load import load, load_config
 from ..positions import learned_position_limit
 from ..recipe import ArmSection, ExperimentSection, PatchSection, Recipe, check_arm_name, load_recipe, save_recipe
+from ..rope import describe_rope
 from ..train import read_log, train
 from .reference import load_reference
 from .report import write_experiment_report
@@ -90,7 +91,8 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
                           lr=arm.lr if arm.lr is not None else exp.finetune_lr, warmup=exp.finetune_warmup,
                           at_steps=at, source=base)
     what = f"from {base}" if base else "from scratch"
-    print(f"[experiment] arm {arm.name}: {arm.patch.norm or 'unpatched'}, {exp.finetune_steps} steps {what} "
+    rope = f" + rope {describe_rope(arm.patch.rope)}" if arm.patch.rope is not None else ""
+    print(f"[experiment] arm {arm.name}: {arm.patch.norm or 'unpatched'}{rope}, {exp.finetune_steps} steps {what} "
           f"-> {arm_dir}")
     # an arm that died before its first checkpoint starts over, if the folder is provably the one we made
     started = arm_dir.exists() and not (arm_dir / "checkpoints").is_dir() and not _finished(arm_dir)
@@ -290,7 +292,8 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
     clock.stage("eval", time.perf_counter() - t0 + earlier, skipped=len(reused) == len(evaluation["models"]))
     results = {"schema": "retrofit.experiment/1", "recipe": recipe.name, "hardware": hardware(),
                "wall_time_s": clock.rounded(),
-               "base": base, "arms": {a.name: {"patch": a.patch.options | {"norm": a.patch.norm, "nope": a.patch.nope},
+               "base": base, "arms": {a.name: {"patch": a.patch.options | {"norm": a.patch.norm, "nope": a.patch.nope}
+                                               | ({"rope": a.patch.rope} if a.patch.rope is not None else {}),
                                                "failed": failures.get(a.name),
                                                "recovery": recovery.get(a.name)} for a in exp.arms},
                "evaluation": evaluation, "reference": reference}

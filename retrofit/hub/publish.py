@@ -45,7 +45,7 @@ from ..load.adapters import (
 )
 from ..load.checkpoint import patch_tensors
 from ..load.sources import is_hub_id
-from ..norms import get_norm
+from ..norms import AttentionShape, get_norm, make_options
 from ..train.runlog import read_log
 from .model_card import GUARD, model_card
 
@@ -144,6 +144,15 @@ def _stage_model(model_dir: Path, stage: Path, link: bool) -> dict:
             "base_model": config.get("_name_or_path"), "patch_files": weights}
 
 
+def patch_has_parameters(record: dict) -> bool:
+    """Whether a recorded patch adds parameters: a norm built with the record's options, on a small shape, has
+    any. The class flag is not enough: ssmax has parameters with scale=learned and none with beyond/llama4."""
+    norm = record["norm"]
+    options = make_options(norm, **(record.get("options") or {}))
+    built = get_norm(norm)(options, AttentionShape(num_heads=2, num_kv_heads=2, head_dim=4, max_positions=16))
+    return any(True for _ in built.parameters())
+
+
 def _stage_adapter(adapter_dir: Path, model_dir: Path | None, run: Path | None, stage: Path, link: bool,
                    base_model: str | None) -> dict:
     if not (adapter_dir / ADAPTER_WEIGHTS).is_file():
@@ -161,7 +170,7 @@ def _stage_adapter(adapter_dir: Path, model_dir: Path | None, run: Path | None, 
     _place(adapter_dir / ADAPTER_WEIGHTS, stage / ADAPTER_WEIGHTS, link)
     if (adapter_dir / TENSORS).is_file():
         _place(adapter_dir / TENSORS, stage / TENSORS, link)
-    elif get_norm(meta["patch"]["norm"]).has_parameters and not adapter_patch_keys(adapter_dir):
+    elif patch_has_parameters(meta["patch"]) and not adapter_patch_keys(adapter_dir):
         # A run's adapter/ without the patch (not trained, so not in modules_to_save): untrained, they equal
         # the run's merged model's; without that model they are lost.
         if model_dir is None:

@@ -30,6 +30,7 @@ from ..errors import RetrofitError
 from ..norms import make_options
 from ..patch import is_patched, patch, patch_record, unpatch
 from ..recipe import PatchSection, Recipe, load_recipe
+from ..rope import normalize_rope
 from .adapters import ADAPTER_CONFIG, is_adapter, load_adapter
 from .checkpoint import is_checkpoint, load_checkpoint
 from .models import load_plain_model, load_tokenizer, model_from_config
@@ -122,19 +123,30 @@ def recipe_tokenizer(recipe: Recipe):
 
 
 def apply_patch(model: nn.Module, section: PatchSection):
-    """Patch as the recipe says; a model that already carries this exact patch keeps it (and its trained
-    parameters); a different patch replaces it. patch.norm null leaves the model as loaded."""
+    """Patch as the recipe says; a model that already carries this exact patch (norm, options, nope, rope) keeps
+    it (and its trained parameters); a different patch replaces it. patch.norm null leaves the model as loaded."""
     if section.norm is None:
         return None
     lm = language_model(model)
     wanted = {"norm": section.norm, "nope": section.nope,
               "options": dataclasses.asdict(make_options(section.norm, **section.options))}
     record = patch_record(lm)
-    if record and all(record.get(k) == v for k, v in wanted.items()):
+    if record and all(record.get(k) == v for k, v in wanted.items()) and same_rope(record.get("rope"), section.rope):
         return None
     if is_patched(lm):
         unpatch(lm)
-    return patch(lm, section.norm, nope=section.nope, **section.options)
+    return patch(lm, section.norm, nope=section.nope, rope=section.rope, **section.options)
+
+
+def same_rope(record: dict | None, spec) -> bool:
+    """Whether a patch record's rope (config.retrofit["rope"]) is what `spec` (a string, mapping or None) asks for.
+    original_max_position_embeddings, filled in by the patch when the spec leaves it out, counts only when given."""
+    if record is None or spec is None:
+        return record is None and spec is None
+    wanted, recorded = normalize_rope(spec), dict(record["parameters"])
+    if "original_max_position_embeddings" not in wanted:
+        recorded.pop("original_max_position_embeddings", None)
+    return recorded == wanted
 
 
 # ---- run folders -----------------------------------------------------------------------------------------------------

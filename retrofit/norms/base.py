@@ -14,7 +14,11 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
+from ..errors import RetrofitError
 from ..kernels.masks import hides_future
+
+# How transformers' models hand an attention function their learned per-head sink logits (gpt_oss: s_aux=self.sinks).
+SINK_KWARGS = ("s_aux", "sinks")
 
 
 def option(default, doc: str):
@@ -62,6 +66,12 @@ class Norm(nn.Module):
         """The knob's current value (what `config.retrofit` records after training)."""
         raise NotImplementedError(f"{self.name} has no scheduled knob")
 
+    @classmethod
+    def sink_refusal(cls, options) -> str | None:
+        """Why this norm cannot keep a model's own learned attention sinks (gpt_oss), or None if it keeps them.
+        Norms that call the wrapped kernel (softmax, AVNorm) keep them: the model's eager function applies them."""
+        return None
+
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self.options).items())
 
@@ -95,6 +105,12 @@ def visible_keys(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
 
 
+def model_sink(kwargs: dict) -> torch.Tensor | None:
+    """Pop the model's learned per-head sink logits (H,) from an attention call's kwargs; None if it has none."""
+    found = [kwargs.pop(name) for name in SINK_KWARGS if kwargs.get(name) is not None]
+    return found[0] if found else None
+
+
 def kernel_call(kernel, module, query, key, value, attention_mask, *extra, scaling=None, dropout=0.0,
                 is_causal=None, softcap=None, **kwargs):
     """Run one of retrofit.kernels' attention functions in a transformers attention function's place.
@@ -106,6 +122,8 @@ def kernel_call(kernel, module, query, key, value, attention_mask, *extra, scali
     mask it passes (measured on transformers 5.23 under sdpa: a bool mask on sliding layers whenever the
     window is shorter than the keys, None only when it hides nothing), and the kernels follow the mask.
     """
+    if any(kwargs.get(name) is not None for name in SINK_KWARGS):  # patch() refuses first; never drop them silently
+        raise RetrofitError(f"{type(module).__name__} passes learned attention sinks that this norm would drop")
     key, value, mask, causal = visible_keys(module, query, key, value, attention_mask, is_causal)
     out = kernel(query, key, value, *extra, scale=scaling, causal=causal, attn_mask=mask,
                  enable_gqa=key.shape[1] != query.shape[1], softcap=softcap,

@@ -12,6 +12,10 @@ On a pretrained model p > 1 multiplies each head's output by exp(LSE(s) - LSE(p*
 apart per head. `gain` adds a per-head output gain g_h (1-D, H values) that `retrofit.calibrate` sets to
 mean RMS(softmax output) / mean RMS(p-softmax output), so the retrofit starts near the original function. A
 recovery schedule moves p from 1 to `p` (the knob); the gain follows geometrically (g^0 = 1 at p = 1).
+
+A model's own learned sinks (gpt_oss) are kept at p = 1 (softmax+1's kernel with the model's sink) and refused
+for p != 1: the sink would join the p-norm, N = logaddexp(p N_p, p b_h) / p, and the kernels implement a sink
+for p = 1 only.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ import torch
 from torch import nn
 
 from ..errors import RetrofitError
-from ..kernels import psoftmax_attention
+from ..kernels import psoftmax_attention, softmax1_attention
 from . import register_norm
-from .base import Norm, kernel_call, option
+from .base import Norm, kernel_call, model_sink, option
 
 
 @register_norm
@@ -63,19 +67,33 @@ class PSoftmax(Norm):
     def knob_value(self) -> float:
         return self.p
 
+    @classmethod
+    def sink_refusal(cls, options) -> str | None:
+        if options.p != 1.0:
+            return (f"psoftmax p={options.p:g} cannot keep the model's learned sinks (retrofit's kernels add a sink "
+                    "for p = 1 only); use avnorm, ssmax or softmax1 with stack=True")
+        return None
+
     def forward(self, module, query, key, value, attention_mask, *, base, **kwargs):
+        sink = model_sink(kwargs)
         if self.calibration is not None:  # observe only: RMS of the original and of the full p-softmax output
             out, weights = base(module, query, key, value, attention_mask, **kwargs)  # (B, T, H, D)
-            y, _ = kernel_call(psoftmax_attention, module, query, key, value, attention_mask, self.options.p, **kwargs)
+            y, _ = self.attend(module, query, key, value, attention_mask, self.options.p, sink, kwargs)
             self.calibration.append((out.float().pow(2).mean(-1).sqrt(), y.float().pow(2).mean(-1).sqrt()))
             return out, weights
-        out, weights = kernel_call(psoftmax_attention, module, query, key, value, attention_mask, self.p, **kwargs)
+        out, weights = self.attend(module, query, key, value, attention_mask, self.p, sink, kwargs)
         if self.gain is None:
             return out, weights
         gain = self.gain.float()
         if self.p != self.options.p:  # mid-schedule: g^u, u = 0 at p = 1 (the original), 1 at the target p
             gain = gain.pow((self.p - 1.0) / (self.options.p - 1.0))
         return (out.float() * gain.view(-1, 1)).to(out.dtype), weights  # (B, T, H, D)
+
+    @staticmethod
+    def attend(module, query, key, value, attention_mask, p: float, sink, kwargs):
+        if sink is not None:  # p == 1 (patch refuses other p): softmax with the model's sink
+            return kernel_call(softmax1_attention, module, query, key, value, attention_mask, sink, **kwargs)
+        return kernel_call(psoftmax_attention, module, query, key, value, attention_mask, p, **kwargs)
 
 
 def _p(value) -> float:

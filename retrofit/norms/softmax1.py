@@ -6,6 +6,8 @@ with m = max(b_h, max_j s_j) so the "+1" never overflows or vanishes. b_h = `sin
 `learnable: true` makes b_h a learned per-head logit (init `sink`). b_h -> -inf is the original softmax
 (b_h = -30 is within 1e-6 of it): a retrofit starts there, as a recovery schedule of the fixed sink from a very
 negative value up to `sink`, or as a learned sink initialized very negative (`sink: -20, learnable: true`).
+On a model that has learned sinks of its own (gpt_oss) this is a second sink: refused unless `stack: true`, which
+adds both to the denominator, exp(b_h) + exp(b_model) = exp(logaddexp(b_h, b_model)).
 The weights may sum to less than 1, so a head can attend to nothing. As an LSE rescale of softmax attention:
 out = softmax_out * sigmoid(LSE(s) - b_h) (`retrofit.kernels.softmax1_attention`): no T x T tensor.
 """
@@ -21,7 +23,7 @@ from torch import nn
 from ..errors import RetrofitError
 from ..kernels import softmax1_attention
 from . import register_norm
-from .base import Norm, kernel_call, option
+from .base import Norm, kernel_call, model_sink, option
 
 
 @register_norm
@@ -37,8 +39,11 @@ class Softmax1(Norm):
         learnable: bool = option(False, "learn a per-head sink logit b_h (init `sink`) instead of a fixed one")
         sink: float = option(0.0, "the sink logit b_h (learnable: its initial value); very negative = the original "
                                   "softmax, 0 = softmax+1")
+        stack: bool = option(False, "allow on models with learned sinks of their own (gpt_oss): both sinks count")
 
         def __post_init__(self):
+            if not isinstance(self.stack, bool):
+                raise RetrofitError(f"softmax1 stack must be true or false, got {self.stack!r}")
             if isinstance(self.learnable, str) or not isinstance(self.learnable, (bool, int)):
                 raise RetrofitError(f"softmax1 learnable must be true or false, got {self.learnable!r}")
             self.learnable = bool(self.learnable)
@@ -61,8 +66,18 @@ class Softmax1(Norm):
     def knob_value(self) -> float:
         return float(self.sink[0])
 
+    @classmethod
+    def sink_refusal(cls, options) -> str | None:
+        if not options.stack:
+            return "softmax1 would add a second sink to the model's own learned sinks: pass stack=True to combine them"
+        return None
+
     def forward(self, module, query, key, value, attention_mask, *, base, **kwargs):
-        return kernel_call(softmax1_attention, module, query, key, value, attention_mask, self.sink, **kwargs)
+        sink = self.sink  # (H,)
+        theirs = model_sink(kwargs)
+        if theirs is not None:  # stack=True (patch refuses otherwise): both sinks in the denominator
+            sink = torch.logaddexp(sink.to(theirs.dtype), theirs)
+        return kernel_call(softmax1_attention, module, query, key, value, attention_mask, sink, **kwargs)
 
 
 def _sink(value) -> float:

@@ -26,6 +26,8 @@ Models that already scale queries by position (Llama 4, Ministral 3) are refused
 blend (alpha) mixes the factor with 1: f_alpha(n) = 1 + alpha * (f(n) - 1). alpha = 1 is SSMax (the same code,
 bitwise); alpha = 0 is exactly the original model. A recovery schedule moves alpha from 0 to `blend`; between,
 the blended factor scales q and the wrapped base kernel runs (s still learns through it).
+A model's own learned sinks (gpt_oss) are kept: beyond and llama4 call its eager function, which applies them;
+learned scales q as above and runs softmax+1's kernel with the model's sink (a sink is no q.k logit: unscaled).
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ import torch
 from torch import nn
 
 from ..errors import RetrofitError, closest
-from ..kernels import ssmax_attention
+from ..kernels import softmax1_attention, ssmax_attention
 from ..kernels.masks import visible_counts
 from . import register_norm
-from .base import Norm, kernel_call, option, visible_keys
+from .base import Norm, kernel_call, model_sink, option, visible_keys
 
 SCALES = ("learned", "beyond", "llama4")
 
@@ -94,16 +96,28 @@ class SSMax(Norm):
         return self.blend
 
     def forward(self, module, query, key, value, attention_mask, *, base, **kwargs):
-        if self.options.scale == "learned" and self.blend == 1.0:
-            return kernel_call(ssmax_attention, module, query, key, value, attention_mask, self.s, **kwargs)
-        # Count visible keys exactly as the kernels do (padding excluded, cached keys included), then scale q.
-        seen, _, mask, causal = visible_keys(module, query, key, value, attention_mask, kwargs.get("is_causal"))
-        n = visible_counts(mask, causal, query.shape[2], seen.shape[2], query.device)  # broadcastable to (B, H, Tq)
-        factor = self.factor(n)
-        if self.blend != 1.0:  # 1 + alpha * (f - 1): alpha = 0 multiplies by exactly 1.0
-            factor = 1.0 + self.blend * (factor - 1.0)
-        factor = factor.unsqueeze(-1)  # (..., Tq, 1): exactly 1.0 for n <= L (beyond, llama4)
+        if self.options.scale == "learned":
+            sink = model_sink(kwargs)
+            if sink is None and self.blend == 1.0:
+                return kernel_call(ssmax_attention, module, query, key, value, attention_mask, self.s, **kwargs)
+            if sink is not None:  # scale q as ssmax_attention would, then softmax+1's kernel with the model's sink
+                scaled = query.float() * self.blended(self.factor(self.visible(module, query, key, value,
+                                                                                attention_mask, kwargs))).unsqueeze(-1)
+                return kernel_call(softmax1_attention, module, scaled, key, value, attention_mask, sink, **kwargs)
+        n = self.visible(module, query, key, value, attention_mask, kwargs)
+        factor = self.blended(self.factor(n)).unsqueeze(-1)  # (..., Tq, 1): exactly 1.0 for n <= L (beyond, llama4)
         return base(module, (query * factor).to(query.dtype), key, value, attention_mask, **kwargs)
+
+    @staticmethod
+    def visible(module, query, key, value, attention_mask, kwargs) -> torch.Tensor:
+        """Visible keys per query, counted exactly as the kernels do (padding excluded, cached keys included):
+        broadcastable to (B, H, Tq)."""
+        seen, _, mask, causal = visible_keys(module, query, key, value, attention_mask, kwargs.get("is_causal"))
+        return visible_counts(mask, causal, query.shape[2], seen.shape[2], query.device)
+
+    def blended(self, factor: torch.Tensor) -> torch.Tensor:
+        """1 + alpha * (f - 1); alpha = 1 returns f itself (bitwise SSMax), alpha = 0 exactly 1.0."""
+        return factor if self.blend == 1.0 else 1.0 + self.blend * (factor - 1.0)
 
     def factor(self, n: torch.Tensor) -> torch.Tensor:
         """The logit multiplier for n visible keys (float32)."""

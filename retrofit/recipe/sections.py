@@ -19,6 +19,7 @@ from transformers import CONFIG_MAPPING
 
 from ..errors import closest
 from ..norms import NORMS, make_options
+from ..rope import normalize_rope
 from .schema import knob, need
 
 
@@ -71,6 +72,9 @@ class PatchSection:
                              "positions")
     calibrate: int | None = knob(None, "tokens of training data used to calibrate AVNorm's per-head gains; 0 = off "
                                        "(unit gain); null = 8192 when norm is avnorm on a pretrained model")
+    rope: str | dict | None = knob(None, "extend RoPE (retrofit.rope): 'yarn:4', 'dynamic:4', 'linear:4', 'llama3:8,"
+                                         "low_freq_factor=1,high_freq_factor=4' or a mapping {rope_type: yarn, factor: "
+                                         "4}; with norm softmax, the training-free baseline; null = RoPE as loaded")
     options: dict = knob(factory=dict, doc="the norm's options, written flat beside `norm` (patch.p: 2); see "
                                            "`retrofit norms`; unset = the norm's default")
 
@@ -82,10 +86,14 @@ class PatchSection:
         self.options = {k: v for k, v in self.options.items() if v is not None}  # null = the norm's default
         if self.norm is None:
             given = list(self.options)
-            need(not given and not self.nope and not self.calibrate,
-                 f"patch: {', '.join(given) or 'nope/calibrate'} given but patch.norm is null; set patch.norm "
+            need(not given and not self.nope and not self.calibrate and self.rope is None,
+                 f"patch: {', '.join(given) or 'nope/calibrate/rope'} given but patch.norm is null; set patch.norm "
                  "(softmax keeps attention unchanged)")
             return
+        if self.rope is not None:
+            normalize_rope(self.rope)  # unknown type (closest match), bad factor or key -> a one-line error
+            need(not self.nope, "patch: rope and nope together make no sense (nope removes the rotary embedding); "
+                                "choose one")
         made = make_options(self.norm, **self.options)  # unknown norm / option of another norm / bad value -> error
         self.options = {k: getattr(made, k) for k in self.options}  # as the norm reads them (p: 2 -> 2.0)
         need(self.calibrate is None or self.calibrate >= 0,

@@ -1,0 +1,73 @@
+"""FSDP2 units for a patched (and maybe LoRA) model: `shard_model(model)` instead of hand-placed fully_shard.
+
+    from retrofit.train.fsdp import shard_model
+    shard_model(model)             # under torchrun / accelerate, after retrofit.patch (and get_peft_model)
+
+FSDP2 (`torch.distributed.fsdp.fully_shard`) flattens each unit's parameters into one buffer and refuses a
+unit whose parameters have more than one dtype ("FSDP expects uniform original parameter dtype"): exactly
+what LoRA makes of a bf16 model (PEFT upcasts its adapter weights to fp32) and what a patch child kept in
+fp32 next to bf16 weights would be. So the units are, in order:
+  1. every maximal subtree (that has a forward) whose parameters all share one dtype other than the model's
+     main one (LoRA's lora_A/lora_B linears, a patch's `retrofit` child or its modules_to_save copy);
+  2. every transformer block (the model's `_no_split_modules` classes);
+  3. the root, holding what is left (embeddings, final norm, head).
+FSDP2 also refuses 0-d parameters: every retrofit norm keeps its per-head parameters 1-D for that reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch import nn
+
+from ..errors import RetrofitError
+
+
+def _main_dtype(model: nn.Module):
+    counts = Counter()
+    for p in model.parameters():
+        counts[p.dtype] += p.numel()
+    return counts.most_common(1)[0][0]
+
+
+def _block_classes(model: nn.Module) -> set[str]:
+    names = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    return names
+
+
+def shard_model(model: nn.Module, *, fully_shard=None, **kwargs) -> list[str]:
+    """Apply FSDP2 to `model` in uniform-dtype units (see the module docstring); returns the units' names.
+
+    kwargs go to every fully_shard call (mesh, reshard_after_forward, mp_policy, ...)."""
+    if fully_shard is None:
+        from torch.distributed.fsdp import fully_shard
+    zero_d = [n for n, p in model.named_parameters() if p.dim() == 0]
+    if zero_d:
+        raise RetrofitError(f"FSDP2 cannot shard 0-d parameters ({zero_d[0]}, ...): make them 1-D")
+    main, units = _main_dtype(model), []
+
+    def free(name, module):
+        """The parameters of `module` no unit holds yet (by name: sharding replaces the Parameter objects)."""
+        full = [(f"{name}.{n}" if name else n, p) for n, p in module.named_parameters()]
+        return [p for n, p in full if not any(n.startswith(u + ".") for u in units)]
+
+    for name, module in model.named_modules():  # pre-order: the first uniform subtree met is the maximal one
+        params = free(name, module)
+        runs = type(module).forward is not nn.Module.forward  # containers (ModuleDict) cannot be units
+        if runs and params and len(params) == len(list(module.parameters())) and module is not model and \
+                {p.dtype for p in params} == {params[0].dtype} and params[0].dtype != main:
+            fully_shard(module, **kwargs)
+            units.append(name)
+    blocks = _block_classes(model)
+    for name, module in model.named_modules():
+        left = {p.dtype for p in free(name, module)}
+        if type(module).__name__ in blocks and left:
+            if len(left) > 1:
+                raise RetrofitError(f"{name} mixes parameter dtypes {sorted(map(str, left))} that no unit separates; "
+                                    "cast the model to one dtype before sharding")
+            fully_shard(module, **kwargs)
+            units.append(name)
+    fully_shard(model, **kwargs)
+    return units + ["<root>"]

@@ -1,0 +1,49 @@
+"""Run by tests/test_fsdp.py under torchrun (2 processes, gloo): train a patched tiny Llama sharded with FSDP2.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_worker.py MODE OUT     # MODE: full | lora
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from retrofit.train.fsdp import shard_model  # noqa: E402
+from tests.fsdp_common import build, global_batch, logits_of, loss_of  # noqa: E402
+
+
+def main(mode: str, out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build(mode)
+    units = shard_model(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(3):
+        ids = global_batch()
+        loss = loss_of(model, ids[rank::world])  # equal halves: the mean of the two is the global mean
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        plain = build(mode)
+        plain.load_state_dict(full)
+        saved = plain.merge_and_unload() if mode == "lora" else plain
+        saved.save_pretrained(out / "model")
+        torch.save(logits_of(saved), out / "logits.pt")
+        torch.save({k: v.clone() for k, v in saved.state_dict().items()}, out / "state.pt")
+        (out / "result.json").write_text(json.dumps({"losses": losses, "units": units}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))

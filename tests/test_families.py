@@ -1,0 +1,288 @@
+"""Model coverage (issue #16): every family below x every norm x {positions, NoPE}, on tiny models (tests/tiny.py).
+
+Per combination, on one model build each:
+  test_causal_cache_padding  a later token leaves earlier logits unchanged; prefill + a chunk + token-by-token decode
+                             equals the full forward (past the windows and chunks of 4); a left-padded row equals
+                             the row alone (padding of 4, a whole window/chunk)
+  test_unpatch_and_reload    save_pretrained -> retrofit.from_pretrained gives equal logits, parameters and record;
+                             unpatch gives the original state_dict and logits bitwise
+  test_float64_reference     the kernel norms (psoftmax, ssmax, softmax1) against tests/reference.py, every layer type
+Then what each family needed: layers that already had no positions, Llama 4's query temperature, gpt_oss's sinks,
+the scaling a family sets itself, and the generic pre-checks. A family the installed transformers lacks is skipped
+with the reason in its test id.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+import retrofit
+from retrofit.norms.base import kernel_call
+from tests.reference import reference_model
+from tests.tiny import COVERAGE, random_ids, tiny_model
+
+FAMILIES = [*COVERAGE, "gemma2"]
+# gemma2 with its attention soft-cap on and a window of 4 (tests/tiny.py keeps both off for test_patch.py)
+OVERRIDES = {"gemma2": dict(attn_logit_softcapping=1.0, sliding_window=4)}
+NORMS = retrofit.available_norms()
+KERNEL_NORMS = ["psoftmax", "ssmax", "softmax1"]
+# Options per norm; softmax1's sink learnable so its (randomized) parameter is real.
+OPTIONS = {"softmax1": {"learnable": True}}
+# What a family needs a norm told: stacking on what the model already does, or the one p its sinks allow.
+FAMILY_OPTIONS = {
+    ("llama4_text", "ssmax"): {"stack": True},      # NoPE layers already scale q by a log-position temperature
+    ("gpt_oss", "softmax1"): {"stack": True},       # a second sink on top of the model's learned ones
+    ("gpt_oss", "psoftmax"): {"p": 1.0},            # p != 1 is refused with sinks (test_gpt_oss_refusals)
+}
+
+
+# Llama 4's query temperature counts positions from the first (pad) token, not from position_ids: with the tiny
+# floor_scale of 4 a left-padded row differs in the unpatched model too. Its real floor_scale (8192) makes it 1 here.
+PADDING_OVERRIDES = {"llama4_text": dict(floor_scale=8192)}
+
+
+def cases(norms):
+    out = []
+    for family in FAMILIES:
+        for norm in norms:
+            for nope in (False, True):
+                name = f"{family}-{norm}-{'nope' if nope else 'pos'}"
+                if family in CONFIG_MAPPING:
+                    out.append(pytest.param(family, norm, nope, id=name))
+                else:
+                    reason = f"transformers {transformers.__version__} has no model type {family!r}"
+                    out.append(pytest.param(family, norm, nope, id=f"{name}-SKIPPED-not-in-transformers",
+                                            marks=pytest.mark.skip(reason=reason)))
+    return out
+
+
+def build(family, seed=0, **overrides):
+    model = tiny_model(family, seed=seed, **{**OVERRIDES.get(family, {}), **overrides})
+    with torch.no_grad():  # gpt_oss initializes its sinks near 0: make them matter
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_(0.0, 1.0)
+    return model
+
+
+def twin(original):
+    model = copy.deepcopy(original)
+    model.config = copy.deepcopy(original.config)  # twins must not share a config (DESIGN.md)
+    for m in model.modules():
+        if hasattr(m, "config"):
+            m.config = model.config
+    return model
+
+
+def pair(family, norm, nope, **overrides):
+    """(original, patched twin) with the twin's norm parameters randomized (to catch head mix-ups)."""
+    original = build(family, **overrides)
+    model = twin(original)
+    retrofit.patch(model, norm, nope=nope, **OPTIONS.get(norm, {}), **FAMILY_OPTIONS.get((family, norm), {}))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".retrofit." in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return original, model
+
+
+def close(a, b, tol=1e-5):
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("family,norm,nope", cases(NORMS))
+def test_causal_cache_padding(one_thread, family, norm, nope):
+    _, model = pair(family, norm, nope)
+    ids = random_ids(1, 12)
+    changed = ids.clone()
+    changed[0, 8:] = (ids[0, 8:] + 5) % 90 + 3
+    with torch.no_grad():
+        full, other = model(ids).logits, model(changed).logits
+    close(full[0, :8], other[0, :8], 1e-6)  # causal
+    assert (full[0, 8:] - other[0, 8:]).abs().max() > 1e-4
+
+    with torch.no_grad():  # prefill 5, a chunk of 3 onto the cache, then one token at a time
+        out = model(ids[:, :5], use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        for t0, t1 in [(5, 8), (8, 9), (9, 10), (10, 11), (11, 12)]:
+            out = model(ids[:, t0:t1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+            cache = out.past_key_values
+    close(torch.cat(steps, 1), full)
+
+    if family in PADDING_OVERRIDES:
+        _, model = pair(family, norm, nope, **PADDING_OVERRIDES[family])
+    long, short = random_ids(1, 12, seed=3)[0], random_ids(1, 8, seed=4)[0]
+    batch, mask = torch.zeros(2, 12, dtype=torch.long), torch.zeros(2, 12, dtype=torch.long)
+    batch[0], mask[0] = long, 1
+    batch[1, 4:], mask[1, 4:] = short, 1
+    with torch.no_grad():
+        together = model(input_ids=batch, attention_mask=mask).logits
+        close(together[0], model(long[None]).logits[0])
+        close(together[1, 4:], model(short[None]).logits[0])
+
+
+@pytest.mark.parametrize("family,norm,nope", cases(NORMS))
+def test_unpatch_and_reload(one_thread, tmp_path, family, norm, nope):
+    original, model = pair(family, norm, nope)
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        patched = model(ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = retrofit.from_pretrained(str(tmp_path))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, patched)
+    added = {n: p for n, p in model.named_parameters() if ".retrofit." in n}
+    reloaded = {n: p for n, p in loaded.named_parameters() if ".retrofit." in n}
+    assert added.keys() == reloaded.keys() and all(torch.equal(added[n], reloaded[n]) for n in added)
+    assert loaded.config.retrofit == model.config.retrofit
+
+    retrofit.unpatch(model)
+    want, got = original.state_dict(), model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, original(ids).logits)
+    assert model.config._attn_implementation == original.config._attn_implementation
+
+
+@pytest.mark.parametrize("family,norm,nope", cases(KERNEL_NORMS))
+def test_float64_reference(one_thread, family, norm, nope):
+    original, model = pair(family, norm, nope)
+    ids = random_ids(2, 12)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+        want = reference_model(original, model, nope)(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    close(got[valid], want[valid])
+
+
+# ---------------------------------------------------------------- what each family needed
+
+def needs(family):
+    if family not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no model type {family!r}")
+
+
+@pytest.mark.parametrize("family,layers", [("smollm3", [1]), ("cohere2", [1]), ("llama4_text", [1])])
+def test_report_says_which_layers_already_had_no_positions(family, layers):
+    needs(family)
+    from retrofit.families import layers_without_positions
+    assert layers_without_positions(build(family).config) == layers
+    kept = retrofit.patch(build(family), "avnorm")
+    assert f"layer {layers[0]} already had no positions" in kept.notes
+    removed = retrofit.patch(build(family), "avnorm", nope=True)
+    assert removed.positions.endswith(f"layer {layers[0]} already had no positions")
+    assert "already had no positions" in str(removed)
+
+
+def test_llama4_ssmax_refused_unless_stacked():
+    needs("llama4_text")
+    with pytest.raises(retrofit.RetrofitError, match="attention temperature.*stack=True") as err:
+        retrofit.patch(build("llama4_text"), "ssmax")
+    assert "\n" not in str(err.value)
+    report = retrofit.patch(build("llama4_text"), "ssmax", stack=True)
+    assert any("stacked on the model's own Llama 4's attention temperature" in n for n in report.notes)
+    # no temperature tuning, nothing to stack on
+    assert retrofit.patch(build("llama4_text", attn_temperature_tuning=False), "ssmax").notes == [
+        "layer 1 already had no positions"]
+
+
+def test_gpt_oss_refusals():
+    needs("gpt_oss")
+    for norm, options, what in [("psoftmax", {}, "p=2 cannot keep"), ("softmax1", {}, "stack=True")]:
+        model = build("gpt_oss")
+        with pytest.raises(retrofit.RetrofitError, match=f"learned attention sinks: .*{what}") as err:
+            retrofit.patch(model, norm, **options)
+        assert "\n" not in str(err.value) and not retrofit.is_patched(model)
+
+
+@pytest.mark.parametrize("norm,options", [("psoftmax", {"p": 1.0}), ("ssmax", {}), ("softmax1", {"stack": True}),
+                                          ("avnorm", {})])
+def test_gpt_oss_sinks_are_used_and_learn(one_thread, norm, options):
+    """The model's sinks reach every norm's output: their gradient is non-zero (a dropped sink would get none)."""
+    needs("gpt_oss")
+    model = build("gpt_oss")
+    report = retrofit.patch(model, norm, **options)
+    assert any("learned attention sinks are" in n for n in report.notes)
+    model.train()
+    ids = random_ids(2, 10)
+    model(input_ids=ids, labels=ids).loss.backward()
+    for layer in model.model.layers:
+        assert layer.self_attn.sinks.grad is not None and layer.self_attn.sinks.grad.abs().sum() > 0
+
+
+def test_gpt_oss_softmax_keeps_the_model_bitwise():
+    needs("gpt_oss")
+    original, model = build("gpt_oss"), build("gpt_oss")
+    retrofit.patch(model, "softmax")
+    ids = random_ids()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, original(ids).logits)
+
+
+def test_a_kernel_never_drops_sinks_silently():
+    module = torch.nn.Module()
+    q = k = v = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(retrofit.RetrofitError, match="would drop"):
+        kernel_call(lambda *a, **kw: q, module, q, k, v, None, s_aux=torch.zeros(2))
+
+
+@pytest.mark.parametrize("family,scaling", [("granite", 0.5), ("gemma3_text", 16 ** -0.5)])
+def test_a_family_scaling_is_kept(family, scaling):
+    """Granite's attention_multiplier and Gemma 3's query_pre_attn_scalar reach the norm as the logit scale."""
+    needs(family)
+    model = build(family)
+    retrofit.patch(model, "psoftmax")
+    seen = []
+    with retrofit.observe(model, lambda m, q, k, v, mask, s, norm: seen.append(s)), torch.no_grad():
+        model(random_ids(1, 6))
+    assert seen == [scaling] * model.config.num_hidden_layers
+
+
+# ---------------------------------------------------------------- generic pre-checks
+
+@pytest.mark.parametrize("impl,what", [("paged|sdpa", "paged attention"), ("flash_attention_2", "'flash_attention_2'"),
+                                       ("flex_attention", "'flex_attention'"),
+                                       ("kernels-community/flash-attn", "a Hub kernel")])
+def test_implementations_we_cannot_wrap_are_refused(impl, what):
+    model = build("llama")
+    model.config._attn_implementation = impl
+    with pytest.raises(retrofit.RetrofitError, match="attn_implementation='sdpa'") as err:
+        retrofit.patch(model, "avnorm")
+    assert what in str(err.value) and "\n" not in str(err.value)
+
+
+def test_transformers_own_backend_check_runs_first():
+    needs("gpt_oss")
+    model = build("gpt_oss")
+    model.config._attn_implementation = "sdpa"  # gpt_oss has no sdpa path: its sinks live in its eager function
+    with pytest.raises(retrofit.RetrofitError, match="does not support attention implementation 'sdpa'.*'eager'"):
+        retrofit.patch(model, "avnorm")
+
+
+@pytest.mark.parametrize("family,base", [("llama", "sdpa"), ("gemma2", "eager")])
+def test_a_model_built_from_a_patched_models_config(family, base):
+    patched = build(family)
+    retrofit.patch(patched, "ssmax")
+    fresh = AutoModelForCausalLM.from_config(patched.config).eval()  # built with our implementation's name
+    assert fresh.config._attn_implementation in ("retrofit", "retrofit_eager") and not retrofit.is_patched(fresh)
+    ids = random_ids()
+    with torch.no_grad():
+        before = patched(ids).logits
+    report = retrofit.patch(fresh, "psoftmax")
+    assert report.base_attn_implementation == base and any("config copied" in n for n in report.notes)
+    retrofit.unpatch(fresh)
+    assert fresh.config._attn_implementation == base
+    # the patched model kept its record and its implementation, so its outputs
+    assert patched.config.retrofit["norm"] == "ssmax" and patched.config._attn_implementation != base
+    with torch.no_grad():
+        assert torch.equal(patched(ids).logits, before)

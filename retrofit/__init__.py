@@ -3,6 +3,7 @@
     import retrofit
     report = retrofit.patch(model, "avnorm", kind="rms")
     retrofit.calibrate(model, batches)          # per-head gains from text: start near the original function
+    with retrofit.patch_bypassed(model): ...   # the original model, same weights (a distillation teacher)
     retrofit.unpatch(model)
     model = retrofit.from_pretrained(folder)    # rebuilds the patch recorded in config.retrofit
 """
@@ -12,9 +13,10 @@ from .errors import RetrofitError
 from .load import from_pretrained, load_model
 from .norms import available_norms, describe_norms
 from .patch import PatchReport, is_patched, observe, patch, patch_record, unpatch
+from .recovery import patch_bypassed
 from .version import VERSION as __version__
 
 __all__ = [
     "PatchReport", "RetrofitError", "available_norms", "calibrate", "describe_norms", "from_pretrained",
-    "is_patched", "load_model", "observe", "patch", "patch_record", "unpatch", "__version__",
+    "is_patched", "load_model", "observe", "patch", "patch_bypassed", "patch_record", "unpatch", "__version__",
 ]

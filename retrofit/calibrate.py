@@ -1,4 +1,4 @@
-"""Calibrated AVNorm gains: start a retrofit near the pretrained model's function.
+"""Calibrated per-head gains (AVNorm; p-softmax with `gain`): start a retrofit near the pretrained model's function.
 
 A pretrained model's output projection expects each head's own output scale. Unit-gain RMSNorm
 throws that away (measured on SmolLM2-135M: loss on a paragraph 0.44 -> 17.05); setting each head's
@@ -6,6 +6,10 @@ gain to its mean output RMS on some text restores it (0.61 before any training).
 
 During calibration the norms only observe: every layer sees the original model's activations, so
 each head's gain is matched to the statistics the pretrained model actually produces.
+
+p-softmax changes scale too (its output is softmax's times exp(LSE(s) - LSE(p*s)/p) >= 1, orders of magnitude
+apart per head); patched with `gain=1.0` it has a per-head gain that this sets the same way: mean RMS of the
+original head output over mean RMS of the full p-softmax output.
 """
 
 from __future__ import annotations
@@ -15,6 +19,13 @@ from torch import nn
 
 from .errors import RetrofitError
 from .norms.avnorm import AVNorm
+from .norms.psoftmax import PSoftmax
+
+
+def calibrated_norms(model: nn.Module) -> list[nn.Module]:
+    """The norm modules that carry a per-head gain calibrate() can set."""
+    return [m for m in model.modules()
+            if isinstance(m, AVNorm) or (isinstance(m, PSoftmax) and m.gain is not None)]
 
 
 def _unpack(batch):
@@ -27,14 +38,15 @@ def _unpack(batch):
 
 @torch.no_grad()
 def calibrate(model: nn.Module, batches, *, max_batches: int | None = None) -> dict:
-    """Set each AVNorm head's gain to mean_tokens RMS(original head output) / mean_tokens RMS(normalized).
+    """Set each head's gain to mean_tokens RMS(original head output) / mean_tokens RMS(normalized output).
 
     For kind=rms (and layer) the normalized RMS is ~1, so the gain is the head's mean output RMS.
     Padding (attention_mask == 0) is excluded. Returns a summary, also recorded in config.retrofit.
     """
-    norms = [m for m in model.modules() if isinstance(m, AVNorm)]
+    norms = calibrated_norms(model)
     if not norms:
-        raise RetrofitError("calibrate needs a model patched with avnorm (no AVNorm module found)")
+        raise RetrofitError("calibrate needs a model patched with avnorm (or psoftmax with gain=1.0); no norm "
+                            "with a per-head gain found")
     device = next(model.parameters()).device
     before = [torch.zeros(n.shape.num_heads, dtype=torch.float64, device=device) for n in norms]
     after = [torch.zeros_like(b) for b in before]

@@ -26,6 +26,7 @@ from ..hub import check_repo, find_token, push
 from ..load import is_hub_id, load_model, load_tokenizer
 from ..norms import NORMS, make_options
 from ..patch import patch
+from ..recovery.probe import describe_spread, head_spread, knob_losses
 from ..rope import normalize_rope
 from . import check_counts, check_out, check_text_files
 
@@ -68,6 +69,11 @@ def add_arguments(parser):
     parser.add_argument("--calibrate-tokens", type=int, default=8192, help="tokens of FILE to use (default 8192)")
     parser.add_argument("--check-text", metavar="FILE", help="print the loss on this text before and after patching")
     parser.add_argument("--check-tokens", type=int, default=512, help="tokens of --check-text to use (default 512)")
+    parser.add_argument("--schedule-values", metavar="T,T,...", default=None,
+                        help="with --check-text: the loss at these recovery-schedule positions (0 = the original "
+                             "model, 1 = the norm) and the per-head spread, before any training")
+    parser.add_argument("--schedule-start", type=float, default=None,
+                        help="the knob at position 0 (default the norm's identity value; see recovery.schedule)")
     parser.add_argument("--out", help="folder to save the patched model (and tokenizer) to")
     parser.add_argument("--dtype", default=None, help="float32 (default) | bfloat16 | float16")
     parser.add_argument("--push-to-hub", metavar="REPO", default=None,
@@ -90,6 +96,16 @@ def text_loss(model, ids: torch.Tensor) -> float:
     return float(model(input_ids=ids[None], labels=ids[None], use_cache=False).loss)
 
 
+def _positions(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise RetrofitError(f"--schedule-values must be numbers in [0, 1] separated by commas, got {text!r}") from None
+    if not values or not all(0 <= v <= 1 for v in values):
+        raise RetrofitError(f"--schedule-values must be numbers in [0, 1] separated by commas, got {text!r}")
+    return values
+
+
 def save_atomically(model, tokenizer, out: str) -> None:
     """Write to a temporary sibling folder, then rename: a crash never leaves a half-written model."""
     with atomic_folder(out, "--out") as tmp:
@@ -110,8 +126,11 @@ def run(args) -> int:
         if args.nope:
             raise RetrofitError("--rope and --nope together make no sense: --nope removes the rotary embedding; "
                                 "choose one")
-    if args.calibrate and args.norm != "avnorm":
-        raise RetrofitError("--calibrate sets AVNorm gains; it needs --norm avnorm")
+    if args.calibrate and args.norm != "avnorm" and not (args.norm == "psoftmax" and options.get("gain") is not None):
+        raise RetrofitError("--calibrate sets per-head gains; it needs --norm avnorm (or psoftmax with --gain 1)")
+    positions = _positions(args.schedule_values) if args.schedule_values else None
+    if positions and not args.check_text:
+        raise RetrofitError("--schedule-values measures a loss: give the text with --check-text FILE")
     if args.push_to_hub:  # a bad repo id or a missing token fails before any loading
         check_repo(args.push_to_hub)
         find_token()
@@ -129,6 +148,10 @@ def run(args) -> int:
         after = text_loss(model, check)
         print(f"loss on {args.check_text} ({check.numel()} tokens): original {before:.4f}, "
               f"patched {after:.4f} (ppl {math.exp(min(after, 50)):.2f})")
+        if positions:
+            for t, value, loss in knob_losses(model, check[None], positions, start=args.schedule_start):
+                print(f"  schedule position {t:g} ({args.norm} knob {value:g}): loss {loss:.4f} ({loss - before:+.4f})")
+            print(describe_spread(head_spread(model, check[None])))
     if args.out:
         save_atomically(model, tokenizer, args.out)
         print(f"saved to {args.out}  (load with retrofit.from_pretrained({args.out!r}))")

@@ -45,6 +45,10 @@ class Norm(nn.Module):
     Options: ClassVar[type]
     has_parameters: ClassVar[bool] = False
     scales_queries_by_position: ClassVar[bool] = False  # True: refused on models that already do (families.py)
+    # Identity-start schedules (retrofit.recovery): the option a schedule moves, and the value of that option at
+    # which the norm is (or is within 1e-6 of) the original model. None: this norm has no such knob.
+    knob: ClassVar[str | None] = None
+    knob_identity: ClassVar[float | None] = None
 
     def __init__(self, options: Any, shape: AttentionShape):
         super().__init__()
@@ -53,6 +57,14 @@ class Norm(nn.Module):
 
     def forward(self, module: nn.Module, query, key, value, attention_mask, *, base: Callable, **kwargs):
         raise NotImplementedError
+
+    def set_knob(self, value: float) -> None:
+        """Move the scheduled knob to `value` (the option named by `knob`); the norm reads it on its next call."""
+        raise NotImplementedError(f"{self.name} has no scheduled knob")
+
+    def knob_value(self) -> float:
+        """The knob's current value (what `config.retrofit` records after training)."""
+        raise NotImplementedError(f"{self.name} has no scheduled knob")
 
     @classmethod
     def sink_refusal(cls, options) -> str | None:

@@ -1,11 +1,17 @@
 """psoftmax — p-softmax: normalize exp(s) by its Lp norm over the visible keys.
 
     a_i = exp(s_i) / (sum_j exp(p * s_j))^(1/p) = exp(s_i - LSE(p*s)/p)
+    out_h = g_h^u * (A_h V_h),  u = (p_now - 1) / (p - 1)     only with `gain` set (a per-head output gain)
 
 p = 1 is softmax (weights sum to 1); p = 2 is the L2-softmax of "Attention Normalizes the Wrong Norm":
 sum_i a_i^2 = 1, so for uncorrelated unit-variance values the output variance ||a||_2^2 stays 1 at
 any context length instead of shrinking like 1/n. Shift-invariant, so computed with the row max
 subtracted; runs through `retrofit.kernels.psoftmax_attention` (exact, no T x T tensor).
+
+On a pretrained model p > 1 multiplies each head's output by exp(LSE(s) - LSE(p*s)/p) >= 1, orders of magnitude
+apart per head. `gain` adds a per-head output gain g_h (1-D, H values) that `retrofit.calibrate` sets to
+mean RMS(softmax output) / mean RMS(p-softmax output), so the retrofit starts near the original function. A
+recovery schedule moves p from 1 to `p` (the knob); the gain follows geometrically (g^0 = 1 at p = 1).
 
 A model's own learned sinks (gpt_oss) are kept at p = 1 (softmax+1's kernel with the model's sink) and refused
 for p != 1: the sink would join the p-norm, N = logaddexp(p N_p, p b_h) / p, and the kernels implement a sink
@@ -16,6 +22,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import torch
+from torch import nn
 
 from ..errors import RetrofitError
 from ..kernels import psoftmax_attention, softmax1_attention
@@ -28,18 +37,35 @@ class PSoftmax(Norm):
     name = "psoftmax"
     summary = "exp(s) normalized by its Lp norm (p=2: variance-preserving L2 softmax)"
     formula = "a = exp(s) / ||exp(s)||_p"
+    has_parameters = False  # only with gain set (hub/publish.py reads this for the default options)
+    knob, knob_identity = "p", 1.0
 
     @dataclass
     class Options:
         p: float = option(2.0, "the norm's order, >= 1 (1 = softmax, 2 = L2 softmax)")
+        gain: float | None = option(None, "initial per-head output gain (learned); retrofit.calibrate() sets it "
+                                          "from text; null = no gain")
 
         def __post_init__(self):
-            try:
-                self.p = float(self.p)
-            except (TypeError, ValueError):
-                raise RetrofitError(f"psoftmax p must be a number >= 1, got {self.p!r}") from None
-            if not (self.p >= 1) or math.isinf(self.p):
-                raise RetrofitError(f"psoftmax p must be a finite number >= 1, got {self.p!r}")
+            self.p = _p(self.p)
+            if self.gain is not None:
+                try:
+                    self.gain = float(self.gain)
+                except (TypeError, ValueError):
+                    raise RetrofitError(f"psoftmax gain must be a number or null, got {self.gain!r}") from None
+
+    def __init__(self, options, shape):
+        super().__init__(options, shape)
+        self.p = options.p  # the scheduled knob
+        gain = None if options.gain is None else nn.Parameter(torch.full((shape.num_heads,), options.gain))
+        self.register_parameter("gain", gain)  # (H,) or None
+        self.calibration = None  # a list while retrofit.calibrate() collects statistics
+
+    def set_knob(self, value: float) -> None:
+        self.p = _p(value)
+
+    def knob_value(self) -> float:
+        return self.p
 
     @classmethod
     def sink_refusal(cls, options) -> str | None:
@@ -50,6 +76,31 @@ class PSoftmax(Norm):
 
     def forward(self, module, query, key, value, attention_mask, *, base, **kwargs):
         sink = model_sink(kwargs)
+        if self.calibration is not None:  # observe only: RMS of the original and of the full p-softmax output
+            out, weights = base(module, query, key, value, attention_mask, **kwargs)  # (B, T, H, D)
+            y, _ = self.attend(module, query, key, value, attention_mask, self.options.p, sink, kwargs)
+            self.calibration.append((out.float().pow(2).mean(-1).sqrt(), y.float().pow(2).mean(-1).sqrt()))
+            return out, weights
+        out, weights = self.attend(module, query, key, value, attention_mask, self.p, sink, kwargs)
+        if self.gain is None:
+            return out, weights
+        gain = self.gain.float()
+        if self.p != self.options.p:  # mid-schedule: g^u, u = 0 at p = 1 (the original), 1 at the target p
+            gain = gain.pow((self.p - 1.0) / (self.options.p - 1.0))
+        return (out.float() * gain.view(-1, 1)).to(out.dtype), weights  # (B, T, H, D)
+
+    @staticmethod
+    def attend(module, query, key, value, attention_mask, p: float, sink, kwargs):
         if sink is not None:  # p == 1 (patch refuses other p): softmax with the model's sink
             return kernel_call(softmax1_attention, module, query, key, value, attention_mask, sink, **kwargs)
-        return kernel_call(psoftmax_attention, module, query, key, value, attention_mask, self.options.p, **kwargs)
+        return kernel_call(psoftmax_attention, module, query, key, value, attention_mask, p, **kwargs)
+
+
+def _p(value) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise RetrofitError(f"psoftmax p must be a number >= 1, got {value!r}") from None
+    if not (value >= 1) or math.isinf(value):
+        raise RetrofitError(f"psoftmax p must be a finite number >= 1, got {value!r}")
+    return value

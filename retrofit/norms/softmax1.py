@@ -2,16 +2,19 @@
 
     a_i = exp(s_i) / (exp(b_h) + sum_j exp(s_j)),  computed as exp(s_i - m) / (exp(b_h - m) + sum_j exp(s_j - m))
 
-with m = max(b_h, max_j s_j) so the "+1" never overflows or vanishes. b_h = 0 gives the classic +1;
-`learnable: true` makes b_h a learned per-head logit (init 0). On a model that has learned sinks of its own
-(gpt_oss) this is a second sink: refused unless `stack: true`, which adds both to the denominator,
-exp(b_h) + exp(b_model) = exp(logaddexp(b_h, b_model)). The weights may sum to less than 1,
-so a head can attend to nothing. As an LSE rescale of softmax attention:
+with m = max(b_h, max_j s_j) so the "+1" never overflows or vanishes. b_h = `sink` (default 0, the classic +1);
+`learnable: true` makes b_h a learned per-head logit (init `sink`). b_h -> -inf is the original softmax
+(b_h = -30 is within 1e-6 of it): a retrofit starts there, as a recovery schedule of the fixed sink from a very
+negative value up to `sink`, or as a learned sink initialized very negative (`sink: -20, learnable: true`).
+On a model that has learned sinks of its own (gpt_oss) this is a second sink: refused unless `stack: true`, which
+adds both to the denominator, exp(b_h) + exp(b_model) = exp(logaddexp(b_h, b_model)).
+The weights may sum to less than 1, so a head can attend to nothing. As an LSE rescale of softmax attention:
 out = softmax_out * sigmoid(LSE(s) - b_h) (`retrofit.kernels.softmax1_attention`): no T x T tensor.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +32,13 @@ class Softmax1(Norm):
     summary = "softmax+1: a (optionally learned) sink logit in the denominator"
     formula = "a = exp(s) / (exp(b_h) + sum_j exp(s_j)), b_h = 0 or learned"
     has_parameters = True
+    knob, knob_identity = "sink", -30.0
 
     @dataclass
     class Options:
-        learnable: bool = option(False, "learn a per-head sink logit b_h (init 0) instead of the fixed 0")
+        learnable: bool = option(False, "learn a per-head sink logit b_h (init `sink`) instead of a fixed one")
+        sink: float = option(0.0, "the sink logit b_h (learnable: its initial value); very negative = the original "
+                                  "softmax, 0 = softmax+1")
         stack: bool = option(False, "allow on models with learned sinks of their own (gpt_oss): both sinks count")
 
         def __post_init__(self):
@@ -41,14 +47,24 @@ class Softmax1(Norm):
             if isinstance(self.learnable, str) or not isinstance(self.learnable, (bool, int)):
                 raise RetrofitError(f"softmax1 learnable must be true or false, got {self.learnable!r}")
             self.learnable = bool(self.learnable)
+            self.sink = _sink(self.sink)
 
     def __init__(self, options, shape):
         super().__init__(options, shape)
-        sink = torch.zeros(shape.num_heads)  # (H,)
+        sink = torch.full((shape.num_heads,), options.sink)  # (H,)
         if options.learnable:
             self.sink = nn.Parameter(sink)
         else:
             self.register_buffer("sink", sink, persistent=False)
+
+    def set_knob(self, value: float) -> None:
+        if self.options.learnable:
+            raise RetrofitError("softmax1 with learnable: true learns its sink (start it very negative with "
+                                "sink: -20); a schedule moves only a fixed sink")
+        self.sink.fill_(_sink(value))
+
+    def knob_value(self) -> float:
+        return float(self.sink[0])
 
     @classmethod
     def sink_refusal(cls, options) -> str | None:
@@ -62,3 +78,13 @@ class Softmax1(Norm):
         if theirs is not None:  # stack=True (patch refuses otherwise): both sinks in the denominator
             sink = torch.logaddexp(sink.to(theirs.dtype), theirs)
         return kernel_call(softmax1_attention, module, query, key, value, attention_mask, sink, **kwargs)
+
+
+def _sink(value) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise RetrofitError(f"softmax1 sink must be a finite number, got {value!r}") from None
+    if not math.isfinite(value):
+        raise RetrofitError(f"softmax1 sink must be finite (-30 is the original softmax to 1e-6), got {value!r}")
+    return value

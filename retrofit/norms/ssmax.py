@@ -22,6 +22,10 @@ floored form of Llama 4's attention temperature as Ministral 3 indexes it (floor
 transformers' `get_llama_4_attn_scale`), which starts at position L; Llama 4 itself uses
 floor((position + 1) / floor_scale), which already scales position floor_scale - 1.
 Models that already scale queries by position (Llama 4, Ministral 3) are refused unless stack=True.
+
+blend (alpha) mixes the factor with 1: f_alpha(n) = 1 + alpha * (f(n) - 1). alpha = 1 is SSMax (the same code,
+bitwise); alpha = 0 is exactly the original model. A recovery schedule moves alpha from 0 to `blend`; between,
+the blended factor scales q and the wrapped base kernel runs (s still learns through it).
 A model's own learned sinks (gpt_oss) are kept: beyond and llama4 call its eager function, which applies them;
 learned scales q as above and runs softmax+1's kernel with the model's sink (a sink is no q.k logit: unscaled).
 """
@@ -50,6 +54,7 @@ class SSMax(Norm):
     formula = "a = softmax(f(n) * q.k / sqrt(d)); f = s_h*log n | max(1, log n/log L) | 1 + beta*log(1+floor((n-1)/L))"
     has_parameters = True  # in the default (learned) mode
     scales_queries_by_position = True
+    knob, knob_identity = "blend", 0.0
 
     @dataclass
     class Options:
@@ -58,6 +63,7 @@ class SSMax(Norm):
         ref_len: int | None = option(None, "L: default the model's original max positions (before rope=)")
         beta: float | None = option(None, "llama4: strength; default 0.1 (Llama 4's attn_scale)")
         stack: bool = option(False, "allow on models that already scale queries by position (Llama 4)")
+        blend: float = option(1.0, "alpha in factor 1 + alpha * (f(n) - 1): 0 = the original model, 1 = SSMax")
 
         def __post_init__(self):
             if self.scale not in SCALES:
@@ -71,6 +77,7 @@ class SSMax(Norm):
                 raise RetrofitError(f"ssmax beta applies to scale=llama4 only, not scale={self.scale}")
             self.s_init = _float(self.s_init, "s_init")
             self.beta = _float(self.beta, "beta")
+            self.blend = _blend(self.blend)
             if not isinstance(self.stack, bool):
                 raise RetrofitError(f"ssmax stack must be true or false, got {self.stack!r}")
 
@@ -80,18 +87,25 @@ class SSMax(Norm):
         if options.scale == "learned":
             s_init = options.s_init if options.s_init is not None else 1.0 / math.log(self.ref_len)
             self.s = nn.Parameter(torch.full((shape.num_heads,), s_init))  # (H,)
+        self.blend = options.blend  # the scheduled knob
+
+    def set_knob(self, value: float) -> None:
+        self.blend = _blend(value)
+
+    def knob_value(self) -> float:
+        return self.blend
 
     def forward(self, module, query, key, value, attention_mask, *, base, **kwargs):
         if self.options.scale == "learned":
             sink = model_sink(kwargs)
-            if sink is None:
+            if sink is None and self.blend == 1.0:
                 return kernel_call(ssmax_attention, module, query, key, value, attention_mask, self.s, **kwargs)
-            n = self.visible(module, query, key, value, attention_mask, kwargs)
-            factor = self.s.float().view(-1, 1) * torch.log(n.float())  # (.., H, Tq), as ssmax_attention's
-            scaled = query.float() * factor.unsqueeze(-1)
-            return kernel_call(softmax1_attention, module, scaled, key, value, attention_mask, sink, **kwargs)
+            if sink is not None:  # scale q as ssmax_attention would, then softmax+1's kernel with the model's sink
+                scaled = query.float() * self.blended(self.factor(self.visible(module, query, key, value,
+                                                                                attention_mask, kwargs))).unsqueeze(-1)
+                return kernel_call(softmax1_attention, module, scaled, key, value, attention_mask, sink, **kwargs)
         n = self.visible(module, query, key, value, attention_mask, kwargs)
-        factor = self.factor(n).unsqueeze(-1)  # (..., Tq, 1): exactly 1.0 for n <= L
+        factor = self.blended(self.factor(n)).unsqueeze(-1)  # (..., Tq, 1): exactly 1.0 for n <= L (beyond, llama4)
         return base(module, (query * factor).to(query.dtype), key, value, attention_mask, **kwargs)
 
     @staticmethod
@@ -101,8 +115,14 @@ class SSMax(Norm):
         seen, _, mask, causal = visible_keys(module, query, key, value, attention_mask, kwargs.get("is_causal"))
         return visible_counts(mask, causal, query.shape[2], seen.shape[2], query.device)
 
+    def blended(self, factor: torch.Tensor) -> torch.Tensor:
+        """1 + alpha * (f - 1); alpha = 1 returns f itself (bitwise SSMax), alpha = 0 exactly 1.0."""
+        return factor if self.blend == 1.0 else 1.0 + self.blend * (factor - 1.0)
+
     def factor(self, n: torch.Tensor) -> torch.Tensor:
         """The logit multiplier for n visible keys (float32)."""
+        if self.options.scale == "learned":  # (H,) x n -> (..., H, Tq)
+            return self.s.float().view(-1, 1) * torch.log(n)
         if self.options.scale == "beyond":
             return (torch.log(n) / math.log(self.ref_len)).clamp_min(1.0)
         beta = 0.1 if self.options.beta is None else self.options.beta
@@ -116,3 +136,14 @@ def _float(value, name: str):
         return float(value)
     except (TypeError, ValueError):
         raise RetrofitError(f"ssmax {name} must be a number, got {value!r}") from None
+
+
+def _blend(value) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise RetrofitError(f"ssmax blend must be a number >= 0, got {value!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise RetrofitError(f"ssmax blend must be a finite number >= 0 (0 = the original model, 1 = SSMax), "
+                            f"got {value!r}")
+    return value

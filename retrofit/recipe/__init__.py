@@ -34,6 +34,8 @@ from .sections import (
     PasskeyOptions,
     PatchSection,
     PeftSection,
+    RecoverySection,
+    ScheduleSection,
     TrainSection,
 )
 
@@ -116,8 +118,14 @@ def load_recipe(path, overrides=()) -> Recipe:
 
 
 def documentation(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, doc) for every recipe field, nested sections included."""
-    return _documentation(cls, prefix)
+    """(dotted key, default, doc) for every recipe field, nested sections included (for Recipe: the registered
+    optional sections too, e.g. experiment.*, recovery.*)."""
+    rows = _documentation(cls, prefix)
+    if cls is Recipe:
+        rows = [r for r in rows if r[0] != f"{prefix}extras"]
+        for name, section in EXTRA_SECTIONS.items():
+            rows += _documentation(section, f"{prefix}{name}.")
+    return rows
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:
@@ -146,10 +154,12 @@ def flat(recipe: Recipe) -> dict:
 
 
 register_section("experiment", ExperimentSection)
+register_section("recovery", RecoverySection)
 
 __all__ = [
     "ArmSection", "ExperimentSection", "ReferenceSection", "check_arm_name", "knob", "need", "to_plain",
     "CountingOptions", "DataSection", "EvalSection", "ModelSection", "OutputSection", "PasskeyOptions",
-    "PatchSection", "PeftSection", "Recipe", "TrainSection", "apply_overrides", "build", "documentation", "flat",
+    "PatchSection", "PeftSection", "Recipe", "RecoverySection",
+    "ScheduleSection", "TrainSection", "apply_overrides", "build", "documentation", "flat",
     "load_recipe", "recipe_from_dict", "recipe_to_dict", "register_section", "save_recipe",
 ]

@@ -276,3 +276,63 @@ class OutputSection:
                                  f"choose from {', '.join(TRACKERS)} (jsonl is always on)")
 
 
+@dataclass
+class ScheduleSection:
+    steps: int = knob(0, "steps over which the knob moves from start to end (then stays at end); more = gentler, "
+                         "the model adapts while the norm arrives; must be <= train.steps")
+    start: float | None = knob(None, "the knob at step 0; null = the norm's identity value (the original model): "
+                                     "avnorm floor 8, psoftmax p 1, softmax1 sink -30, ssmax blend 0")
+    end: float | None = knob(None, "the knob from `steps` on; null = the patch's own value (avnorm floor 0, "
+                                   "psoftmax p, softmax1 sink, ssmax blend 1): the plain norm, bitwise")
+    shape: Literal["linear", "cosine"] = knob("linear", "linear, or cosine (slow at both ends)")
+    by_layer: bool = knob(False, "move one layer at a time, first layer first, each over steps / layers; the "
+                                 "later layers adapt to an already-changed input")
+
+    def __post_init__(self):
+        need(self.steps >= 1, f"recovery.schedule.steps must be >= 1, got {self.steps}")
+        for key in ("start", "end"):
+            value = getattr(self, key)
+            need(value is None or math.isfinite(value), f"recovery.schedule.{key} must be finite, got {value}")
+
+
+@dataclass
+class RecoverySection:
+    """How a retrofit recovers the original model's function (issue #14); every key defaults to off."""
+
+    schedule: ScheduleSection | None = knob(None, "identity-start schedule of the norm's knob (avnorm floor, "
+                                                  "psoftmax p, softmax1 sink, ssmax blend); null = the full norm "
+                                                  "from step 0")
+    lm_weight: float = knob(1.0, "weight of the next-token loss on the data; 0 = pure distillation")
+    kl_weight: float = knob(0.0, "weight of KL(teacher || student) per token, teacher = the same weights with the "
+                                 "patch bypassed (and LoRA adapters off): pulls toward the original function, one "
+                                 "extra forward. Exact while the base is frozen (freeze_base, train.peft); a full "
+                                 "finetune moves the teacher too, so keep the weight small (0.1-0.3) there")
+    kl_temperature: float = knob(1.0, "softens both distributions (loss scaled by T^2); > 1 also matches the tail")
+    chunk_tokens: int = knob(1024, "positions x rows per chunk of the output head in the KL; smaller = less memory "
+                                   "(never L x vocab at once), more head calls")
+    match_steps: int = knob(0, "first stage: for these steps, match each layer's attention output (the output "
+                               "projection's input) to the teacher's by MSE, training only the patch's parameters")
+    patch_lr: float | None = knob(None, "peak learning rate of the patch's own parameters (gains, sinks, s); "
+                                        "null = train.lr. New parameters tolerate (and need) a larger one")
+    patch_warmup_steps: int | None = knob(None, "warmup of patch_lr; null = train.warmup_steps")
+    freeze_base: bool = knob(False, "train only the patch's parameters (cheap, keeps the model; limited recovery); "
+                                    "patch + LoRA: train.peft with train_patch: true instead")
+    calibrate: int | None = knob(None, "tokens to calibrate psoftmax's per-head gain (patch.gain set) on; null = "
+                                       "8192 on a pretrained model; 0 = off (avnorm uses patch.calibrate)")
+
+    def __post_init__(self):
+        for key in ("lm_weight", "kl_weight"):
+            value = getattr(self, key)
+            need(math.isfinite(value) and value >= 0, f"recovery.{key} must be >= 0, got {value}")
+        need(self.lm_weight > 0 or self.kl_weight > 0, "recovery: lm_weight and kl_weight are both 0: nothing to train")
+        need(self.kl_temperature > 0, f"recovery.kl_temperature must be > 0, got {self.kl_temperature}")
+        need(self.chunk_tokens >= 1, f"recovery.chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        need(self.match_steps >= 0, f"recovery.match_steps must be >= 0, got {self.match_steps}")
+        need(self.patch_lr is None or (math.isfinite(self.patch_lr) and self.patch_lr >= 0),
+             f"recovery.patch_lr must be >= 0, got {self.patch_lr}")
+        need(self.patch_warmup_steps is None or self.patch_warmup_steps >= 0,
+             f"recovery.patch_warmup_steps must be >= 0, got {self.patch_warmup_steps}")
+        need(self.calibrate is None or self.calibrate >= 0, f"recovery.calibrate must be >= 0, got {self.calibrate}")
+
+    def distills(self) -> bool:
+        return self.kl_weight > 0 or self.match_steps > 0

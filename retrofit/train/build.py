@@ -15,6 +15,7 @@ own (the experiment driver builds a base once and finetunes several arms from it
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -29,7 +30,8 @@ from ..calibrate import calibrate
 from ..errors import RetrofitError
 from ..load import CountingModel, language_model
 from ..positions import position_limit
-from ..recipe import PeftSection, Recipe, TrainSection
+from ..recipe import PeftSection, Recipe, RecoverySection, TrainSection
+from ..recovery import is_patch_parameter, knob_norms
 from .runlog import JsonlTracker
 
 # ---- processes -------------------------------------------------------------------------------------------------------
@@ -100,9 +102,16 @@ def wrap_task(model: nn.Module, task: str) -> nn.Module:
 
 
 def calibrate_patch(model: nn.Module, data, recipe: Recipe) -> dict | None:
-    """Calibrated AVNorm gains from the recipe's own data (see retrofit/calibrate.py for why)."""
-    tokens = recipe.patch.calibration_tokens(pretrained=recipe.model.source is not None)
-    if not tokens or recipe.patch.norm != "avnorm":
+    """Calibrated per-head gains from the recipe's own data (see retrofit/calibrate.py for why): AVNorm's
+    (patch.calibrate), p-softmax's when patch.gain is set (recovery.calibrate)."""
+    pretrained = recipe.model.source is not None
+    tokens = recipe.patch.calibration_tokens(pretrained=pretrained)
+    if recipe.patch.norm == "psoftmax" and recipe.patch.options.get("gain") is not None:
+        recovery = recipe.section("recovery")
+        tokens = recovery.calibrate if recovery is not None and recovery.calibrate is not None else 8192 * pretrained
+    elif recipe.patch.norm != "avnorm":
+        return None
+    if not tokens:
         return None
     batches = data.calibration(tokens, recipe.data.seq_len)
     return calibrate(language_model(model), batches)
@@ -138,24 +147,65 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     lm.config.use_cache = False
 
 
+def check_recovery(model: nn.Module, recipe: Recipe) -> None:
+    """Refuse, before training, a recovery section the patch or the task cannot serve (one-line errors)."""
+    rec = recipe.section("recovery")
+    if rec is None:
+        return
+    if recipe.patch.norm is None and (rec.distills() or rec.schedule or rec.patch_lr is not None or rec.freeze_base):
+        raise RetrofitError("the recovery section needs a patch (patch.norm): a teacher, a schedule or a patch "
+                            "learning rate on an unpatched model has nothing to act on")
+    if rec.distills() and recipe.data.task != "lm":
+        raise RetrofitError(f"recovery.kl_weight / match_steps distill next-token predictions; data.task is "
+                            f"{recipe.data.task}: use the lm task or drop them")
+    if rec.schedule is not None:
+        need_steps = rec.schedule.steps
+        if need_steps > recipe.train.steps:
+            raise RetrofitError(f"recovery.schedule.steps ({need_steps}) exceeds train.steps ({recipe.train.steps}): "
+                                "the run would end mid-schedule")
+        knob_norms(language_model(model))  # a norm without a knob: one line naming those that have one
+    if rec.match_steps >= recipe.train.steps:
+        raise RetrofitError(f"recovery.match_steps ({rec.match_steps}) must be < train.steps ({recipe.train.steps})")
+
+
 # ---- the optimizer and its schedule ---------------------------------------------------------------------------------
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: never biases, norm weights, patch gains (all 1-D) or embedding tables."""
+def param_groups(model: nn.Module, weight_decay: float, patch_group: bool = False) -> list[dict]:
+    """Decay matrices only: never biases, norm weights, patch gains (all 1-D) or embedding tables.
+    patch_group: the patch's own parameters (recovery.patch_lr) in a third group, "patch", without decay."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay, seen = [], [], set()
-    for p in model.parameters():
+    decay, no_decay, patch, seen = [], [], [], set()
+    for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if patch_group and is_patch_parameter(name):
+            patch.append(p)
+        else:
+            (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return groups + ([{"params": patch, "weight_decay": 0.0, "name": "patch"}] if patch_group else [])
 
 
-def make_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.Optimizer:
-    groups = param_groups(model, train.weight_decay)
+def freeze_base(model: nn.Module) -> None:
+    """recovery.freeze_base: only the patch's own parameters train."""
+    names = [n for n, p in model.named_parameters() if is_patch_parameter(n)]
+    if not names:
+        raise RetrofitError("recovery.freeze_base leaves nothing to train: the patch has no parameters "
+                            "(avnorm, psoftmax with gain, softmax1 learnable and ssmax learned have some)")
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_patch_parameter(name))
+
+
+def make_optimizer(model: nn.Module, train: TrainSection, recovery: RecoverySection | None = None
+                   ) -> torch.optim.Optimizer:
+    patch_group = recovery is not None and recovery.patch_lr is not None
+    groups = param_groups(model, train.weight_decay, patch_group)
     if not any(g["params"] for g in groups):
         raise RetrofitError("the model has no trainable parameter")
+    if patch_group and not groups[-1]["params"]:
+        raise RetrofitError("recovery.patch_lr is set but the patch has no trainable parameter; remove it")
     kwargs = dict(lr=train.lr, betas=tuple(train.betas), eps=train.adam_eps)
     try:  # the fused kernel: ~10x the default per-parameter loop on CPU, the fastest on CUDA too
         return torch.optim.AdamW(groups, fused=True, **kwargs)
@@ -170,6 +220,16 @@ def lr_at(step: int, train: TrainSection) -> float:
     progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
     return train.lr * (train.min_lr_ratio
                        + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def group_lrs(step: int, train: TrainSection, recovery: RecoverySection | None = None) -> dict[str, float]:
+    """Learning rate of each parameter group at update `step`: the patch group on its own peak and warmup."""
+    lr = lr_at(step, train)
+    rates = {"decay": lr, "no_decay": lr, "patch": lr}
+    if recovery is not None and recovery.patch_lr is not None:
+        warmup = train.warmup_steps if recovery.patch_warmup_steps is None else recovery.patch_warmup_steps
+        rates["patch"] = lr_at(step, dataclasses.replace(train, lr=recovery.patch_lr, warmup_steps=warmup))
+    return rates
 
 
 def seq_len_at(step: int, recipe: Recipe) -> int:

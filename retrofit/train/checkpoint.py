@@ -52,9 +52,10 @@ def fsync_tree(path: Path) -> None:
 
 
 def save_checkpoint(accelerator, run_dir, step: int, data_state: dict, recipe_flat: dict, keep: int,
-                    window: dict | None = None) -> Path:
+                    window: dict | None = None, knob: list[float] | None = None) -> Path:
     """Every process calls this (accelerate writes each process's RNG state); the main one commits.
-    window: the open log window (loss sum, items) so a resumed run logs the same mean."""
+    window: the open log window (loss sum, items) so a resumed run logs the same mean. knob: a recovery
+    schedule's knob value per layer at this step (resume recomputes it from the step and checks it)."""
     root = Path(run_dir) / FOLDER
     final, tmp = root / f"{PREFIX}{step:07d}", root / f"{TMP}{PREFIX}{step:07d}"
     if accelerator.is_main_process:
@@ -69,7 +70,7 @@ def save_checkpoint(accelerator, run_dir, step: int, data_state: dict, recipe_fl
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         meta = {"step": step, "data": data_state, "recipe": recipe_flat, "processes": accelerator.num_processes,
-                "time": time.time(), "window": window}
+                "time": time.time(), "window": window, "knob": knob}
         (tmp / "meta.json").write_text(json.dumps(meta))
         fsync_tree(tmp)
         write_manifest(tmp)  # written last: what verify() checks before any resume uses the folder

@@ -38,8 +38,9 @@ from ..data import build_data
 from ..errors import RetrofitError
 from ..load import apply_patch, language_model, load_base, recipe_tokenizer, save_model
 from ..recipe import Recipe, flat, load_recipe, save_recipe
+from ..recovery import apply_schedule, is_patch_parameter, knob_values, record_knob
 from . import build, checkpoint
-from .tasks import evaluate, items, loss_sum
+from .tasks import evaluate, items, loss_sum, recovery_loss_sum
 
 
 @dataclass
@@ -85,6 +86,10 @@ def setup(recipe: Recipe, accelerator, *, model=None, tokenizer=None, data=None)
         data = build_data(recipe.data, tokenizer, seed=recipe.train.seed, eval_lengths=recipe.eval_lengths())
     calibration = build.calibrate_patch(model, data, recipe) if report is not None else None
     model = build.apply_peft(model, recipe.train.peft)
+    build.check_recovery(model, recipe)
+    recovery = recipe.section("recovery")
+    if recovery is not None and recovery.freeze_base:
+        build.freeze_base(model)
     if recipe.train.gradient_checkpointing:
         build.enable_gradient_checkpointing(model)
     if report is not None:
@@ -128,19 +133,29 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
     from_recipe = model is None  # a LoRA adapter can only be rebuilt on a base the recipe describes
     model, tokenizer, data = setup(recipe, acc, model=model, tokenizer=tokenizer, data=data)
     model.train()
-    optimizer = build.make_optimizer(model, t)
+    rec = recipe.section("recovery")  # retrofit.recovery: schedules, distillation, patch learning rate
+    schedule = rec.schedule if rec is not None else None
+    mixed = rec is not None and (rec.lm_weight != 1.0 or rec.distills())  # else the task's own loss
+    optimizer = build.make_optimizer(model, t, rec)
     model, optimizer = acc.prepare(model, optimizer)
-    task, recipe_flat, start, window = recipe.data.task, flat(recipe), 0, None
+    task, recipe_flat, start, window, saved_knob = recipe.data.task, flat(recipe), 0, None, None
     if resume:
         found = checkpoint.resume_checkpoint(acc, run_dir, recipe_flat)  # newest one whose manifest verifies
         if found:
             path, meta = found
             data.load_state_dict(meta["data"])
-            start, window = meta["step"], meta.get("window")
+            start, window, saved_knob = meta["step"], meta.get("window"), meta.get("knob")
             acc.print(f"resumed from {path} (step {start})")
         else:
             acc.print(f"no complete checkpoint in {run_dir}: starting at step 0")
     result = TrainResult(run_dir, start, resumed_from=start if resume else None)
+    if schedule is not None:  # the knob is a function of the step alone: a resumed run sets what it had
+        knob = apply_schedule(model, schedule, start)
+        if saved_knob is not None and knob != saved_knob:
+            raise RetrofitError(f"the checkpoint's schedule knob {saved_knob} differs from step {start}'s; resume "
+                                "with the recipe it was trained with")
+    # stage one of recovery (match_steps): only the patch's parameters train
+    base_params = [p for n, p in model.named_parameters() if p.requires_grad and not is_patch_parameter(n)]
 
     if acc.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -193,21 +208,27 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
         batch = data.batch(step, rows, length)                       # the global batch, identical on every process
         n_items = items(batch, task)
         per_process, per_micro = rows // world, rows // world // accum
-        lr = build.lr_at(step, t)
+        rates = build.group_lrs(step, t, rec)
+        lr = rates["decay"]
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = rates[group.get("name", "decay")]
         for i in range(accum):
             lo = rank * per_process + i * per_micro
             part = {k: v[lo: lo + per_micro].to(acc.device) for k, v in batch.items() if torch.is_tensor(v)}
             sync = contextlib.nullcontext() if i == accum - 1 else acc.no_sync(model)
             with sync:
-                loss = loss_sum(model, part, task)
+                loss = recovery_loss_sum(model, part, task, rec, step) if mixed else loss_sum(model, part, task)
                 acc.backward(loss * (world / n_items))  # DDP averages over processes: world/n makes it the global mean
             window_loss += loss.detach().double()
+        if rec is not None and step < rec.match_steps:
+            for p in base_params:
+                p.grad = None  # fused AdamW skips a parameter without a gradient: no update, no moment change
         grad_norm = acc.clip_grad_norm_(params, t.grad_clip) if t.grad_clip > 0 else None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         done_steps = step + 1
+        if schedule is not None:  # the knob of the next update; evaluation and checkpoints see it too
+            apply_schedule(model, schedule, done_steps)
         window_items, window_tokens = window_items + n_items, window_tokens + rows * length
         finite = torch.isfinite(window_loss)  # losses are >= 0: once not finite, the window sum stays so
         if torch.is_tensor(grad_norm):
@@ -236,11 +257,14 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
             check_finite(done_steps, weights=True)  # never a checkpoint from a diverged step
             window = {"loss": float(acc.reduce(window_loss.clone(), "sum")), "items": window_items}
             path = checkpoint.save_checkpoint(acc, run_dir, done_steps, data.state_dict(), recipe_flat,
-                                              recipe.output.keep, window=window)
+                                              recipe.output.keep, window=window,
+                                              knob=knob_values(model) if schedule is not None else None)
             notify("checkpoint", done_steps, path=path)
     bar.close()
 
     check_finite(result.steps, weights=True)
+    if schedule is not None:
+        record_knob(model)  # the final knob value into config.retrofit: a reload is what was trained
     notify("end", result.steps, model=acc.unwrap_model(model))
     result.model = save_final(acc, model, run_dir, tokenizer, recipe, result, from_recipe)
     acc.end_training()

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..recovery import kl_and_ce_sum, match_sum
+
 # ---- losses and evaluation -------------------------------------------------------------------------------------------
 
 def items(batch: dict, task: str) -> int:
@@ -31,6 +33,17 @@ def loss_sum(model: nn.Module, batch: dict, task: str) -> torch.Tensor:
     logits = model(input_ids=batch["input_ids"], use_cache=False).logits  # (B, T, V)
     return F.cross_entropy(logits.flatten(0, 1).float(), next_tokens(batch["labels"]).flatten(), ignore_index=-100,
                            reduction="sum")
+
+
+def recovery_loss_sum(model: nn.Module, batch: dict, task: str, recovery, step: int) -> torch.Tensor:
+    """The recipe's recovery losses (retrofit.recovery.distill), summed like loss_sum: attention-output matching
+    for the first recovery.match_steps updates, then lm_weight * CE + kl_weight * KL(teacher || student)."""
+    if step < recovery.match_steps:
+        return match_sum(model, batch)
+    if not recovery.kl_weight:
+        return recovery.lm_weight * loss_sum(model, batch, task)
+    return kl_and_ce_sum(model, batch, lm_weight=recovery.lm_weight, kl_weight=recovery.kl_weight,
+                         temperature=recovery.kl_temperature, chunk_tokens=recovery.chunk_tokens)
 
 
 def next_tokens(labels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,45 @@
+"""The teacher: the patched model with its patch bypassed — the same weights, no second copy in memory.
+
+    with patch_bypassed(model):
+        teacher_logits = model(input_ids=ids).logits      # bitwise the unpatched model's
+
+retrofit's attention function dispatches to each attention module's `retrofit` child and runs the wrapped kernel
+unchanged when there is none (patch.py `_dispatch`); so detaching the children for the duration is the original
+model. Patches that also change positions (nope, rope) are refused: their teacher would need those restored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+
+from ..errors import RetrofitError
+from ..patch import CHILD
+
+
+def _records(model: nn.Module) -> list[dict]:
+    return [m.config.retrofit for m in model.modules()
+            if isinstance(getattr(getattr(m, "config", None), "retrofit", None), dict)]
+
+
+@contextlib.contextmanager
+def patch_bypassed(model: nn.Module):
+    """While active, every attention module of `model` runs as it did before the patch (its norm detached)."""
+    owners = [m for m in model.modules() if CHILD in m._modules]
+    if not owners:
+        raise RetrofitError("a teacher needs a patched model (the teacher is the patch bypassed); this model has no "
+                            "retrofit norm: patch it first, or drop recovery.kl_weight / match_steps")
+    for record in _records(model):
+        if record.get("nope") or record.get("rope"):
+            raise RetrofitError("distillation bypasses the attention norm only; a patch with nope or rope changes "
+                                "positions too, so its teacher is not the original model: drop nope/rope or the KL")
+    saved = [(m, dict(m._modules)) for m in owners]  # children in order: parameters() order must not change
+    for m in owners:
+        del m._modules[CHILD]
+    try:
+        yield model
+    finally:
+        for m, children in saved:
+            m._modules.clear()
+            m._modules.update(children)

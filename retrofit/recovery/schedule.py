@@ -1,0 +1,108 @@
+"""Identity-start schedules: each norm declares one knob (an option of its own) that is the original model at one
+end and the full norm at the other; a schedule moves it while training.
+
+    norm        knob    identity (start)          full norm (end)
+    avnorm      floor   large (8; inf exact)      0
+    psoftmax    p       1                         p (its gain follows: g^((p_now - 1) / (p - 1)))
+    softmax1    sink    -30 (-inf exact)          sink (a fixed sink; a learnable one starts at `sink`)
+    ssmax       blend   0                         1
+
+The knob is a plain float on each norm module (softmax1: its sink buffer), set before every step from the step
+alone (`apply_schedule`), so a resumed run is bitwise the uninterrupted one. At its end value every norm runs its
+plain code path (bitwise the plain patch); after training the final value is written into config.retrofit's
+options (`record_knob`), so retrofit.from_pretrained rebuilds exactly what was trained.
+Under train.compile a Python float that changes every step is a new guard value: expect a recompile per step
+while the schedule moves (none after it ends).
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from ..errors import RetrofitError
+from ..norms import NORMS, Norm
+from ..patch import CHILD
+
+SHAPES = ("linear", "cosine")
+
+
+def knob_norms(model: nn.Module) -> list[Norm]:
+    """The patch's norm modules in layer order; an error if the patch has no knob to schedule."""
+    norms = [m for m in model.modules() if isinstance(m, Norm)]
+    if not norms:
+        raise RetrofitError("recovery.schedule needs a patched model (no retrofit norm found)")
+    cls = type(norms[0])
+    if cls.knob is None:
+        with_knob = ", ".join(f"{n} ({c.knob})" for n, c in sorted(NORMS.items()) if c.knob)
+        raise RetrofitError(f"norm {cls.name!r} has no knob a schedule can move; norms with one: {with_knob}")
+    return norms
+
+
+def _progress(u: float, shape: str) -> float:
+    u = min(1.0, max(0.0, u))
+    return u if shape == "linear" else 0.5 * (1.0 - math.cos(math.pi * u))
+
+
+def knob_at(t: float, start: float, end: float, shape: str = "linear", layer: int = 0, layers: int = 1,
+            by_layer: bool = False) -> float:
+    """The knob at schedule position t in [0, 1] (0 = start, 1 = end). by_layer: layer i moves during
+    [i / layers, (i + 1) / layers], first layer first."""
+    u = t * layers - layer if by_layer else t
+    if u >= 1.0:
+        return end  # exactly the end value: the plain norm, bitwise
+    return start + (end - start) * _progress(u, shape)
+
+
+def set_knob_position(model: nn.Module, t: float, *, start: float | None = None, end: float | None = None,
+                      shape: str = "linear", by_layer: bool = False) -> list[float]:
+    """Put every norm's knob at position t (0 = `start`, default the norm's identity value; 1 = `end`, default the
+    patch's own option value). Returns the values set, one per norm."""
+    if shape not in SHAPES:
+        raise RetrofitError(f"schedule shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    norms = knob_norms(model)
+    values = []
+    for i, norm in enumerate(norms):
+        lo = norm.knob_identity if start is None else start
+        hi = getattr(norm.options, norm.knob) if end is None else end
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise RetrofitError(f"schedule start/end of {norm.name}'s {norm.knob} must be finite, got {lo} -> {hi}")
+        value = knob_at(t, lo, hi, shape, i, len(norms), by_layer)
+        norm.set_knob(value)
+        values.append(value)
+    return values
+
+
+def position_at(step: int, steps: int) -> float:
+    """Schedule position before update `step` (0-based): 0 at step 0, 1 from step `steps` on."""
+    return 1.0 if steps <= 0 else min(1.0, step / steps)
+
+
+def apply_schedule(model: nn.Module, spec, step: int) -> list[float]:
+    """Set the knobs for update `step` as `spec` (the recipe's recovery.schedule) says."""
+    return set_knob_position(model, position_at(step, spec.steps), start=spec.start, end=spec.end, shape=spec.shape,
+                             by_layer=spec.by_layer)
+
+
+def knob_values(model: nn.Module) -> list[float]:
+    return [n.knob_value() for n in knob_norms(model)]
+
+
+def record_knob(model: nn.Module) -> None:
+    """Write the knob's final value into config.retrofit's options (what from_pretrained rebuilds)."""
+    values = knob_values(model)
+    if len(set(values)) != 1:
+        raise RetrofitError(f"the schedule left layers at different knob values ({min(values)} .. {max(values)}); "
+                            "set recovery.schedule.steps <= train.steps so it ends before the run does")
+    norm = knob_norms(model)[0]
+    for m in model.modules():
+        record = getattr(getattr(m, "config", None), "retrofit", None)
+        if isinstance(record, dict) and "options" in record:
+            record["options"][norm.knob] = values[0]
+
+
+def is_patch_parameter(name: str) -> bool:
+    """A parameter of the patch (a `retrofit` child), under any wrapper (PEFT's modules_to_save included)."""
+    parts = name.split(".")
+    return CHILD in parts[:-1] and "original_module" not in parts

@@ -20,6 +20,7 @@ from torch import nn
 from .errors import RetrofitError
 from .norms.avnorm import AVNorm
 from .norms.psoftmax import PSoftmax
+from .patch import check_unsharded
 
 
 def calibrated_norms(model: nn.Module) -> list[nn.Module]:
@@ -47,6 +48,7 @@ def calibrate(model: nn.Module, batches, *, max_batches: int | None = None) -> d
     if not norms:
         raise RetrofitError("calibrate needs a model patched with avnorm (or psoftmax with gain=1.0); no norm "
                             "with a per-head gain found")
+    check_unsharded(norms, "calibrate")
     device = next(model.parameters()).device
     before = [torch.zeros(n.shape.num_heads, dtype=torch.float64, device=device) for n in norms]
     after = [torch.zeros_like(b) for b in before]

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from torch import nn
+
 
 def _no_rope_layers(config) -> list[int]:
     """SmolLM3, Llama 4: layer i applies RoPE iff config.no_rope_layers[i] (1 = RoPE, 0 = none)."""
@@ -29,6 +31,10 @@ class Family:
     final_norm: str = "model.norm"  # dotted path of the norm before the LM head
     nope_layers: Callable | None = None  # config -> indices of layers that add no positions already
 
+
+# The attention module's output projection (its input is the heads' outputs, (B, T, H*D)), by attribute name:
+# o_proj (Llama and most), c_proj (GPT-2), out_proj, dense, wo. AVNorm acts there (retrofit.patch).
+OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "out_proj", "dense", "wo")
 
 FAMILIES: dict[str, Family] = {
     "gpt2": Family("GPT2Attention", "learned", "transformer.wpe", "n_positions", "transformer.ln_f"),
@@ -55,6 +61,12 @@ FAMILIES: dict[str, Family] = {
     # learned per-head sinks (module.sinks, passed as s_aux) in its eager function; no sdpa path
     "gpt_oss": Family("GptOssAttention", "rotary", "model.rotary_emb"),
 }
+
+
+def output_projection(attention: nn.Module) -> nn.Module | None:
+    """The attention module's output projection (an nn.Module named in OUTPUT_PROJECTIONS), or None."""
+    return next((getattr(attention, n) for n in OUTPUT_PROJECTIONS if isinstance(getattr(attention, n, None),
+                                                                                    nn.Module)), None)
 
 
 def family_of(config) -> Family | None:

@@ -23,6 +23,7 @@ import contextlib
 import copy
 import dataclasses
 import sys
+import types
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -31,13 +32,20 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from .errors import RetrofitError
-from .families import FAMILIES, family_of, layers_without_positions, position_query_scaling
+from .families import (
+    FAMILIES,
+    OUTPUT_PROJECTIONS,
+    family_of,
+    layers_without_positions,
+    output_projection,
+    position_query_scaling,
+)
 from .norms import AttentionShape, get_norm, make_options
+from .norms.base import CHILD, Norm
 from .positions import already_without_positions, has_positions_removed, remove_positions, restore_positions
 from .rope import apply_rope, describe_rope, plan_rope, reset_to_original, restore_rope
 from .version import VERSION
 
-CHILD = "retrofit"  # name of the norm module attached to each attention module
 FORMAT = 1          # version of the config.retrofit record
 
 
@@ -54,7 +62,7 @@ def _dispatch(base, module, query, key, value, attention_mask, **kwargs):
     norm = module._modules.get(CHILD)
     if observer is not None:
         observer(module, query, key, value, attention_mask, kwargs.get("scaling"), norm)
-    if norm is None:
+    if norm is None or norm.acts_on_output:  # AVNorm acts at the output projection, not here
         return base(module, query, key, value, attention_mask, **kwargs)
     return norm(module, query, key, value, attention_mask, base=base, **kwargs)
 
@@ -140,29 +148,48 @@ def _shape(module: nn.Module, config, positions: int | None = None) -> Attention
     return AttentionShape(int(heads), int(kv_heads), int(head_dim), positions)
 
 
-def _base_implementation(model: nn.Module) -> str:
-    """The implementation a patch wraps: the model's own, checked with transformers' own support test.
+def _implementations(model: nn.Module, acts_on_output: bool) -> tuple[str, str | None]:
+    """(the implementation the model runs now and unpatch restores, the one of ours a kernel norm wraps).
 
-    Ours on an unpatched model (built from a patched model's config object) means its base. What we cannot wrap
-    — paged (continuous batching), flash and flex kernels, Hub kernels — is refused with what to load instead."""
+    A norm that acts on the heads' outputs (AVNorm) works over any implementation and wraps none. A kernel norm
+    (p-softmax, SSMax, softmax+1) runs retrofit's own kernels: over sdpa, or eager where the model has no sdpa
+    path; a model loaded with flash or flex attention runs them instead (unpatch puts its implementation back).
+    Paged attention and Hub kernels are refused for those: their callers pass state our kernels cannot use.
+    Ours on an unpatched model (built from a patched model's config object) means its base."""
     current = model.config._attn_implementation
-    base = BASE_OF.get(current, current)
+    restore = BASE_OF.get(current, current)
+    if acts_on_output:
+        return restore, None
     instead = "'sdpa' (or 'eager')" if getattr(model, "_supports_sdpa", True) else "'eager'"
-    if base not in IMPLEMENTATIONS:
-        what = ("paged attention (continuous batching)" if base.startswith("paged|") else
-                "a Hub kernel" if "/" in base else f"attention implementation {base!r}")
-        raise RetrofitError(f"cannot patch over {what}: retrofit wraps sdpa and eager only; load the model with "
-                            f"attn_implementation={instead}")
+    if restore.startswith("paged|") or "/" in restore:
+        what = "paged attention (continuous batching)" if restore.startswith("paged|") else "a Hub kernel"
+        raise RetrofitError(f"cannot run this norm's kernels over {what}: load the model with attn_implementation="
+                            f"{instead} (avnorm works over any implementation)")
+    wrap = restore if restore in IMPLEMENTATIONS else "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
     try:  # transformers' own check: e.g. gpt_oss has no sdpa path (its sinks live in its eager function)
-        model.get_correct_attn_implementation(base)
+        model.get_correct_attn_implementation(wrap)
     except (ValueError, ImportError):
-        raise RetrofitError(f"{type(model).__name__} does not support attention implementation {base!r}; load it "
+        raise RetrofitError(f"{type(model).__name__} does not support attention implementation {wrap!r}; load it "
                             f"with attn_implementation={instead}") from None
-    return base
+    return restore, wrap
 
 
-def _check_patchable(model: nn.Module, nope: bool) -> str:
-    """Refuse what we cannot patch faithfully; returns the base attention implementation."""
+def _guarded_switch(model: nn.Module, attn_implementation, *args, **kwargs):
+    """set_attn_implementation of a model patched with a kernel norm: a switch to sdpa or eager keeps the patch
+    (it moves to our function over the new base); anything else would silently drop it, so it is refused."""
+    cls_switch = type(model).set_attn_implementation
+    if isinstance(attn_implementation, str) and attn_implementation in IMPLEMENTATIONS:
+        model.config.retrofit["base_attn_implementation"] = attn_implementation
+        return cls_switch(model, IMPLEMENTATIONS[attn_implementation][0], *args, **kwargs)
+    if isinstance(attn_implementation, str) and attn_implementation in BASE_OF:
+        return cls_switch(model, attn_implementation, *args, **kwargs)
+    raise RetrofitError(f"this model is patched with {model.config.retrofit['norm']}, which runs retrofit's "
+                        f"kernels; switching to {attn_implementation!r} would drop the patch: use sdpa or eager, or "
+                        "retrofit.unpatch(model) first")
+
+
+def _check_patchable(model: nn.Module, nope: bool, acts_on_output: bool) -> tuple[str, str | None]:
+    """Refuse what we cannot patch faithfully; returns _implementations(model, acts_on_output)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "model_type"):
         raise RetrofitError(f"{type(model).__name__} is not a Hugging Face model (it has no config)")
@@ -171,14 +198,14 @@ def _check_patchable(model: nn.Module, nope: bool) -> str:
     if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
         raise RetrofitError(f"{type(model).__name__} does not route attention through transformers' "
                             "attention registry, so retrofit cannot patch it")
-    base = _base_implementation(model)
-    if config.model_type == "gpt2" and base == "eager" and getattr(config, "reorder_and_upcast_attn", False):
+    restore, wrap = _implementations(model, acts_on_output)
+    if config.model_type == "gpt2" and wrap == "eager" and getattr(config, "reorder_and_upcast_attn", False):
         raise RetrofitError("GPT-2 with reorder_and_upcast_attn=True under eager bypasses the attention "
                             "registry; load it with attn_implementation='sdpa' or set reorder_and_upcast_attn=False")
     if nope and family_of(config) is None:
         raise RetrofitError(f"nope needs to know where {config.model_type!r} adds positions, and it is not in "
                             f"retrofit's table ({', '.join(FAMILIES)}); add a row to retrofit/families.py")
-    return base
+    return restore, wrap
 
 
 def _detach_config(model: nn.Module) -> str | None:
@@ -230,7 +257,7 @@ def patch(model: nn.Module, norm: str = "avnorm", *, nope: bool = False, rope=No
     rope: extend RoPE, as 'yarn:4' or {'rope_type': 'yarn', 'factor': 4, ...} (see retrofit.rope)."""
     norm_cls = get_norm(norm)
     opts = make_options(norm, **options)
-    base = _check_patchable(model, nope)
+    base, wrap = _check_patchable(model, nope, norm_cls.acts_on_output)
     notes = [_check_query_scaling(norm, norm_cls, opts, model.config)]
     notes.append(_detach_config(model))
     rope_plan = plan_rope(model, rope, nope=nope) if rope is not None else None  # refuses before any change
@@ -250,11 +277,22 @@ def patch(model: nn.Module, norm: str = "avnorm", *, nope: bool = False, rope=No
         if ref is not None:
             child.to(device=ref.device, dtype=ref.dtype)
         module.add_module(CHILD, child)
+        if child.acts_on_output:
+            if output_projection(module) is None:
+                raise RetrofitError(f"{type(module).__name__} has no output projection retrofit knows (looked for "
+                                    f"{', '.join(OUTPUT_PROJECTIONS)}); add its name to families.OUTPUT_PROJECTIONS")
+            child.hook_output(module)
         params_added += sum(p.numel() for p in child.parameters())
     positions = remove_positions(model, family_of(config)) if nope else None
     if rope_plan is not None:
         apply_rope(model, rope_plan)
-    model.set_attn_implementation(IMPLEMENTATIONS[base][0])
+    if wrap is not None:  # a kernel norm: our function over the wrapped base; a switch keeps it (_guarded_switch)
+        model.set_attn_implementation(IMPLEMENTATIONS[wrap][0])
+        model.set_attn_implementation = types.MethodType(_guarded_switch, model)
+        if wrap != base:
+            notes.append(f"{base} replaced by retrofit's kernels over {wrap} while patched (unpatch restores it)")
+    elif model.config._attn_implementation != base:  # ours, from a shared config object: the model's own base
+        model.set_attn_implementation(base)
     config.retrofit = {
         "format": FORMAT, "retrofit_version": VERSION, "norm": norm,
         "options": dataclasses.asdict(opts), "nope": bool(nope),
@@ -275,6 +313,10 @@ def unpatch(model: nn.Module) -> None:
         raise RetrofitError("this model is not patched; there is nothing to unpatch")
     for module in model.modules():
         module._modules.pop(CHILD, None)
+        for key, hook in list(module._forward_pre_hooks.items()):  # acts_on_output norms' hooks
+            if isinstance(getattr(hook, "__self__", None), Norm):
+                del module._forward_pre_hooks[key]
+    model.__dict__.pop("set_attn_implementation", None)  # the class's own again (see _guarded_switch)
     restore_positions(model)
     record = getattr(model.config, "retrofit", None) or {}
     restore_rope(model, record.get("rope"))
@@ -307,6 +349,17 @@ def patch_from_record(model: nn.Module, record: dict) -> PatchReport:
     return report
 
 
+def check_unsharded(modules, what: str) -> None:
+    """Refuse reading or writing patch parameters outside a forward when they are sharded: under DeepSpeed
+    ZeRO-3 a parameter holds an empty local shard (it has `ds_id`), under FSDP2 a DTensor shard."""
+    for module in modules:
+        for name, param in module.named_parameters():
+            if hasattr(param, "ds_id") or type(param).__name__ == "DTensor":
+                raise RetrofitError(f"{what} reads the patch's parameters outside a forward, but they are sharded "
+                                    f"(DeepSpeed ZeRO-3 or FSDP: {name}); {what} before sharding — retrofit train "
+                                    "calibrates before accelerate.prepare — or on the gathered model")
+
+
 @contextlib.contextmanager
 def observe(model: nn.Module, fn):
     """While active, every attention call of `model` first calls
@@ -316,6 +369,7 @@ def observe(model: nn.Module, fn):
     modules = [m for _, m in attention_modules(model)]
     if not modules:
         raise RetrofitError(f"found no attention module to observe in {type(model).__name__}")
+    check_unsharded([m._modules[CHILD] for m in modules if CHILD in m._modules], "observe")
     switched = None
     if model.config._attn_implementation not in BASE_OF:
         switched = model.config._attn_implementation
@@ -333,5 +387,5 @@ def observe(model: nn.Module, fn):
             model.set_attn_implementation(switched)
 
 
-__all__ = ["PatchReport", "attention_modules", "is_patched", "observe", "patch", "patch_from_record",
-           "patch_record", "unpatch"]
+__all__ = ["CHILD", "PatchReport", "attention_modules", "check_unsharded", "is_patched", "observe",
+           "output_projection", "patch", "patch_from_record", "patch_record", "unpatch"]

@@ -51,14 +51,16 @@ def test_not_a_hf_model():
 def test_gpt2_reorder_and_upcast_under_eager_bypasses_the_registry():
     model = tiny_model("gpt2", attn_implementation="eager", reorder_and_upcast_attn=True)
     with pytest.raises(RetrofitError, match="reorder_and_upcast_attn"):
-        retrofit.patch(model, "avnorm")
+        retrofit.patch(model, "psoftmax")  # bypassing the registry would bypass its kernels
+    retrofit.patch(model, "avnorm")  # the output projection's hook is not bypassed
 
 
 def test_unsupported_attention_implementation():
+    """A kernel norm cannot run over paged attention (avnorm can: tests/test_any_implementation.py)."""
     model = tiny_model("llama")
-    model.config._attn_implementation_internal = "flex_attention"
-    with pytest.raises(RetrofitError, match="cannot patch over attention implementation 'flex_attention'"):
-        retrofit.patch(model, "avnorm")
+    model.config._attn_implementation_internal = "paged|sdpa"
+    with pytest.raises(RetrofitError, match="cannot run this norm's kernels over paged attention"):
+        retrofit.patch(model, "psoftmax")
 
 
 def test_model_without_registry_attention():

@@ -127,7 +127,11 @@ def layer_rows(module, query, key, value, attention_mask, scaling, norm, positio
         out = out_raw
     else:  # the norm itself makes what the output projection sees, on just these rows
         base, mask = _base_kernel(module, visible[:, :1])                   # mask (B, 1, R, T)
-        out, _ = norm(module, query[:, :, positions], key, value, mask, base=base, scaling=scaling, dropout=0.0)
+        if norm.acts_on_output:  # AVNorm: the wrapped kernel's output, normalized as the projection's hook does
+            out, _ = base(module, query[:, :, positions], key, value, mask, scaling=scaling, dropout=0.0)
+            out = norm(out)
+        else:
+            out, _ = norm(module, query[:, :, positions], key, value, mask, base=base, scaling=scaling, dropout=0.0)
         out = out.float().transpose(1, 2)                                   # (B, R, H, D) -> (B, H, R, D)
     return LayerRows(layer=int(module.layer_idx), norm=name, positions=positions, logits=logits,
                      weights=weights, visible=visible, values=v, q_norm=q.norm(dim=-1), k_norm=k.norm(dim=-1),

@@ -4,10 +4,12 @@
     norm_cls = get_norm("avnorm")              # the nn.Module class attached to each attention module
     options = make_options("avnorm", kind="layer")   # its Options dataclass, validated
 
-A norm module lives at `<attention module>.retrofit` and is called by the attention function that
-`retrofit.patch` registers with transformers, as
+A norm module lives at `<attention module>.retrofit`. A norm that changes the weights (p-softmax, SSMax,
+softmax+1) is called by the attention function that `retrofit.patch` registers with transformers, as
 `norm(module, query, key, value, attention_mask, base=<wrapped kernel>, scaling=..., dropout=..., **kwargs)`,
-returning `(out (B, Tq, H, D), weights or None)` exactly like a transformers attention function.
+returning `(out (B, Tq, H, D), weights or None)` exactly like a transformers attention function. A norm of the
+heads' outputs (AVNorm, `acts_on_output = True`) is a forward pre-hook on the output projection instead,
+`norm(out (B, T, H, D)) -> out`, so it works over any attention implementation.
 """
 
 from __future__ import annotations

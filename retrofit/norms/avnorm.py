@@ -41,6 +41,7 @@ class AVNorm(Norm):
     summary = "per-head RMS/LayerNorm of each head's attention output (retrofittable)"
     formula = "y_h = g_h * norm_d(A_h V_h), norm = rms | layer (per head) | global (all heads)"
     has_parameters = True
+    acts_on_output = True  # a pre-hook on the output projection: any attention implementation (retrofit.patch)
     knob, knob_identity = "floor", 8.0  # f = 8: within ~0.01 nats of the original on SmolLM2 (f = inf is exact)
 
     @dataclass
@@ -89,12 +90,12 @@ class AVNorm(Norm):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.options.eps)
         return x.view_as(out)
 
-    def forward(self, module, query, key, value, attention_mask, *, base, **kwargs):
-        out, weights = base(module, query, key, value, attention_mask, **kwargs)  # (B, T, H, D)
+    def forward(self, out: torch.Tensor) -> torch.Tensor:
+        """(B, T, H, D) heads' outputs -> normalized, same shape and dtype. Observe-only while calibrating."""
         if self.calibration is not None:  # observe only: per-token RMS before and after, (B, T, H) each
             y = self.normalize(out)
             self.calibration.append((out.float().pow(2).mean(-1).sqrt(), y.pow(2).mean(-1).sqrt()))
-            return out, weights
+            return out
         if self.floor:  # the floored form (recovery schedules); floor 0 is plain AVNorm
             y = self.floored(out)
         else:
@@ -103,7 +104,7 @@ class AVNorm(Norm):
             y = y * self.weight.float().view(y.shape[-2:])
             if self.bias is not None:
                 y = y + self.bias.float().view(y.shape[-2:])
-        return y.to(out.dtype), weights
+        return y.to(out.dtype)
 
     def floored(self, out: torch.Tensor) -> torch.Tensor:
         """(B, T, H, D) -> o * sqrt(g^2 + eps_h^2) / sqrt(ms(o) + eps + eps_h^2), eps_h = floor * g; fp32."""

@@ -15,7 +15,11 @@ import torch
 from torch import nn
 
 from ..errors import RetrofitError
+from ..families import output_projection
 from ..kernels.masks import hides_future
+
+CHILD = "retrofit"  # name of the norm module attached to each attention module
+_CURRENT: dict[int, tuple] = {}  # id(norm) -> (its owner's child, its owner's output projection), per forward
 
 # How transformers' models hand an attention function their learned per-head sink logits (gpt_oss: s_aux=self.sinks).
 SINK_KWARGS = ("s_aux", "sinks")
@@ -45,6 +49,10 @@ class Norm(nn.Module):
     Options: ClassVar[type]
     has_parameters: ClassVar[bool] = False
     scales_queries_by_position: ClassVar[bool] = False  # True: refused on models that already do (families.py)
+    # True: the norm acts on each head's output, i.e. on the attention output projection's input (B, T, H*D),
+    # as a forward pre-hook there: it then works over any attention implementation (flash, flex, Hub kernels,
+    # paged) and survives set_attn_implementation. False: it changes the weights, inside the attention function.
+    acts_on_output: ClassVar[bool] = False
     # Identity-start schedules (retrofit.recovery): the option a schedule moves, and the value of that option at
     # which the norm is (or is within 1e-6 of) the original model. None: this norm has no such knob.
     knob: ClassVar[str | None] = None
@@ -71,6 +79,42 @@ class Norm(nn.Module):
         """Why this norm cannot keep a model's own learned attention sinks (gpt_oss), or None if it keeps them.
         Norms that call the wrapped kernel (softmax, AVNorm) keep them: the model's eager function applies them."""
         return None
+
+    # ---- acts_on_output norms: hooks on the owner's output projection ----------------------------------------------
+    # Both hooks are bound methods of the norm, so a deepcopy of a patched model rebinds them to the copy's norm.
+    # The norm keeps no reference to its owner (PEFT's modules_to_save deep-copies the norm alone): the guard on
+    # the owner records, for the forward under way, who the owner's child and projection are (_CURRENT).
+
+    def hook_output(self, owner: nn.Module) -> None:
+        """Normalize `owner`'s output-projection input from now on (retrofit.patch calls this)."""
+        owner.register_forward_pre_hook(self.follow_projection)
+        self._hook_projection(output_projection(owner))
+
+    def _hook_projection(self, projection: nn.Module) -> None:
+        if not any(getattr(h, "__self__", None) is self for h in projection._forward_pre_hooks.values()):
+            projection.register_forward_pre_hook(self.before_projection)
+
+    def follow_projection(self, owner: nn.Module, args):
+        """Forward pre-hook on the owner: keep before_projection on its *current* output projection (PEFT may wrap
+        it after the patch: LoRA on o_proj must see the normalized input too), and note who does what now."""
+        projection = output_projection(owner)
+        self._hook_projection(projection)
+        _CURRENT[id(self)] = (owner._modules.get(CHILD), projection)
+
+    def before_projection(self, projection: nn.Module, args):
+        """Forward pre-hook on the owner's output projection: args[0] (B, T, H*D), heads concatenated, goes
+        through the owner's child *now* — this norm, PEFT's modules_to_save wrapper around it (whose active copy
+        trains), or the trained copy merge_and_unload leaves in its place — as (B, T, H, D). One norm's hooks
+        exist per owner at a time (unpatch removes them), so the child is applied once."""
+        child, current = _CURRENT.pop(id(self), (None, None))
+        if child is None or current is not projection or not args:
+            return None  # bypassed (a distillation teacher), or a stale hook on a projection PEFT has wrapped
+        norm = child if isinstance(child, Norm) else getattr(child, "original_module", None)
+        if not (isinstance(norm, Norm) and norm.acts_on_output):
+            return None  # a norm that acts inside attention took this one's place
+        x = args[0]
+        heads = self.shape.num_heads
+        return (child(x.view(*x.shape[:-1], heads, x.shape[-1] // heads)).reshape(x.shape), *args[1:])
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self.options).items())

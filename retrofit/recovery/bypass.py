@@ -4,8 +4,9 @@
         teacher_logits = model(input_ids=ids).logits      # bitwise the unpatched model's
 
 retrofit's attention function dispatches to each attention module's `retrofit` child and runs the wrapped kernel
-unchanged when there is none (patch.py `_dispatch`); so detaching the children for the duration is the original
-model. Patches that also change positions (nope, rope) are refused: their teacher would need those restored.
+unchanged when there is none (patch.py `_dispatch`), and AVNorm's output-projection hook does nothing when its
+norm is not attached (norms/base.py `before_projection`); so detaching the children for the duration is the
+original model. Patches that also change positions (nope, rope) are refused: their teacher would need those restored.
 """
 
 from __future__ import annotations

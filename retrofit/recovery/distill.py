@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import RetrofitError
-from ..patch import attention_modules
+from ..patch import attention_modules, output_projection
 from .bypass import patch_bypassed
 
 # Families whose head transforms logits after the output projection (the same table as evaluate/losses.py).
@@ -27,7 +27,6 @@ LOGIT_TRANSFORMS = {
     "logit_scale": lambda x, scale: x * scale,
     "logits_scaling": lambda x, scale: x / scale,
 }
-OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "out_proj", "dense", "wo")  # the attention output projection, by family
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -119,11 +118,10 @@ def output_projections(model: nn.Module) -> list[nn.Module]:
     """Each attention module's output projection (its input is the attention output, heads concatenated)."""
     found = []
     for name, module in attention_modules(_inner(model)):
-        proj = next((getattr(module, n) for n in OUTPUT_PROJECTIONS if isinstance(getattr(module, n, None), nn.Module)),
-                    None)
+        proj = output_projection(module)
         if proj is None:
-            raise RetrofitError(f"cannot find the output projection of {name} (looked for "
-                                f"{', '.join(OUTPUT_PROJECTIONS)}): output matching does not support this family")
+            raise RetrofitError(f"cannot find the output projection of {name}: output matching does not support "
+                                "this family (add its name to families.OUTPUT_PROJECTIONS)")
         found.append(proj)
     return found
 

@@ -234,7 +234,8 @@ def cli(args, capsys) -> tuple[int, str]:
 
 @pytest.mark.parametrize("case, message", [
     ("missing file", "data.files: no such file"),
-    ("empty dataset", "not enough for"),
+    ("tiny dataset", "not enough for"),
+    ("empty file", "is empty; remove it from the list or give it text"),
     ("positions", "exceeds gpt2's 1024 learned positions; set patch.nope: true"),
     ("unknown key", "unknown recipe key train.setps (did you mean 'steps'?)"),
 ])
@@ -243,7 +244,10 @@ def test_bad_input_is_one_line_before_training(case, message, corpus, tmp_path, 
     overrides = []
     if case == "missing file":
         overrides = [f"data.files=[{tmp_path / 'missing.txt'}]"]
-    elif case == "empty dataset":
+    elif case == "tiny dataset":  # a few tokens: not enough for the validation blocks and one training block
+        (tmp_path / "tiny.txt").write_text("the cat sat.")
+        overrides = [f"data.files=[{tmp_path / 'tiny.txt'}]"]
+    elif case == "empty file":
         (tmp_path / "empty.txt").write_text("")
         overrides = [f"data.files=[{tmp_path / 'empty.txt'}]"]
     elif case == "positions":

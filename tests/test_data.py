@@ -129,8 +129,11 @@ def test_bad_data_fails_in_one_line(tmp_path, monkeypatch):
     with pytest.raises(RetrofitError, match="no such file"):
         build_data(lm_section(tmp_path, files=[str(tmp_path / "missing.txt")]), tok)
     (tmp_path / "empty.txt").write_text("")
-    with pytest.raises(RetrofitError, match="not enough for"):
+    with pytest.raises(RetrofitError, match="empty.txt is empty"):  # checked before any tokenizing
         build_data(lm_section(tmp_path, files=[str(tmp_path / "empty.txt")], seq_len=16), tok)
+    (tmp_path / "tiny.txt").write_text("ab")
+    with pytest.raises(RetrofitError, match="not enough for"):
+        build_data(lm_section(tmp_path, files=[str(tmp_path / "tiny.txt")], seq_len=16), tok)
     (tmp_path / "x.csv").write_text("a,b")
     with pytest.raises(RetrofitError, match="cannot read .csv"):
         build_data(lm_section(tmp_path, files=[str(tmp_path / "x.csv")]), tok)

@@ -21,7 +21,7 @@ from retrofit.load import load_run
 from retrofit.recipe import load_recipe, recipe_from_dict
 from retrofit.recovery.distill import teacher_mode
 from retrofit.train import checkpoint, read_log, train
-from tests.test_data import char_tokenizer
+from tests.test_train import write_corpus
 from tests.tiny import TINY, random_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,13 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A tiny Llama pretrained for 150 steps on a 10-word language (~4 s): softmax is what it knows."""
-    folder = tmp_path_factory.mktemp("recovery")
-    char_tokenizer().save_pretrained(folder / "tok")
-    g = torch.Generator().manual_seed(0)
-    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
-    lines = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (12,), generator=g)) + "."
-             for _ in range(200)]
-    (folder / "text.txt").write_text("\n".join(lines))
+    folder = write_corpus(tmp_path_factory.mktemp("recovery"))
     train(recipe_from_dict(_raw(folder, folder / "base", model={"config": TINY_LLAMA, "tokenizer": str(folder / "tok")},
                                 patch={"norm": None}, train={"steps": 150, "lr": 1e-2})))
     return folder

@@ -37,10 +37,9 @@ def subprocess_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A char tokenizer saved to a folder (so a subprocess can load it) and a small text file."""
-    folder = tmp_path_factory.mktemp("corpus")
+def write_corpus(folder: Path) -> Path:
+    """A char tokenizer saved to folder/tok (so a subprocess can load it) and folder/text.txt: 200 lines of a
+    10-word language."""
     char_tokenizer().save_pretrained(folder / "tok")
     g = torch.Generator().manual_seed(0)
     words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
@@ -48,6 +47,11 @@ def corpus(tmp_path_factory):
              for _ in range(200)]
     (folder / "text.txt").write_text("\n".join(lines))
     return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def lm_recipe(corpus, out, **train) -> dict:

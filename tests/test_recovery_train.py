@@ -142,31 +142,69 @@ def test_cli_probe_prints_losses_along_the_schedule_and_the_head_spread(base, ca
     assert "has no knob a schedule can move" in capsys.readouterr().err
 
 
-def _arms(path: Path) -> list[list[str]]:
-    """The override lists of every `retrofit train $R ...` command in the recipe's header."""
-    header = [line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#")]
-    commands, current = [], None
-    for line in header:
-        if line.startswith("retrofit train $R"):
-            current = line
-        elif current is not None:
-            current += " " + line
-        if current is not None and not current.endswith("\\"):
-            commands.append(current.split("#")[0].split()[3:])
-            current = None
-        elif current is not None:
-            current = current[:-1]
-    return commands
+def test_the_recovery_recipe_is_the_ablation_and_its_defaults_are_one_of_its_arms():
+    """recipes/llama-recovery.yaml: nine arms adding one mechanism at a time, the same tokens per step; the
+    top-level patch + recovery (what `retrofit train` runs) is exactly one measured arm's configuration."""
+    recipe = load_recipe(ROOT / "recipes" / "llama-recovery.yaml")
+    exp = recipe.section("experiment")
+    assert [a.name for a in exp.arms] == ["softmax", "avnorm", "avnorm-plr", "avnorm-kl", "avnorm-match",
+                                          "avnorm-floor", "avnorm-best", "psoftmax", "softmax1"]
+    assert exp.control == "softmax" and exp.recovery_lengths == [512, 4096]
+    assert [a.patch.norm for a in exp.arms] == ["softmax"] + ["avnorm"] * 6 + ["psoftmax", "softmax1"]
+    rec = {a.name: a.recovery for a in exp.arms}
+    assert rec["softmax"] is None and rec["avnorm"] is None and rec["avnorm-plr"].patch_lr == 1e-2
+    assert rec["avnorm-best"].distills() and rec["avnorm-best"].schedule.steps < exp.finetune_steps
+    assert exp.arms[7].patch.options == {"p": 2.0, "gain": 1.0} and rec["psoftmax"].schedule is not None
+    assert rec["softmax1"].schedule is not None and exp.arms[8].patch.options == {"sink": 0.0}
+    defaults = [a.name for a in exp.arms if a.patch == recipe.patch and a.recovery == recipe.section("recovery")]
+    assert len(defaults) == 1
 
 
-def test_the_recovery_recipe_and_every_arm_in_its_header_load():
-    path = ROOT / "recipes" / "llama-recovery.yaml"
-    arms = _arms(path)
-    assert len(arms) == 9
-    recipes = [load_recipe(path, overrides) for overrides in arms]
-    assert [r.patch.norm for r in recipes] == ["softmax"] + ["avnorm"] * 6 + ["psoftmax", "softmax1"]
-    assert [r.output.dir.split("/")[-1] for r in recipes] == [
-        "control", "avnorm", "plr", "kl", "match", "floor", "best", "psoftmax", "softmax1"]
-    best = recipes[6].section("recovery")
-    assert best.kl_weight == 1.0 and best.match_steps == 20 and best.schedule.steps == 60 and best.patch_lr == 1e-2
-    assert recipes[7].patch.options == {"p": 2.0, "gain": 1.0}
+def test_experiment_arms_carry_their_own_recovery_and_report_the_gap_at_every_recovery_length(base, tmp_path):
+    """An arm's `recovery` reaches its training run (its identity-start schedule makes step 0 the original model,
+    unlike the plain AVNorm arm beside it); the curve is measured at every recovery length; the gap table is the arm
+    minus the control at the same step."""
+    from retrofit.experiment import driver
+    from retrofit.experiment.report import gap_series, recovery_series
+    raw = _raw(base, tmp_path / "unused", patch={"norm": None})
+    raw["eval"] = {"batches": 1, "batch_size": 4}
+    raw["recovery"] = {"kl_weight": 5.0}  # top level: not applied to any arm (each arm says its own)
+    floor = {"patch_lr": 1e-2, "kl_weight": 0.3, "schedule": {"steps": 3, "start": 1.0e6}}
+    raw["experiment"] = {"base_steps": 0, "finetune_steps": 4, "recovery_at": [0, 2], "recovery_lengths": [32, 64],
+                         "eval_data": [str(base / "text.txt")], "eval_max_tokens": 128, "arms": [
+                             {"name": "softmax", "patch": {"norm": "softmax"}},
+                             {"name": "avnorm", "patch": {"norm": "avnorm", "calibrate": 1024}},
+                             {"name": "avnorm-floor", "patch": {"norm": "avnorm", "calibrate": 1024},
+                              "recovery": floor}]}
+    raw["data"]["val_blocks"] = 4
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    results = driver.run_experiment(path, tmp_path / "out", progress=False)
+    assert not any(a["failed"] for a in results["arms"].values())
+    arms = tmp_path / "out" / "arms"
+    assert load_recipe(arms / "avnorm-floor" / "recipe.yaml").section("recovery").schedule.start == 1.0e6
+    assert load_recipe(arms / "avnorm" / "recipe.yaml").section("recovery") is None
+    assert load_recipe(arms / "softmax" / "recipe.yaml").section("recovery") is None
+    assert results["arms"]["avnorm-floor"]["settings"]["recovery"]["kl_weight"] == 0.3
+    for n in (32, 64):
+        curves = {name: dict(zip(*xy)) for name, xy in recovery_series(results, n).items()}
+        assert set(curves) == {"softmax", "avnorm", "avnorm-floor"} and set(curves["softmax"]) == {0, 2, 4}
+        assert curves["avnorm-floor"][0] == pytest.approx(curves["softmax"][0], abs=1e-4)  # the identity start
+        assert abs(curves["avnorm"][0] - curves["softmax"][0]) > 1e-2  # calibrated AVNorm is not the original
+        gaps = {name: dict(zip(*xy)) for name, xy in gap_series(results, n).items()}
+        assert set(gaps) == {"avnorm", "avnorm-floor"}
+        for name in gaps:
+            for step, gap in gaps[name].items():
+                assert gap == pytest.approx(curves[name][step] - curves["softmax"][step], abs=1e-12)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Recovery at 32 tokens" in report and "## Recovery at 64 tokens" in report
+    assert "Gap to the control arm `softmax`" in report
+    assert (tmp_path / "out" / "recovery.png").is_file() and (tmp_path / "out" / "recovery-64.png").is_file()
+
+
+def test_bad_recovery_lengths_are_one_line(base, tmp_path):
+    raw = _raw(base, tmp_path / "unused", patch={"norm": None})
+    raw["experiment"] = {"recovery_lengths": [], "arms": [{"name": "softmax", "patch": {"norm": "softmax"}}]}
+    with pytest.raises(retrofit.RetrofitError, match="recovery_lengths must be a non-empty list") as err:
+        recipe_from_dict(raw)
+    assert "\n" not in str(err.value)

@@ -33,7 +33,16 @@ from ..evaluate import evaluate_models
 from ..evaluate.report import write_report
 from ..load import load, load_config
 from ..positions import learned_position_limit
-from ..recipe import ArmSection, ExperimentSection, PatchSection, Recipe, check_arm_name, load_recipe, save_recipe
+from ..recipe import (
+    ArmSection,
+    ExperimentSection,
+    PatchSection,
+    Recipe,
+    check_arm_name,
+    load_recipe,
+    save_recipe,
+    to_plain,
+)
 from ..rope import describe_rope
 from ..train import read_log, train
 from .reference import load_reference
@@ -48,14 +57,15 @@ def _finished(run_dir: Path) -> bool:
 
 
 def _stage_recipe(recipe: Recipe, run_dir: Path, *, patch: PatchSection, steps: int, lr=None, warmup=None,
-                  at_steps=(), source=None) -> Recipe:
+                  at_steps=(), source=None, recovery=None, lengths=None) -> Recipe:
     r = copy.deepcopy(recipe)
-    r.extras = {}
+    r.extras = {} if recovery is None else {"recovery": copy.deepcopy(recovery)}
     r.patch = patch
     r.train = dataclasses.replace(r.train, steps=steps, lr=r.train.lr if lr is None else lr,
                                   warmup_steps=min(r.train.warmup_steps if warmup is None else warmup, steps))
-    # stages evaluate at the training length only; the long lengths are retrofit.evaluate's job
-    r.eval = dataclasses.replace(r.eval, at_steps=sorted(set(at_steps)), every=0, lengths=[r.data.seq_len])
+    # stages evaluate at the recovery lengths (default: the training length); the long ones are retrofit.evaluate's
+    r.eval = dataclasses.replace(r.eval, at_steps=sorted(set(at_steps)), every=0,
+                                 lengths=sorted(set(lengths or [r.data.seq_len])))
     r.output = dataclasses.replace(r.output, dir=str(run_dir))
     if source is not None:
         r.model = dataclasses.replace(r.model, source=str(source), config=None)
@@ -89,7 +99,7 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
     at = [s for s in exp.recovery_at if s <= exp.finetune_steps] + [exp.finetune_steps]
     stage = _stage_recipe(recipe, arm_dir, patch=arm.patch, steps=exp.finetune_steps,
                           lr=arm.lr if arm.lr is not None else exp.finetune_lr, warmup=exp.finetune_warmup,
-                          at_steps=at, source=base)
+                          at_steps=at, source=base, recovery=arm.recovery, lengths=exp.recovery_lengths)
     what = f"from {base}" if base else "from scratch"
     rope = f" + rope {describe_rope(arm.patch.rope)}" if arm.patch.rope is not None else ""
     print(f"[experiment] arm {arm.name}: {arm.patch.norm or 'unpatched'}{rope}, {exp.finetune_steps} steps {what} "
@@ -294,8 +304,10 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
                "wall_time_s": clock.rounded(),
                "base": base, "arms": {a.name: {"patch": a.patch.options | {"norm": a.patch.norm, "nope": a.patch.nope}
                                                | ({"rope": a.patch.rope} if a.patch.rope is not None else {}),
+                                               "settings": {"lr": a.lr, "recovery": to_plain(a.recovery)},
                                                "failed": failures.get(a.name),
                                                "recovery": recovery.get(a.name)} for a in exp.arms},
+               "control": exp.control,
                "evaluation": evaluation, "reference": reference}
     atomic_write_text(out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
     write_experiment_report(results, out)

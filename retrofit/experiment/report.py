@@ -52,12 +52,24 @@ def comparison_table(results: dict, value: str | None = None) -> str:
     return markdown_table(header, rows)
 
 
-def recovery_series(results: dict) -> dict[str, tuple[list, list]]:
-    """arm -> (finetune steps, metric at the training length)."""
+RECOVERY_METRICS = ("eval/loss@", "eval/l1@")
+
+
+def recovery_lengths(results: dict) -> list[int]:
+    """The lengths the arms' recovery curves were measured at (experiment.recovery_lengths)."""
+    return sorted({int(k.rsplit("@", 1)[1]) for arm in results["arms"].values()
+                   for metrics in (arm.get("recovery") or {}).values() for k in metrics
+                   if k.startswith(RECOVERY_METRICS)})
+
+
+def recovery_series(results: dict, length: int | None = None) -> dict[str, tuple[list, list]]:
+    """arm -> (finetune steps, metric at `length`; default the shortest recovery length, the trained one)."""
+    lengths = recovery_lengths(results)
+    length = length if length is not None else (lengths[0] if lengths else None)
     series = {}
     for name, arm in results["arms"].items():
         points = sorted((int(step), metrics) for step, metrics in (arm.get("recovery") or {}).items())
-        values = [(s, next((v for k, v in m.items() if k.startswith(("eval/loss@", "eval/l1@"))), None))
+        values = [(s, next((m[k + str(length)] for k in RECOVERY_METRICS if k + str(length) in m), None))
                   for s, m in points]
         values = [(s, v) for s, v in values if v is not None]
         if values:
@@ -65,11 +77,37 @@ def recovery_series(results: dict) -> dict[str, tuple[list, list]]:
     return series
 
 
-def recovery_table(results: dict) -> str:
-    series = recovery_series(results)
+def gap_series(results: dict, length: int | None = None) -> dict[str, tuple[list, list]]:
+    """arm -> (steps, metric minus the control arm's at the same step), for every arm but the control;
+    empty when the experiment has no arm named experiment.control (or it failed)."""
+    series = recovery_series(results, length)
+    control = series.get(results.get("control", "softmax"))
+    if control is None:
+        return {}
+    at = dict(zip(*control))
+    gaps = {}
+    for name, (steps, values) in series.items():
+        if name != results.get("control", "softmax"):
+            pairs = [(s, v - at[s]) for s, v in zip(steps, values) if s in at]
+            if pairs:
+                gaps[name] = ([s for s, _ in pairs], [g for _, g in pairs])
+    return gaps
+
+
+def _steps_table(series: dict, corner: str, fmt=None) -> str:
+    fmt = fmt or _fmt
     steps = sorted({s for xs, _ in series.values() for s in xs})
-    rows = [[name] + [_fmt(dict(zip(xs, ys)).get(s)) for s in steps] for name, (xs, ys) in series.items()]
-    return markdown_table(["arm \\ finetune step"] + [str(s) for s in steps], rows) if rows else ""
+    rows = [[name] + [fmt(dict(zip(xs, ys)).get(s)) for s in steps] for name, (xs, ys) in series.items()]
+    return markdown_table([corner] + [str(s) for s in steps], rows) if rows else ""
+
+
+def recovery_table(results: dict, length: int | None = None) -> str:
+    return _steps_table(recovery_series(results, length), "arm \\ finetune step")
+
+
+def gap_table(results: dict, length: int | None = None) -> str:
+    return _steps_table(gap_series(results, length), f"gap to {results.get('control', 'softmax')} \\ step",
+                        lambda x: "—" if x is None else f"{x:+.3f}")
 
 
 def summary_table(results: dict) -> str:
@@ -86,12 +124,17 @@ def write_experiment_report(results: dict, out) -> Path:
     out = Path(out)
     evaluation = results["evaluation"]
     _, label = _metric(evaluation)
-    series = recovery_series(results)
+    lengths = recovery_lengths(results)
     plots = []
-    if series:
+    if lengths:
         colors = {m["name"]: f"C{i % 10}" for i, m in enumerate(evaluation["models"])}  # as in eval/'s plots
-        plots.append(line_plot(series, out / "recovery.png", xlabel="finetune steps", log2x=False, colors=colors,
-                               ylabel=f"{label} at the training length", title="Retrofit recovery").name)
+        for i, n in enumerate(lengths):
+            gaps = gap_series(results, n)
+            name = "recovery.png" if i == 0 else f"recovery-{n}.png"
+            series = gaps or recovery_series(results, n)
+            what = f"gap to {results.get('control', 'softmax')} at {n}" if gaps else f"{label} at {n}"
+            plots.append(line_plot(series, out / name, xlabel="finetune steps", log2x=False, colors=colors,
+                                   ylabel=what, title=f"Retrofit recovery at {n} tokens").name)
     eval_plots = [p.name for p in sorted((out / "eval").glob("*.png"))]
     failed = {n: a["failed"] for n, a in results["arms"].items() if a.get("failed")}
     lines = [f"# Experiment: {results['recipe']}", "",
@@ -110,9 +153,13 @@ def write_experiment_report(results: dict, out) -> Path:
                   "The count to predict grows with the length, so absolute L1 grows even for a model that "
                   "extrapolates; L1 / mean count is flat for one that does.", "",
                   comparison_table(results, "relative_l1"), ""]
-    if series:
-        lines += ["## Recovery: metric at the trained length during finetuning", "", recovery_table(results), "",
-                  "![recovery](recovery.png)", ""]
+    for plot, n in zip(plots, lengths):
+        gaps = gap_table(results, n)
+        lines += [f"## Recovery at {n} tokens: {label} during finetuning", "", recovery_table(results, n), ""]
+        if gaps:
+            lines += [f"Gap to the control arm `{results.get('control', 'softmax')}` at the same step "
+                      "(negative = better than the control):", "", gaps, ""]
+        lines += [f"![recovery at {n}]({plot})", ""]
     if results.get("reference"):
         lines += direction_markdown(results["reference"], by_length(evaluation), evaluation.get("train_len"))
     lines += ["## Plots", ""] + [f"![{p}](eval/{p})" for p in eval_plots]

@@ -6,6 +6,9 @@
       arms:
         - {name: softmax, patch: {norm: softmax}}
         - {name: avnorm, patch: {norm: avnorm, kind: rms}}
+        - {name: avnorm-floor, patch: {norm: avnorm, kind: rms},
+           recovery: {patch_lr: 1.0e-2, schedule: {steps: 60}}}   # an arm's own recovery (retrofit.recovery)
+      recovery_lengths: [512, 4096]       # the recovery curve at these lengths
       reference: {file: avnorm_table.json, control: pe.l1_baseline, arms: {avnorm: pe.rmsnorm}}
 
 `retrofit experiment` (retrofit/experiment/) runs it; the schema lives here so that a recipe loads
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 from ..errors import RetrofitError
 from .schema import knob
-from .sections import PatchSection
+from .sections import PatchSection, RecoverySection
 
 # An arm's name becomes a folder (DIR/arms/NAME): letters, digits and -_.+, not starting with a dot, so
 # `..`, `.`, `a/b` or `.hidden` can never point outside DIR/arms or hide there.
@@ -62,6 +65,9 @@ class ArmSection:
     name: str = knob("arm", "folder and label of the arm, e.g. softmax, avnorm-rms, psoftmax-p2")
     patch: PatchSection = knob(factory=PatchSection, doc="the arm's attention patch; norm softmax = the control")
     lr: float | None = knob(None, "finetune learning rate of this arm; null = experiment.finetune_lr")
+    recovery: RecoverySection | None = knob(None, "this arm's recovery (schedule, distillation, patch_lr; see the "
+                                                  "recovery section); null = plain finetune. The top-level recovery "
+                                                  "section is not applied to arms: each arm says its own")
 
     def __post_init__(self):
         check_arm_name(self.name)
@@ -79,6 +85,10 @@ class ExperimentSection:
     recovery_at: list[int] = knob(factory=lambda: [0, 10, 20, 50, 100, 200, 500, 1000],
                                   doc="finetune steps at which each arm is evaluated at the training length "
                                       "(clipped to finetune_steps): the recovery curve")
+    recovery_lengths: list[int] | None = knob(None, "lengths the recovery curve is measured at (the first "
+                                                    "eval.batches validation blocks, cut); null = [data.seq_len]")
+    control: str = knob("softmax", "the arm every other arm's recovery gap is measured against; an experiment "
+                                   "without an arm of that name reports no gaps")
     eval_data: list[str] | None = knob(None, "lm: text (or .json token) files for the length evaluation")
     eval_max_tokens: int | None = knob(None, "lm: cap on tokens evaluated per length (null = all windows)")
     train_len: int | None = knob(None, "the length marked as 'trained' in the report; null = data.seq_len")
@@ -95,3 +105,8 @@ class ExperimentSection:
         if self.base_steps < 0 or self.finetune_steps < 1:
             raise RetrofitError("experiment.base_steps must be >= 0 and finetune_steps >= 1")
         check_lr(self.finetune_lr, "experiment.finetune_lr")
+        if self.recovery_lengths is not None and not (self.recovery_lengths
+                                                      and all(isinstance(n, int) and n >= 2
+                                                              for n in self.recovery_lengths)):
+            raise RetrofitError(f"experiment.recovery_lengths must be a non-empty list of lengths >= 2, "
+                                f"got {self.recovery_lengths}")

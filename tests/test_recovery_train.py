@@ -148,15 +148,19 @@ def test_the_recovery_recipe_is_the_ablation_and_its_defaults_are_one_of_its_arm
     recipe = load_recipe(ROOT / "recipes" / "llama-recovery.yaml")
     exp = recipe.section("experiment")
     assert [a.name for a in exp.arms] == ["softmax", "avnorm", "avnorm-plr", "avnorm-kl", "avnorm-match",
-                                          "avnorm-floor", "avnorm-best", "psoftmax", "softmax1"]
+                                          "avnorm-floor", "avnorm-best", "psoftmax", "softmax1", "softmax-lr2e-4",
+                                          "avnorm-kl-lr2e-4"]
     assert exp.control == "softmax" and exp.recovery_lengths == [512, 4096]
-    assert [a.patch.norm for a in exp.arms] == ["softmax"] + ["avnorm"] * 6 + ["psoftmax", "softmax1"]
+    assert [a.patch.norm for a in exp.arms] == ["softmax"] + ["avnorm"] * 6 + ["psoftmax", "softmax1", "softmax",
+                                                                                "avnorm"]
+    assert exp.arms[9].lr == exp.arms[10].lr == 2e-4  # the faster arm has a control at its own rate
     rec = {a.name: a.recovery for a in exp.arms}
     assert rec["softmax"] is None and rec["avnorm"] is None and rec["avnorm-plr"].patch_lr == 1e-2
     assert rec["avnorm-best"].distills() and rec["avnorm-best"].schedule.steps < exp.finetune_steps
     assert exp.arms[7].patch.options == {"p": 2.0, "gain": 1.0} and rec["psoftmax"].schedule is not None
     assert rec["softmax1"].schedule is not None and exp.arms[8].patch.options == {"sink": 0.0}
-    defaults = [a.name for a in exp.arms if a.patch == recipe.patch and a.recovery == recipe.section("recovery")]
+    defaults = [a.name for a in exp.arms if a.patch == recipe.patch and a.recovery == recipe.section("recovery")
+                and (a.lr or exp.finetune_lr) == recipe.train.lr]
     assert len(defaults) == 1
 
 

@@ -27,6 +27,7 @@ What a patch does (transformers 5.23, modeling_rope_utils.py):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -304,6 +305,26 @@ def restore_rope(model: nn.Module, record: dict | None) -> int:
     return restored
 
 
+@contextlib.contextmanager
+def original_rope(model: nn.Module, record: dict):
+    """While active, the rotary modules and config values the model had before `record`'s extension (a
+    distillation teacher's positions); the extended ones come back after, the very same objects."""
+    extended = [(name, m) for name, m in model.named_modules() if getattr(m, ORIGINAL_ATTR, None)]
+    config = rope_config(model)
+    values = {key: getattr(config, key) for key in record["original"]}
+    for name, module in extended:
+        _set(model, name, getattr(module, ORIGINAL_ATTR)[0])
+    for key, value in record["original"].items():
+        setattr(config, key, copy.deepcopy(value))
+    try:
+        yield model
+    finally:
+        for name, module in extended:
+            _set(model, name, module)
+        for key, value in values.items():
+            setattr(config, key, value)
+
+
 def reset_to_original(model: nn.Module, record: dict) -> None:
     """For a model loaded from a checkpoint saved with rope applied (its config.json carries the extended
     values): go back to the original values and rotary modules, so that re-applying the patch keeps the
@@ -318,5 +339,5 @@ def has_rope_extension(model: nn.Module) -> bool:
     return any(getattr(m, ORIGINAL_ATTR, None) for m in model.modules())
 
 
-__all__ = ["ROPE_KEYS", "apply_rope", "describe_rope", "has_rope_extension", "normalize_rope", "parse_rope",
-           "plan_rope", "reset_to_original", "restore_rope", "rotary_modules"]
+__all__ = ["ROPE_KEYS", "apply_rope", "describe_rope", "has_rope_extension", "normalize_rope", "original_rope",
+           "parse_rope", "plan_rope", "reset_to_original", "restore_rope", "rotary_modules"]

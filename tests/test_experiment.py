@@ -114,6 +114,18 @@ def test_a_crash_during_evaluation_keeps_the_models_already_done(demo_run, tmp_p
                                                                   "avnorm-rms", "ssmax", "softmax1"]
 
 
+def test_eval_base_false_leaves_the_base_out_of_the_evaluation(demo_run, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    shutil.copytree(demo_run[0], out)
+    evaluated = _count_evaluations(monkeypatch)
+    results = experiment.run_experiment(experiment.DEMO_RECIPE, out, SHRINK + ["experiment.eval_base=false"],
+                                        progress=False)
+    arms = [a.name for a in load_recipe(experiment.DEMO_RECIPE).section("experiment").arms]
+    assert evaluated == []  # the arms' results are reused, the base is not evaluated
+    assert [m["name"] for m in results["evaluation"]["models"]] == arms
+    assert "| base |" not in (out / "report.md").read_text()
+
+
 def test_a_changed_evaluation_setting_evaluates_again(demo_run, tmp_path, monkeypatch):
     out = tmp_path / "run"
     shutil.copytree(demo_run[0], out)
@@ -160,8 +172,8 @@ def test_a_failing_arm_is_reported_and_the_others_run(tmp_path, monkeypatch):
 
 def test_the_issue_recipes_ship_with_experiment_sections():
     folder = Path(experiment.__file__).parent.parent / "recipes"
-    for name in ("demo", "counting-psoftmax", "gpt2-avnorm-retrofit", "llama-avnorm-retrofit", "nope",
-                 "norm-comparison"):
+    for name in ("demo", "counting-psoftmax", "gpt2-avnorm-retrofit", "llama-avnorm-retrofit", "llama-recovery",
+                 "llama-retrofit-v2", "nope", "norm-comparison"):
         assert load_recipe(folder / f"{name}.yaml").section("experiment").arms, name
     assert (Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml").is_file()  # recipes/ links there
 

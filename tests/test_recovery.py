@@ -130,6 +130,37 @@ def test_the_bypassed_teacher_is_the_unpatched_model_bitwise_and_the_patch_comes
             pass
 
 
+@pytest.mark.parametrize("rope", ["yarn:4", "dynamic:4"])
+def test_the_teacher_of_a_rope_extended_student_is_the_original_model_and_the_extension_comes_back(rope):
+    ids = random_ids(2, 24)
+    model = tiny_model("llama")
+    original = _logits(model, ids)
+    config = model.config
+    saved = (config.max_position_embeddings, dict(config.rope_parameters))
+    retrofit.patch(model, "softmax", rope=rope)
+    softmax_extended = _logits(model, ids)  # at 24 positions: yarn differs (scaled frequencies), dynamic is the same
+    retrofit.unpatch(model)
+    retrofit.patch(model, "avnorm", rope=rope)
+    extended = (config.max_position_embeddings, dict(config.rope_parameters))
+    rotary = model.model.rotary_emb
+    patched = _logits(model, ids)
+    with patch_bypassed(model):
+        assert torch.equal(_logits(model, ids), original)
+        assert (config.max_position_embeddings, dict(config.rope_parameters)) == saved
+    assert model.model.rotary_emb is rotary
+    assert (config.max_position_embeddings, dict(config.rope_parameters)) == extended
+    assert torch.equal(_logits(model, ids), patched)
+    assert torch.equal(softmax_extended, original) == rope.startswith("dynamic")
+
+
+def test_a_nope_student_has_no_teacher():
+    model = tiny_model("llama")
+    retrofit.patch(model, "avnorm", nope=True)
+    with pytest.raises(RetrofitError, match="drop nope or the KL"):
+        with patch_bypassed(model):
+            pass
+
+
 def _full_kl(model, ids, labels, temperature=1.0):
     student = model(input_ids=ids, use_cache=False).logits.float()
     with patch_bypassed(model), torch.no_grad():

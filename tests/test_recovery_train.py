@@ -18,7 +18,7 @@ import yaml
 import retrofit
 from retrofit.cli import main
 from retrofit.load import load_run
-from retrofit.recipe import load_recipe, recipe_from_dict
+from retrofit.recipe import PatchSection, load_recipe, recipe_from_dict
 from retrofit.recovery.distill import teacher_mode
 from retrofit.train import checkpoint, read_log, train
 from tests.test_train import write_corpus
@@ -159,9 +159,32 @@ def test_the_recovery_recipe_is_the_ablation_and_its_defaults_are_one_of_its_arm
     assert rec["avnorm-best"].distills() and rec["avnorm-best"].schedule.steps < exp.finetune_steps
     assert exp.arms[7].patch.options == {"p": 2.0, "gain": 1.0} and rec["psoftmax"].schedule is not None
     assert rec["softmax1"].schedule is not None and exp.arms[8].patch.options == {"sink": 0.0}
-    defaults = [a.name for a in exp.arms if a.patch == recipe.patch and a.recovery == recipe.section("recovery")
-                and (a.lr or exp.finetune_lr) == recipe.train.lr]
-    assert len(defaults) == 1
+    assert len(_arms_the_defaults_are(recipe)) == 1
+
+
+def _arms_the_defaults_are(recipe) -> list[str]:
+    """The arms whose patch, recovery and effective rate are the recipe's top level (what `retrofit train` runs)."""
+    exp = recipe.section("experiment")
+    return [a.name for a in exp.arms if a.patch == recipe.patch and a.recovery == recipe.section("recovery")
+            and (a.lr or exp.finetune_lr or recipe.train.lr) == recipe.train.lr]
+
+
+def test_the_v2_recipe_pits_retrofits_against_finetuned_rope_baselines_at_one_rate():
+    """recipes/llama-retrofit-v2.yaml (#17): the control, both RoPE baselines and the retrofits, every arm at the
+    same rate and tokens; KL arms with a RoPE extension are allowed (their teacher is the original model); the
+    defaults are exactly one arm's configuration."""
+    recipe = load_recipe(ROOT / "recipes" / "llama-retrofit-v2.yaml")
+    exp = recipe.section("experiment")
+    arms = {a.name: a for a in exp.arms}
+    assert list(arms) == ["softmax", "softmax-yarn", "softmax-dynamic", "avnorm", "avnorm-yarn", "ssmax-dynamic",
+                          "psoftmax"]
+    assert exp.control == "softmax" and arms["softmax"].patch == PatchSection(norm="softmax")
+    assert {arms["softmax-yarn"].patch.rope, arms["softmax-dynamic"].patch.rope} == {"yarn:4", "dynamic:4"}
+    assert all(a.lr is None for a in exp.arms) and exp.finetune_lr is None  # one rate: train.lr
+    assert arms["avnorm"].recovery == arms["avnorm-yarn"].recovery and arms["avnorm"].recovery.distills()
+    assert arms["ssmax-dynamic"].patch.options == {"scale": "beyond"}
+    assert recipe.eval_lengths() == [512, 1024, 2048, 4096, 8192, 16384, 32768] and exp.eval_base is False
+    assert len(_arms_the_defaults_are(recipe)) == 1
 
 
 def test_experiment_arms_carry_their_own_recovery_and_report_the_gap_at_every_recovery_length(base, tmp_path):

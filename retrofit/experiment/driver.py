@@ -294,8 +294,9 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
         clock.stage(f"arm {arm.name}", time.perf_counter() - t0, skipped)
     t0 = time.perf_counter()
     done = [a.name for a in exp.arms if a.name not in failures]
-    sources = ([base] if base else []) + [str(out / "arms" / n) for n in done]
-    names = (["base"] if base else []) + done
+    evaluated_base = [base] if base and exp.eval_base else []
+    sources = evaluated_base + [str(out / "arms" / n) for n in done]
+    names = ["base"] * len(evaluated_base) + done
     evaluation, reused = evaluate_all(sources, names, recipe, exp, progress, out)
     write_report(evaluation, out / "eval")
     earlier = sum(m.get("eval_s") or 0 for m in evaluation["models"] if m["name"] in reused)  # their recorded times

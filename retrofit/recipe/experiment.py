@@ -79,6 +79,8 @@ class ExperimentSection:
     arms: list[ArmSection] = knob(factory=list, doc="the finetune arms, all from the same base")
     base_steps: int = knob(0, "steps to (pre)train the base with softmax attention; 0 = the model as loaded "
                                "(with model.config: no base, every arm trains from the same seeded init)")
+    eval_base: bool = knob(True, "evaluate the base next to the arms; false skips it (e.g. a pretrained base "
+                                 "measured elsewhere: one model fewer at every length)")
     finetune_steps: int = knob(100, "optimizer steps of every arm")
     finetune_lr: float | None = knob(None, "arms' learning rate; null = train.lr")
     finetune_warmup: int | None = knob(None, "arms' warmup steps; null = train.warmup_steps")

@@ -6,7 +6,9 @@
 retrofit's attention function dispatches to each attention module's `retrofit` child and runs the wrapped kernel
 unchanged when there is none (patch.py `_dispatch`), and AVNorm's output-projection hook does nothing when its
 norm is not attached (norms/base.py `before_projection`); so detaching the children for the duration is the
-original model. Patches that also change positions (nope, rope) are refused: their teacher would need those restored.
+original model. A RoPE extension is undone for the duration too (the original rotary modules and config values,
+rope.py `original_rope`), so the teacher of an extended student is the original model, not the extended one; NoPE
+is refused: its teacher would need the position embeddings it removed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from ..errors import RetrofitError
 from ..patch import CHILD
+from ..rope import original_rope
 
 
 def _records(model: nn.Module) -> list[dict]:
@@ -31,15 +34,17 @@ def patch_bypassed(model: nn.Module):
     if not owners:
         raise RetrofitError("a teacher needs a patched model (the teacher is the patch bypassed); this model has no "
                             "retrofit norm: patch it first, or drop recovery.kl_weight / match_steps")
-    for record in _records(model):
-        if record.get("nope") or record.get("rope"):
-            raise RetrofitError("distillation bypasses the attention norm only; a patch with nope or rope changes "
-                                "positions too, so its teacher is not the original model: drop nope/rope or the KL")
+    records = _records(model)
+    if any(record.get("nope") for record in records):
+        raise RetrofitError("distillation bypasses the attention norm and a RoPE extension, not NoPE: a nope patch "
+                            "removed the position embeddings its teacher would need; drop nope or the KL")
+    rope = next((record["rope"] for record in records if record.get("rope")), None)
     saved = [(m, dict(m._modules)) for m in owners]  # children in order: parameters() order must not change
     for m in owners:
         del m._modules[CHILD]
     try:
-        yield model
+        with original_rope(model, rope) if rope else contextlib.nullcontext():
+            yield model
     finally:
         for m, children in saved:
             m._modules.clear()

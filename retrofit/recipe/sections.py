@@ -304,9 +304,10 @@ class RecoverySection:
                                                   "from step 0")
     lm_weight: float = knob(1.0, "weight of the next-token loss on the data; 0 = pure distillation")
     kl_weight: float = knob(0.0, "weight of KL(teacher || student) per token, teacher = the same weights with the "
-                                 "patch bypassed (and LoRA adapters off): pulls toward the original function, one "
-                                 "extra forward. Exact while the base is frozen (freeze_base, train.peft); a full "
-                                 "finetune moves the teacher too, so keep the weight small (0.1-0.3) there")
+                                 "patch bypassed (norm, RoPE extension and LoRA adapters off): pulls toward the "
+                                 "original function, one extra forward. Exact while the base is frozen "
+                                 "(freeze_base, train.peft); a full finetune moves the teacher too, so keep the "
+                                 "weight small (0.1-0.3) there")
     kl_temperature: float = knob(1.0, "softens both distributions (loss scaled by T^2); > 1 also matches the tail")
     chunk_tokens: int = knob(1024, "positions x rows per chunk of the output head in the KL; smaller = less memory "
                                    "(never L x vocab at once), more head calls")

@@ -299,10 +299,13 @@ def restore_rope(model: nn.Module, record: dict | None) -> int:
             _set(model, name, original[0])
             restored += 1
     if record:
-        config = rope_config(model)
-        for key, value in record["original"].items():
-            setattr(config, key, copy.deepcopy(value))
+        _put_original_values(rope_config(model), record)
     return restored
+
+
+def _put_original_values(config, record: dict) -> None:
+    for key, value in record["original"].items():
+        setattr(config, key, copy.deepcopy(value))
 
 
 @contextlib.contextmanager
@@ -314,8 +317,7 @@ def original_rope(model: nn.Module, record: dict):
     values = {key: getattr(config, key) for key in record["original"]}
     for name, module in extended:
         _set(model, name, getattr(module, ORIGINAL_ATTR)[0])
-    for key, value in record["original"].items():
-        setattr(config, key, copy.deepcopy(value))
+    _put_original_values(config, record)
     try:
         yield model
     finally:
@@ -330,8 +332,7 @@ def reset_to_original(model: nn.Module, record: dict) -> None:
     values): go back to the original values and rotary modules, so that re-applying the patch keeps the
     true originals aside and `unpatch` restores them."""
     config = rope_config(model)
-    for key, value in record["original"].items():
-        setattr(config, key, copy.deepcopy(value))
+    _put_original_values(config, record)
     _rebuild(model, config, keep_original=False)
 
 

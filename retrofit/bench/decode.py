@@ -83,11 +83,27 @@ def _load(args):
     if is_patched(model):
         note = f"{args.model} is patched with {model.config.retrofit['norm']}: its base model is the baseline"
         unpatch(model)
-    longest = _positions(model.config)
+    check_length(model.config, args)
+    return model.to(args.device).eval(), note
+
+
+def check_length(config, args) -> None:
+    """Prompt plus new tokens must fit the model's positions (GPT-2's table has 1024: past it, an index error)."""
+    longest = _positions(config)
     if longest is not None and args.prompt_tokens + args.new_tokens > longest:
         raise RetrofitError(f"--prompt-tokens {args.prompt_tokens} + --new-tokens {args.new_tokens} exceeds the "
                             f"model's {longest} positions; use a shorter prompt")
-    return model.to(args.device).eval(), note
+
+
+def _check_early(args) -> None:
+    """What can be refused from the config alone, before the weights load (a GGUF file takes ~15 s)."""
+    from ..load import load_config
+
+    try:
+        config = load_config(args.model)
+    except (RetrofitError, OSError, ValueError):  # an adapter folder, a model without config.json ...
+        return  # loading the model reports its own problem, and check_length runs again after it
+    check_length(config, args)
 
 
 def generate(model, prompt, new_tokens: int) -> tuple[float, float, list[int]]:
@@ -182,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
     from ..load import source_kind
 
     source_kind(args.model)  # a missing file or folder: one line, before torch or transformers load
+    _check_early(args)
     import torch
 
     if args.threads:

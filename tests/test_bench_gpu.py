@@ -49,7 +49,7 @@ def test_bench_gpu_tiny_on_cpu_end_to_end(tmp_path, capsys):
 
     check = report["parts"]["parity"]
     ran = [r for r in check["checks"] if "skipped" not in r]
-    assert check["failed"] == 0 and check["passed"] == len(ran) > 150
+    assert check["failed"] == 0 and check["not_run"] == 0 and check["passed"] == len(ran) > 150
     seen = {(r["norm"], r["dtype"], r["case"]) for r in ran}
     assert seen == {(n, d, c) for n in parity.NORMS for d in parity.DTYPES for c in parity.CASES}  # all covered
     for r in ran:
@@ -101,6 +101,13 @@ def test_a_planted_wrong_kernel_fails_parity_and_the_exit_code(plant, monkeypatc
     if plant == "nan-row":
         assert all(not r["finite"] for r in ran if r["norm"] in failed)
     assert "Failed checks" in (out / "report.md").read_text()
+
+
+def test_parity_past_its_budget_records_checks_as_not_run():
+    from retrofit.bench.parity import run_suite
+
+    report = run_suite("cpu", tiny=True, norms=("ssmax",), dtypes=("float32",), budget_s=0)
+    assert report["passed"] == 0 and report["not_run"] == len(report["checks"]) > 0
 
 
 def test_parity_reference_matches_independent_formulas():

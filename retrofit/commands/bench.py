@@ -3,6 +3,8 @@
     retrofit bench attention --seq 1024,4096,16384 --heads 8 --dim 64 --out bench-attention.json
     retrofit bench train --model-type llama --norm avnorm
     retrofit bench eval --length 16384
+    retrofit bench decode MODEL --prompt-tokens 2048 --new-tokens 64   # KV-cache decoding, each norm vs unpatched
+    retrofit bench gpu --out bench-results/gpu                          # the one-call GPU run (parity, speed, train)
     retrofit bench attention --help                  # each benchmark's own options
 
 Each benchmark is a module named in BENCHES providing `add_arguments(parser)` and `run(args) -> int`;
@@ -14,18 +16,22 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+from pathlib import Path
 
 from ..errors import RetrofitError
-from . import check_counts, check_out_file
+from . import check_counts, check_out, check_out_file
 
 BENCHES = {
     "attention": "retrofit.bench.attention",
     "train": "retrofit.bench.train",
     "eval": "retrofit.bench.eval",
+    "decode": "retrofit.bench.decode",
+    "gpu": "retrofit.bench.gpu",
 }
 # integer options of the benchmarks that must be >= 1 (checked whichever benchmark has them)
 COUNTS = ("heads", "dim", "batch", "repeats", "timeout", "length", "chunk_tokens", "seq_len", "steps", "warmup",
-          "threads")
+          "threads", "prompt_tokens", "new_tokens")
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -54,6 +60,17 @@ def load(name: str):
             from None
 
 
+def _check_out(out, kind: str) -> None:
+    """A benchmark's --out: a JSON file ("file"), a file or an existing folder ("file-or-folder"), or a folder
+    that must be new or empty ("folder": the benchmark writes several files there)."""
+    if kind == "folder":
+        check_out(out)
+    elif kind == "file-or-folder" and Path(os.path.expanduser(str(out))).is_dir() and not Path(out).is_symlink():
+        check_out(out, empty=False)
+    else:
+        check_out_file(out)
+
+
 def run(args: argparse.Namespace) -> int:
     module = load(args.bench)
     doc = (module.__doc__ or "").strip().splitlines()
@@ -62,5 +79,5 @@ def run(args: argparse.Namespace) -> int:
     options = parser.parse_args(args.options)
     check_counts(options, positive=COUNTS)
     if getattr(options, "out", None):
-        check_out_file(options.out)
+        _check_out(options.out, getattr(module, "OUT_KIND", "file"))
     return int(module.run(options) or 0)

@@ -1,0 +1,85 @@
+"""The markdown half of `retrofit bench gpu`'s report: one section per part, from the report's JSON alone."""
+
+from __future__ import annotations
+
+from ..evaluate.report import markdown_table
+
+
+def _g(x) -> str:
+    return "" if x is None else f"{x:.2g}"
+
+
+def _ratio(x, base) -> str:
+    return f"{x / base:.2f}x" if x is not None and base else ""
+
+
+def _parity(part: dict) -> list[str]:
+    rows = part["checks"]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["dtype"], r["backend"]), []).append(r)
+    table = []
+    for (dtype, backend), group in groups.items():
+        ran = [r for r in group if "skipped" not in r and "not_run" not in r]
+        worst = max((max(r["errors"].values()) for r in ran if "errors" in r), default=None)
+        table.append([dtype, backend, sum(r["passed"] for r in ran), sum(not r["passed"] for r in ran),
+                      sum("skipped" in r for r in group), _g(worst), _g(part["tolerance"][dtype])])
+    lines = [f"{part['passed']} passed, {part['failed']} failed, {part['skipped']} skipped (backend cannot take "
+             f"the inputs), {part['not_run']} not run (over the time budget); error = max|x - ref| / max|ref| "
+             f"over out and every gradient, float64 reference; "
+             f"cases: {', '.join(part['cases'])}; norms: {', '.join(part['norms'])}.", "",
+             markdown_table(["dtype", "backend", "passed", "failed", "skipped", "worst error", "tolerance"], table)]
+    failed = [r for r in rows if "skipped" not in r and "not_run" not in r and not r["passed"]]
+    if failed:
+        lines += ["", "Failed checks" + (f" (first 20 of {len(failed)})" if len(failed) > 20 else "") + ":", ""]
+        lines += [f"- {r['norm']} {r['dtype']} {r['case']} {r['backend']}: "
+                  + (r.get("error") or ", ".join(f"{k} {_g(v)}" for k, v in r["errors"].items())
+                     + ("" if r["finite"] else " (not finite)")) for r in failed[:20]]
+    return lines
+
+
+def _attention(part: dict) -> list[str]:
+    rows = part["results"]
+    table = []
+    for r in rows:
+        base = next((b for b in rows if b["impl"] == "sdpa" and b["seq"] == r["seq"] and "fwd_ms" in b), {})
+        note = r.get("error") or r.get("skipped") or ""
+        table.append([r["impl"], r["seq"], r["batch"], r.get("fwd_ms"), _ratio(r.get("fwd_ms"), r.get("fwd_sdpa_ms")),
+                      r.get("fwd_bwd_ms"), _ratio(r.get("fwd_bwd_ms"), r.get("fwd_bwd_sdpa_ms")),
+                      r.get("fwd_bwd_peak_mb"), _ratio(r.get("fwd_bwd_peak_mb"), base.get("fwd_bwd_peak_mb")), note])
+    header = ["implementation", "T", "B", "fwd ms", "fwd / sdpa", "fwd+bwd ms", "fwd+bwd / sdpa", "peak MB fwd+bwd",
+              "peak / sdpa", "note"]
+    return [f"Causal, {part['dtype']}, H x D from the first row, p = {part['p']:g} for p-softmax; SDPA backend: "
+            f"{part['sdpa_backend']}; times are the best of the repeats, each paired with an SDPA run.", "",
+            markdown_table(header, table)]
+
+
+def _finetune(part: dict) -> list[str]:
+    runs = part["runs"]
+    base = next((r.get("tokens_per_s") for r in runs if r["norm"] == "unpatched"), None)
+    table = [[r["norm"], r.get("tokens_per_s"), _ratio(base, r.get("tokens_per_s")),
+              (r.get("losses") or [None])[0], (r.get("losses") or [None])[-1], r.get("loss_finite"),
+              r.get("peak_memory_mb"), r.get("error") or r.get("skipped") or ""] for r in runs]
+    header = ["norm", "tokens/s", "time / unpatched", "first loss", "last loss", "loss finite", "peak MB", "note"]
+    return [f"{part['model']} ({part['model_type']}), {part['precision']}, {part['steps']} steps of "
+            f"{part['batch']} x {part['seq_len']} tokens, {part['data']}.", "", markdown_table(header, table)]
+
+
+SECTIONS = {"parity": _parity, "attention": _attention, "finetune": _finetune}
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = ["# retrofit bench gpu" + (" (--tiny)" if report["tiny"] else ""), "",
+             f"{env['name']} ({env['device']}"
+             + (f", driver {env.get('driver')}, CUDA {env['cuda']}, {env.get('memory_gib')} GiB" if env["device"] ==
+                "cuda" else f", {env.get('threads')} threads")
+             + f"); torch {env['torch']}, Triton {env['triton']}, transformers {env['transformers']}. "
+             f"Wall time {report.get('wall_s')} s.", "",
+             markdown_table(["part", "status", "seconds", "error"],
+                            [[name, p["status"], p.get("seconds"), p.get("error", "")]
+                             for name, p in report["parts"].items()])]
+    for name, part in report["parts"].items():
+        lines += ["", f"## {name}", ""]
+        lines += SECTIONS[name](part) if part["status"] == "ok" else [f"failed: {part['error']}"]
+    return "\n".join(lines) + "\n"

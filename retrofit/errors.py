@@ -41,6 +41,15 @@ def shown(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def check_token_ids(largest: int, rows: int, tokens: str, model: str) -> None:
+    """Token ids index the model's embedding: an id >= its rows is an IndexError deep inside a forward. Checked
+    where tokens meet a model (train's setup, eval), naming both sides."""
+    if largest >= rows:
+        raise RetrofitError(f"{tokens} has token ids up to {largest:,} but {model} has {rows:,} embedding rows "
+                            "(vocab_size): they do not belong together; use the model's own tokenizer, or a model "
+                            "whose vocabulary holds every id")
+
+
 # ---- the one text-reading rule: UTF-8 or a one-line error naming the file and the first bad byte ------------------
 
 def _not_utf8(label: str, err: UnicodeDecodeError, offset: int) -> RetrofitError:

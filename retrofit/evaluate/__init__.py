@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from ..calibrate import calibrate
-from ..errors import RetrofitError
+from ..errors import RetrofitError, check_token_ids
 from ..lengths import parse_lengths
 from ..load import CountingModel, language_model, load, load_tokenizer
 from ..load.runs import same_rope
@@ -117,6 +117,8 @@ def evaluate_models(sources: list, *, data=None, tokens=None, lengths, train_len
         if ("lm" in wanted_tasks and documents is None) or ("passkey" in wanted_tasks and tok is None):
             raise RetrofitError(f"no tokenizer for {name}: pass --tokenizer PATH (a tokenizer folder)")
         check_lengths(lm, lengths, name)
+        _check_vocabulary(lm, documents if "lm" in wanted_tasks else None,
+                          tok if "passkey" in wanted_tasks else None, name)
         entry = {"name": name, "source": str(source) if isinstance(source, (str, Path)) else None,
                  "model_type": lm.config.model_type, "tokenizer": key, "dtype": str(lm.dtype).removeprefix("torch."),
                  "retrofit": getattr(lm.config, "retrofit", None), "max_learned_positions": position_limit(lm),
@@ -136,6 +138,16 @@ def evaluate_models(sources: list, *, data=None, tokens=None, lengths, train_len
         del model, lm
         gc.collect()
     return results
+
+
+def _check_vocabulary(lm, documents, tok, name: str) -> None:
+    """Every token id the evaluation feeds `lm` (the documents' ids; the passkey tokenizer's vocabulary) has an
+    embedding row: a one-line error instead of an IndexError in the first forward."""
+    rows = lm.get_input_embeddings().num_embeddings
+    if documents:
+        check_token_ids(int(max((max(d) for d in documents if len(d)), default=-1)), rows, "the evaluation data", name)
+    if tok is not None:
+        check_token_ids(max(tok.get_vocab().values()), rows, "the tokenizer", name)
 
 
 def check_variants(variants) -> list[dict]:

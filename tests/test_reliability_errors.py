@@ -1,0 +1,150 @@
+"""Reliability round 3 (errors): bad input that used to be a traceback, a 254 MB message or a wrong model.
+
+A YAML alias bomb and a 1000-deep recipe are refused in one short line, fast; a full disk while checkpointing
+is one line and the run resumes to the uninterrupted weights; a tokenizer whose ids exceed the model's
+vocabulary is refused where train meets it. Tiny counting GPT-2 runs (under a second each). The CLI-level
+cases (exit 2, one line, nothing left behind) are in tests/test_bad_inputs.py, block `# round 3 (errors)`.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+
+import pytest
+import torch
+import yaml
+
+from retrofit.errors import RetrofitError, shown
+from retrofit.recipe import load_recipe, recipe_from_dict
+from retrofit.recipe.schema import MAX_VALUES, load_yaml
+from retrofit.train import checkpoint, train
+from tests.test_reliability import counting_recipe, weights
+from tests.test_train import TINY_LLAMA, lm_recipe, write_corpus
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+# ---- item 6: YAML alias bomb -----------------------------------------------------------------------------------------
+
+def alias_bomb(levels: int) -> str:
+    """The 'billion laughs' recipe: each level a list of 9 aliases of the one before, under train.steps
+    (9**levels values once written out; ~550 bytes at 9 levels)."""
+    lines = ["train:", "  steps:", "    - &a0 [lol,lol,lol,lol,lol,lol,lol,lol,lol]"]
+    lines += [f"    - &a{i} [{','.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("levels", [9, 10])
+def test_an_alias_bomb_is_refused_fast_in_one_short_line(levels, tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(alias_bomb(levels))
+    assert path.stat().st_size < 700
+    start = time.perf_counter()
+    with pytest.raises(RetrofitError) as err:
+        load_recipe(path)
+    assert time.perf_counter() - start < 2
+    message = str(err.value)
+    assert "\n" not in message and len(message) < 300, message
+    assert f"expands to more than {MAX_VALUES:,} values through its aliases" in message and str(path) in message
+
+
+def test_a_self_referencing_alias_and_a_deep_recipe_are_one_line(tmp_path):
+    cycle = tmp_path / "cycle.yaml"
+    cycle.write_text("a: &a [*a]\ntrain: {steps: *a}\n")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("train:\n  steps: " + "[" * 1000 + "]" * 1000 + "\n")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump(counting_recipe(tmp_path / "run")))
+    for path in (cycle, deep):
+        with pytest.raises(RetrofitError, match=r"nests deeper than 32 levels") as err:
+            load_recipe(path)
+        assert "\n" not in str(err.value)
+    with pytest.raises(RetrofitError, match=r"override train.steps nests deeper"):
+        load_recipe(plain, ["train.steps=" + "[" * 40 + "]" * 40])
+
+
+def test_a_recipe_with_plain_anchors_still_loads(tmp_path):
+    """Anchors are useful (one list shared by two keys): a few aliases load exactly as PyYAML reads them."""
+    raw = {k: v for k, v in counting_recipe(tmp_path / "run").items() if k != "eval"}
+    text = yaml.safe_dump(raw) + "eval:\n  batches: 1\n  lengths: &lengths [32, 64]\n" \
+        "experiment:\n  recovery_lengths: *lengths\n  arms: [{name: softmax, patch: {norm: softmax}}]\n"
+    path = tmp_path / "anchors.yaml"
+    path.write_text(text)
+    assert load_yaml(text, "x") == yaml.safe_load(text)
+    recipe = load_recipe(path)
+    assert recipe.eval.lengths == [32, 64] and recipe.section("experiment").recovery_lengths == [32, 64]
+
+
+def test_values_echoed_in_errors_are_cut():
+    huge = list(range(10**6))
+    start = time.perf_counter()
+    text = shown(huge)
+    assert time.perf_counter() - start < 0.1 and text == "[0, 1, 2, 3, 4, 5, 6, 7, ...]"
+    assert len(shown("x" * 10**6)) <= 80 and len(shown([huge] * 3)) <= 80
+    assert shown("abc") == "'abc'" and shown(-1) == "-1"
+    with pytest.raises(RetrofitError) as err:
+        recipe_from_dict({**counting_recipe("x"), "train": {"steps": huge}})
+    assert len(str(err.value)) < 200 and "train.steps must be an integer, got [0, 1, 2" in str(err.value)
+
+
+# ---- item 7: disk full while checkpointing ---------------------------------------------------------------------------
+
+TORCH_WRITER_FULL = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
+                                 "data/0: file write failed")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    torch.set_num_threads(1)
+    return weights(train(recipe_from_dict(counting_recipe(tmp_path_factory.mktemp("full") / "run"))).model)
+
+
+@pytest.mark.parametrize("error", [TORCH_WRITER_FULL, OSError(errno.ENOSPC, "No space left on device")],
+                         ids=["torch-writer", "enospc"])
+def test_a_full_disk_while_checkpointing_is_one_line_and_the_run_resumes(error, uninterrupted, tmp_path, monkeypatch):
+    real_write = checkpoint.write_state
+
+    def full_at_step_8(accelerator, folder):
+        real_write(accelerator, folder)  # files half there, as when the disk fills mid-write
+        if folder.name.endswith("0000008"):
+            raise error
+
+    monkeypatch.setattr(checkpoint, "write_state", full_at_step_8)
+    run = tmp_path / "run"
+    with pytest.raises(RetrofitError) as err:
+        train(recipe_from_dict(counting_recipe(run)))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("the disk is full: checkpoint step 8 could not be written")
+    assert f"--resume {run}" in message
+    assert [s for s, _ in checkpoint.complete_checkpoints(run)] == [4]
+    assert not list((run / checkpoint.FOLDER).glob(".tmp-*"))  # its space is given back
+    monkeypatch.setattr(checkpoint, "write_state", real_write)
+    resumed = train(recipe_from_dict(counting_recipe(run)), resume=True)
+    assert resumed.resumed_from == 4
+    for name, value in weights(resumed.model).items():
+        assert torch.equal(value, uninterrupted[name]), name
+
+
+def test_another_runtime_error_while_checkpointing_keeps_its_traceback(tmp_path, monkeypatch):
+    def broken(accelerator, folder):
+        raise RuntimeError("a bug, not a disk")
+    monkeypatch.setattr(checkpoint, "write_state", broken)
+    with pytest.raises(RuntimeError, match="a bug, not a disk"):
+        train(recipe_from_dict(counting_recipe(tmp_path / "run")))
+
+
+# ---- item 7: a tokenizer whose ids the model has no embedding for ---------------------------------------------------
+
+def test_a_tokenizer_beyond_the_vocabulary_is_refused_before_training(tmp_path):
+    """IndexError in the first forward before; now refused in setup, naming both sides (the eval side is a CLI case)."""
+    corpus = write_corpus(tmp_path)
+    raw = lm_recipe(corpus, tmp_path / "run")
+    raw["model"]["config"] = {**TINY_LLAMA, "vocab_size": 16}
+    with pytest.raises(RetrofitError, match=r"^the tokenizer \(model.tokenizer\) has token ids up to \d+ but the "
+                                            r"model has 16 embedding rows \(vocab_size\)") as err:
+        train(recipe_from_dict(raw))
+    assert "\n" not in str(err.value) and not (tmp_path / "run" / "log.jsonl").exists()
+    raw["model"]["config"] = {**TINY_LLAMA, "vocab_size": 97}  # the char tokenizer's ids all fit: it trains
+    raw["output"]["dir"], raw["train"]["steps"] = str(tmp_path / "run-fits"), 2
+    assert train(recipe_from_dict(raw)).model is not None

@@ -15,12 +15,16 @@ import pytest
 import torch
 import yaml
 
+import retrofit
 from retrofit.errors import RetrofitError, shown
+from retrofit.load import load_run
 from retrofit.recipe import load_recipe, recipe_from_dict
 from retrofit.recipe.schema import MAX_VALUES, load_yaml
+from retrofit.recovery import record_knob, set_knob_position
 from retrofit.train import checkpoint, train
 from tests.test_reliability import counting_recipe, weights
 from tests.test_train import TINY_LLAMA, lm_recipe, write_corpus
+from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -148,3 +152,60 @@ def test_a_tokenizer_beyond_the_vocabulary_is_refused_before_training(tmp_path):
     raw["model"]["config"] = {**TINY_LLAMA, "vocab_size": 97}  # the char tokenizer's ids all fit: it trains
     raw["output"]["dir"], raw["train"]["steps"] = str(tmp_path / "run-fits"), 2
     assert train(recipe_from_dict(raw)).model is not None
+
+
+# ---- item 9: p-softmax gain + a schedule ending elsewhere than p --------------------------------------------------
+
+def _psoftmax_model(p: float, gain: float):
+    model = tiny_model("llama").eval()
+    retrofit.patch(model, "psoftmax", p=p, gain=gain)
+    with torch.no_grad():  # per-head gains apart, as calibration and training leave them
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.retrofit.gain.copy_(torch.tensor([0.3, 0.6, 1.7, 2.9]) * (i + 1))
+    return model
+
+
+IDS = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("end", [1.5, 3.0, 1.0])
+def test_a_psoftmax_gain_schedule_ending_elsewhere_reloads_to_the_trained_model(end, tmp_path):
+    """The knob at the schedule's end `end` != the patch's p=2: the trained forward uses g^((end-1)/(p-1)). Before,
+    config.retrofit recorded p=end and a reload applied the full g (logits off by ~0.07); now it is bitwise."""
+    model = _psoftmax_model(2.0, 1.0)
+    set_knob_position(model, 1.0, end=end)
+    with torch.no_grad():
+        trained = model(input_ids=IDS).logits
+    record_knob(model)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=IDS).logits, trained)  # settling changes nothing in memory
+    assert model.config.retrofit["options"]["p"] == end
+    model.save_pretrained(tmp_path / "m")
+    reloaded = retrofit.from_pretrained(str(tmp_path / "m")).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=IDS).logits, trained)
+
+
+def test_a_trained_psoftmax_gain_schedule_reloads_bitwise(tmp_path):
+    raw = counting_recipe(tmp_path / "run", steps=4, save_every=0)
+    raw["patch"] = {"norm": "psoftmax", "p": 2.0, "gain": 0.8}
+    raw["recovery"] = {"schedule": {"steps": 2, "end": 1.5}}
+    result = train(recipe_from_dict(raw))
+    reloaded = load_run(tmp_path / "run").eval()
+    ids = IDS % 16
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids), result.model.eval()(input_ids=ids))
+
+
+def test_psoftmax_p1_with_a_gain_refuses_a_moving_knob_in_one_line():
+    model = _psoftmax_model(1.0, 1.0)
+    with pytest.raises(RetrofitError, match=r"^psoftmax p=1 with a gain cannot move its p to 1.5: .*undefined at "
+                                            r"p = 1; set patch.p > 1") as err:
+        set_knob_position(model, 0.5, start=2.0)
+    assert "\n" not in str(err.value)
+    set_knob_position(model, 1.0)  # start 1 -> end 1: nothing moves, nothing divides
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=IDS).logits).all()
+    plain = tiny_model("llama").eval()
+    retrofit.patch(plain, "psoftmax", p=1.0)  # without a gain, p = 1 schedules like any p
+    assert set_knob_position(plain, 0.5, start=2.0) == [1.5, 1.5]

@@ -9,6 +9,7 @@ cases (exit 2, one line, nothing left behind) are in tests/test_bad_inputs.py, b
 from __future__ import annotations
 
 import errno
+import math
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from retrofit.load import load_run
 from retrofit.recipe import load_recipe, recipe_from_dict
 from retrofit.recipe.schema import MAX_VALUES, load_yaml
 from retrofit.recovery import record_knob, set_knob_position
+from retrofit.recovery.distill import kl_per_position
 from retrofit.train import checkpoint, train
 from tests.test_reliability import counting_recipe, weights
 from tests.test_train import TINY_LLAMA, lm_recipe, write_corpus
@@ -209,3 +211,22 @@ def test_psoftmax_p1_with_a_gain_refuses_a_moving_knob_in_one_line():
     plain = tiny_model("llama").eval()
     retrofit.patch(plain, "psoftmax", p=1.0)  # without a gain, p = 1 schedules like any p
     assert set_knob_position(plain, 0.5, start=2.0) == [1.5, 1.5]
+
+
+# ---- low: KL with a teacher log-probability of -inf -----------------------------------------------------------------
+
+def test_kl_with_a_teacher_that_rules_a_token_out_is_finite_and_exact():
+    teacher = torch.log_softmax(torch.tensor([[0.0, 1.0, float("-inf")]]), -1)
+    student_logits = torch.tensor([[0.5, 0.2, 0.1]], requires_grad=True)
+    student = torch.log_softmax(student_logits, -1)
+    kl = kl_per_position(teacher, student)
+    p0, p1 = 1 / (1 + math.e), math.e / (1 + math.e)  # the teacher's two possible tokens
+    s = torch.log_softmax(torch.tensor([0.5, 0.2, 0.1], dtype=torch.float64), -1).tolist()
+    expected = p0 * (math.log(p0) - s[0]) + p1 * (math.log(p1) - s[1])  # the -inf token adds 0 * log 0 = 0
+    assert torch.isfinite(kl).all() and abs(kl.item() - expected) < 1e-6
+    kl.sum().backward()
+    assert torch.isfinite(student_logits.grad).all()
+    naive = (teacher.exp() * (teacher - student)).sum(-1)  # the old form: NaN
+    assert torch.isnan(naive).all()
+    finite = torch.log_softmax(torch.tensor([[0.0, 1.0, -2.0]]), -1)  # elsewhere: exactly the usual sum
+    assert torch.equal(kl_per_position(finite, student), (finite.exp() * (finite - student)).sum(-1))

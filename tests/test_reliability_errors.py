@@ -9,7 +9,9 @@ cases (exit 2, one line, nothing left behind) are in tests/test_bad_inputs.py, b
 from __future__ import annotations
 
 import errno
+import json
 import math
+import shutil
 import time
 
 import pytest
@@ -17,7 +19,9 @@ import torch
 import yaml
 
 import retrofit
+from retrofit.atomic import MARKER
 from retrofit.errors import RetrofitError, shown
+from retrofit.experiment.driver import DEMO_RECIPE, run_experiment
 from retrofit.load import load_run
 from retrofit.recipe import load_recipe, recipe_from_dict
 from retrofit.recipe.schema import MAX_VALUES, load_yaml
@@ -230,3 +234,65 @@ def test_kl_with_a_teacher_that_rules_a_token_out_is_finite_and_exact():
     assert torch.isnan(naive).all()
     finite = torch.log_softmax(torch.tensor([[0.0, 1.0, -2.0]]), -1)  # elsewhere: exactly the usual sum
     assert torch.equal(kl_per_position(finite, student), (finite.exp() * (finite - student)).sum(-1))
+
+
+# ---- item 10: an edited arm is trained again; tables label arms from their checkpoints ------------------------------
+
+EXPERIMENT = ["experiment.base_steps=4", "experiment.finetune_steps=3", "experiment.recovery_at=[0]",
+              "eval.lengths=[64]", "eval.batches=1", "eval.batch_size=4", "train.batch_size=4",
+              "train.micro_batch_size=4", "train.warmup_steps=1", "train.log_every=3", "train.progress=false"]
+
+
+def _arms(psoftmax: str) -> str:
+    return ('experiment.arms=[{"name": "softmax", "patch": {"norm": "softmax"}}, '
+            f'{{"name": "psoftmax", "patch": {{"norm": "psoftmax", {psoftmax}}}}}]')
+
+
+def _finished_at(out, arm):
+    return (out / "arms" / arm / "result.json").stat().st_mtime_ns
+
+
+@pytest.fixture(scope="module")
+def experiment_p2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("exp") / "run"
+    torch.set_num_threads(1)
+    run_experiment(DEMO_RECIPE, out, [*EXPERIMENT, _arms('"p": 2.0')], progress=False)
+    return out
+
+
+def test_an_edited_arm_is_trained_again_and_reported_with_its_new_settings(experiment_p2, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(experiment_p2, out)  # a moved DIR: the arms still match their base by its place in DIR
+    softmax, psoftmax = _finished_at(out, "softmax"), _finished_at(out, "psoftmax")
+    capsys.readouterr()
+    results = run_experiment(DEMO_RECIPE, out, [*EXPERIMENT, _arms('"p": 3.0')], progress=False)
+    printed = capsys.readouterr().out
+    assert "arm psoftmax: its settings changed (patch.p: 2.0 -> 3.0); training it again" in printed
+    assert _finished_at(out, "softmax") == softmax and _finished_at(out, "psoftmax") != psoftmax
+    assert json.loads((out / "arms" / "psoftmax" / "config.json").read_text())["retrofit"]["options"]["p"] == 3.0
+    assert results["arms"]["psoftmax"]["patch"]["p"] == 3.0 and not results["arms"]["psoftmax"]["failed"]
+    assert "| psoftmax | p=3.0, norm=psoftmax |" in (out / "report.md").read_text()
+    evaluated = {m["name"]: m["retrofit"] for m in results["evaluation"]["models"]}
+    assert evaluated["psoftmax"]["options"]["p"] == 3.0  # evaluated again, not the p=2 results reused
+
+
+def test_an_edited_arm_not_made_by_retrofit_is_refused_naming_the_change(experiment_p2, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(experiment_p2, out)
+    (out / "arms" / "psoftmax" / MARKER).unlink()  # e.g. a folder the user put there
+    before = {p: p.stat().st_mtime_ns for p in (out / "arms" / "psoftmax").rglob("*")}
+    results = run_experiment(DEMO_RECIPE, out, [*EXPERIMENT, _arms('"p": 3.0')], progress=False)
+    assert results["arms"]["psoftmax"]["failed"].startswith(
+        f"arm psoftmax: {out / 'arms' / 'psoftmax'} was trained with other settings (patch.p: 2.0 -> 3.0)")
+    assert {p: p.stat().st_mtime_ns for p in (out / "arms" / "psoftmax").rglob("*")} == before
+
+
+def test_tables_label_an_arm_from_its_checkpoint(tmp_path):
+    """A psoftmax arm whose schedule ends at p=1.5 was trained (and is saved) as p=1.5: so it is labelled."""
+    arm = ('experiment.arms=[{"name": "psoftmax", "patch": {"norm": "psoftmax", "p": 2.0, "gain": 1.0}, '
+           '"recovery": {"schedule": {"steps": 2, "end": 1.5}, "calibrate": 0}}]')
+    results = run_experiment(DEMO_RECIPE, tmp_path / "run", [*EXPERIMENT, arm], progress=False)
+    assert results["arms"]["psoftmax"]["patch"]["p"] == 1.5  # the recipe says 2.0
+    rows = [line for line in (tmp_path / "run" / "report.md").read_text().splitlines()
+            if line.startswith("| psoftmax | ") and "norm=psoftmax" in line]
+    assert rows and all("p=1.5" in row and "p=2.0" not in row for row in rows), rows

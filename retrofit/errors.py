@@ -7,6 +7,7 @@ The CLI prints it without a traceback and exits with code 2 (bad input). Text fi
 import codecs
 import difflib
 import os
+import reprlib
 from pathlib import Path
 
 
@@ -16,8 +17,37 @@ class RetrofitError(ValueError):
 
 def closest(word: str, choices) -> str:
     """' (did you mean X?)' for the closest choice, or '' when nothing is close: the tail of a one-line error."""
+    if not isinstance(word, (str, int, float)) or len(str(word)) > 100:  # a list, a pasted paragraph: no guess
+        return ""
     match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.5)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+# Bounded repr: a value echoed in a one-line error is cut, never the repr of whatever the user wrote (a recipe
+# may hold a list of a million items). reprlib stops early, so the cost is bounded too, not only the length.
+def _short_repr() -> reprlib.Repr:
+    short = reprlib.Repr()  # Python 3.11's Repr takes no keyword arguments
+    short.maxlevel, short.maxlist, short.maxtuple, short.maxdict, short.maxset = 3, 8, 8, 6, 6
+    short.maxstring, short.maxother, short.maxlong = 60, 60, 40
+    return short
+
+
+_SHORT = _short_repr()  # configured once at import, never changed
+
+
+def shown(value, limit: int = 80) -> str:
+    """repr(value) cut to at most `limit` characters (with '...'): how an error message echoes a user's value."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_token_ids(largest: int, rows: int, tokens: str, model: str) -> None:
+    """Token ids index the model's embedding: an id >= its rows is an IndexError deep inside a forward. Checked
+    where tokens meet a model (train's setup, eval), naming both sides."""
+    if largest >= rows:
+        raise RetrofitError(f"{tokens} has token ids up to {largest:,} but {model} has {rows:,} embedding rows "
+                            "(vocab_size): they do not belong together; use the model's own tokenizer, or a model "
+                            "whose vocabulary holds every id")
 
 
 # ---- the one text-reading rule: UTF-8 or a one-line error naming the file and the first bad byte ------------------

@@ -104,7 +104,36 @@ def build_world(root: Path) -> dict:
     Path(w["bad_yaml"]).write_text("model: [unclosed\n  source: x\n")
     w["list_yaml"] = str(root / "list.yaml")
     Path(w["list_yaml"]).write_text("- a\n- b\n")
+    build_round3_errors(root, w)
     return w
+
+
+def build_round3_errors(root: Path, w: dict) -> None:
+    """Inputs of the round 3 (errors) cases: an alias bomb, a 1000-deep recipe, a model with 16 embedding rows,
+    GGUF files cut short, finished runs whose recipe.yaml is a list or whose log.jsonl has a foreign line."""
+    w["bomb"] = str(root / "bomb.yaml")  # 9 levels of 9 aliases: 9**9 values written out, ~550 bytes
+    lines = ["train:", "  steps:", "    - &a0 [lol,lol,lol,lol,lol,lol,lol,lol,lol]"]
+    Path(w["bomb"]).write_text("\n".join(lines + [f"    - &a{i} [{','.join([f'*a{i - 1}'] * 9)}]"
+                                                  for i in range(1, 9)]) + "\n")
+    w["deep"] = str(root / "deep.yaml")
+    Path(w["deep"]).write_text("train:\n  steps: " + "[" * 1000 + "]" * 1000 + "\n")
+    small = tiny_model("llama")
+    small.resize_token_embeddings(16)
+    small.save_pretrained(root / "small_vocab")
+    w["small_vocab"] = str(root / "small_vocab")
+    import struct
+    w["gguf_cut"] = str(root / "cut.gguf")  # the magic, a version, then nothing: the header ends early
+    Path(w["gguf_cut"]).write_bytes(b"GGUF" + struct.pack("<I", 3) + b"\x01\x00")
+    for name in ("run_list_recipe", "run_bad_log"):
+        run = root / name
+        shutil.copytree(root / "ckpt", run)
+        (run / "result.json").write_text(json.dumps({"steps": 1}))
+        (run / "recipe.yaml").write_text("name: x\nmodel: {source: model}\n")
+        (run / "log.jsonl").write_text('{"step": 1, "loss": 3.0}\n{"step": 1, "eval/loss@16": 3.1}\n')
+        w[name] = str(run)
+    (root / "run_list_recipe" / "recipe.yaml").write_text("- a\n- b\n")
+    with open(root / "run_bad_log" / "log.jsonl", "a") as f:
+        f.write('[1, 2]\n{"step": 2, "loss": 2.9}\n')
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +282,31 @@ CASES = [
     ("bench-gpu-unknown-part", "bench gpu --device cpu --tiny --parts parity,nope --out {out}",
      r"unknown --parts \['nope'\]: choose from parity, attention, finetune"),
     ("bench-gpu-missing-model", "bench gpu --device cpu --tiny --model {missing} --out {out}", r"no-such-thing"),
+    # round 3 (errors)
+    ("train-yaml-alias-bomb", "train {bomb} --out {out}",
+     r"bomb.yaml expands to more than 100,000 values through its aliases \(\*name\) \(line \d+\); a recipe is"),
+    ("train-yaml-nested-1000", "train {deep} --out {out}", r"deep.yaml nests deeper than 32 levels \(line 2\)"),
+    ("train-adam-eps-negative", "train {recipe} train.adam_eps=-1 --out {out}",
+     r"train.adam_eps must be > 0 and finite .*got -1.0$"),
+    ("train-adam-eps-nan", "train {recipe} train.adam_eps=.nan --out {out}", r"train.adam_eps must be > 0 .*got nan$"),
+    ("train-seed-negative", "train {recipe} train.seed=-1 --out {out}", r"train.seed must be in 0..2\*\*32-1 .*-1$"),
+    ("train-val-blocks-zero", "train {recipe} data.val_blocks=0 --out {out}", r"data.val_blocks must be >= 1 .*got 0$"),
+    ("train-config-size-not-a-number",
+     "train {recipe} model.source=null model.config.model_type=llama model.config.hidden_size=abc --out {out}",
+     r"model.config is not a valid llama config \(.*'hidden_size' expected int, got str .*'abc'.*\); fix that value"),
+    ("train-config-size-negative",
+     "train {recipe} model.source=null model.config.model_type=llama model.config.hidden_size=-64 --out {out}",
+     r"model.config.hidden_size must be >= 1, got -64$"),
+    ("eval-tokenizer-beyond-vocab", "eval {small_vocab} --data {text} --tokenizer {model} --lengths 8 --out {out}",
+     r"the evaluation data has token ids up to \d+ but small_vocab has 16 embedding rows \(vocab_size\)"),
+    ("patch-gguf-header-cut", "patch {gguf_cut} --norm avnorm --out {out}",
+     r"cut.gguf is damaged: its GGUF header ends early \(.*\); re-download or convert it again$"),
+    ("eval-gguf-header-cut", "eval {gguf_cut} --data {text} --tokenizer {model} --lengths 8 --out {out}",
+     r"cut.gguf is damaged: its GGUF header ends early"),
+    ("push-recipe-a-list", "push {run_list_recipe} --repo me/x --dry-run {out}",
+     r"run_list_recipe/recipe.yaml is not a recipe \(a YAML mapping of sections\), it holds \['a', 'b'\]"),
+    ("push-log-malformed-line", "push {run_bad_log} --repo me/x --dry-run {out}",
+     r"run_bad_log/log.jsonl line 3 is not a training log record \('\[1, 2\]'\); remove that line"),
 ]
 
 

@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
+import os
 from pathlib import Path
 
 import torch
 import yaml
 
 from ..calibrate import calibrate
-from ..errors import RetrofitError
+from ..errors import RetrofitError, check_token_ids
 from ..lengths import parse_lengths
 from ..load import CountingModel, language_model, load, load_tokenizer
 from ..load.runs import same_rope
+from ..load.task_model import TASK_FILE
 from ..memory import PeakMemory
 from ..norms import make_options
 from ..patch import patch as patch_model
@@ -102,6 +105,8 @@ def evaluate_models(sources: list, *, data=None, tokens=None, lengths, train_len
                             "counting": counting, "window": "L + 1 tokens: read L, predict tokens 1..L"},
                "models": []}
     for source, name, (key, documents, tok), eval_patch in jobs:
+        _check_vocabulary(_saved_vocab_size(source), documents if tasks is None or "lm" in tasks else None,
+                          tok if tasks and "passkey" in tasks else None, name)  # before the load prints anything
         model = _load(source, dtype, device)
         lm, counting_model = _language_model(model)
         if eval_patch is not None:
@@ -117,6 +122,8 @@ def evaluate_models(sources: list, *, data=None, tokens=None, lengths, train_len
         if ("lm" in wanted_tasks and documents is None) or ("passkey" in wanted_tasks and tok is None):
             raise RetrofitError(f"no tokenizer for {name}: pass --tokenizer PATH (a tokenizer folder)")
         check_lengths(lm, lengths, name)
+        _check_vocabulary(lm.get_input_embeddings().num_embeddings, documents if "lm" in wanted_tasks else None,
+                          tok if "passkey" in wanted_tasks else None, name)
         entry = {"name": name, "source": str(source) if isinstance(source, (str, Path)) else None,
                  "model_type": lm.config.model_type, "tokenizer": key, "dtype": str(lm.dtype).removeprefix("torch."),
                  "retrofit": getattr(lm.config, "retrofit", None), "max_learned_positions": position_limit(lm),
@@ -136,6 +143,30 @@ def evaluate_models(sources: list, *, data=None, tokens=None, lengths, train_len
         del model, lm
         gc.collect()
     return results
+
+
+def _saved_vocab_size(source) -> int | None:
+    """vocab_size from a model folder's config.json (the embedding rows it was saved with), or None when there is
+    no such plain file to read: the check after loading covers Hub ids, .gguf files, adapters, counting runs."""
+    folder = Path(os.path.expanduser(str(source))) if isinstance(source, (str, Path)) else None
+    config = folder / "config.json" if folder and not (folder / TASK_FILE).exists() else None  # counting: after
+    try:
+        value = json.loads(config.read_text(encoding="utf-8")).get("vocab_size") if config and config.is_file() \
+            else None
+    except (ValueError, OSError, AttributeError):  # damaged or odd: the load names it
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _check_vocabulary(rows: int | None, documents, tok, name: str) -> None:
+    """Every token id the evaluation feeds the model (the documents' ids; the passkey tokenizer's vocabulary) has
+    an embedding row: a one-line error instead of an IndexError in the first forward. rows None: not known yet."""
+    if rows is None:
+        return
+    if documents:
+        check_token_ids(int(max((max(d) for d in documents if len(d)), default=-1)), rows, "the evaluation data", name)
+    if tok is not None:
+        check_token_ids(max(tok.get_vocab().values()), rows, "the tokenizer", name)
 
 
 def check_variants(variants) -> list[dict]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_write_text, owned_folder, remove_owned
-from ..errors import RetrofitError
+from ..errors import RetrofitError, shown
 from ..evaluate import evaluate_models
 from ..evaluate.report import write_report
 from ..load import load, load_config
@@ -39,6 +39,7 @@ from ..recipe import (
     PatchSection,
     Recipe,
     check_arm_name,
+    flat,
     load_recipe,
     save_recipe,
     to_plain,
@@ -93,13 +94,20 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
     arms = out / "arms"
     arm_dir = arms / arm.name
     recovery_file = arm_dir / "recovery.json"
-    if _finished(arm_dir) and recovery_file.is_file():
-        print(f"[experiment] arm {arm.name}: finished, skipping")
-        return {int(k): v for k, v in json.loads(recovery_file.read_text()).items()}
     at = [s for s in exp.recovery_at if s <= exp.finetune_steps] + [exp.finetune_steps]
     stage = _stage_recipe(recipe, arm_dir, patch=arm.patch, steps=exp.finetune_steps,
                           lr=arm.lr if arm.lr is not None else exp.finetune_lr, warmup=exp.finetune_warmup,
                           at_steps=at, source=base, recovery=arm.recovery, lengths=exp.recovery_lengths)
+    change = arm_change(arm_dir, stage, out)
+    if change is not None:  # an edited arm: its old model (or checkpoints) would be reported under the new settings
+        if not remove_owned(arm_dir, arms):
+            raise RetrofitError(f"arm {arm.name}: {arm_dir} was trained with other settings ({change}) and was not "
+                                "made by retrofit's experiment, so it is left as it is; move it away or restore "
+                                "the arm's settings")
+        print(f"[experiment] arm {arm.name}: its settings changed ({change}); training it again")
+    elif _finished(arm_dir) and recovery_file.is_file():
+        print(f"[experiment] arm {arm.name}: finished, skipping")
+        return {int(k): v for k, v in json.loads(recovery_file.read_text()).items()}
     what = f"from {base}" if base else "from scratch"
     rope = f" + rope {describe_rope(arm.patch.rope)}" if arm.patch.rope is not None else ""
     print(f"[experiment] arm {arm.name}: {arm.patch.norm or 'unpatched'}{rope}, {exp.finetune_steps} steps {what} "
@@ -117,6 +125,49 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
     recovery = recovery_points(arm_dir) | {int(k): v for k, v in result.evals.items()}
     atomic_write_text(recovery_file, json.dumps(recovery, indent=1))
     return recovery
+
+
+# Recipe keys that may differ between an arm's run and a re-run without changing the arm's model (its name, folder,
+# logging, and the recovery-curve evaluations): the same ones a resume ignores (train/checkpoint.py).
+_SAME_MODEL = ("name", "output.", "train.progress", "train.log_every", "eval.")
+
+
+def arm_change(arm_dir: Path, stage: Recipe, out: Path) -> str | None:
+    """How the arm's recipe differs from the one its folder was trained with ('patch.p: 2.0 -> 3.0'), or None
+    when it does not or there is nothing to compare. The base is compared by its place in DIR, so a moved
+    experiment folder still matches."""
+    saved_path = arm_dir / "recipe.yaml"
+    if not saved_path.is_file():
+        return None
+    try:
+        saved = flat(load_recipe(saved_path))
+    except RetrofitError as err:
+        return f"its recipe.yaml no longer loads: {err}"
+    current = flat(stage)
+    saved_out = Path(str(saved.get("output.dir"))).parent.parent  # DIR/arms/NAME -> DIR, where it was trained
+    for values, root in ((saved, saved_out), (current, out)):
+        if isinstance(values.get("model.source"), str):
+            values["model.source"] = _within(values["model.source"], root)
+    keys = sorted(k for k in set(saved) | set(current)
+                  if not k.startswith(_SAME_MODEL) and saved.get(k) != current.get(k))
+    if not keys:
+        return None
+    return ", ".join(f"{k}: {shown(saved.get(k), 40)} -> {shown(current.get(k), 40)}" for k in keys[:3]) + \
+        (", ..." if len(keys) > 3 else "")
+
+
+def trained_patch(arm_dir: Path, arm: ArmSection) -> dict:
+    """The arm's patch as its checkpoint records it (config.retrofit: what was trained, e.g. p at the end of a
+    schedule), for the report's labels; the recipe's settings when there is no checkpoint (a failed arm)."""
+    config = arm_dir / "config.json"
+    if not (config.is_file() and _finished(arm_dir)):
+        return arm.patch.options | {"norm": arm.patch.norm, "nope": arm.patch.nope} \
+            | ({"rope": arm.patch.rope} if arm.patch.rope is not None else {})
+    record = json.loads(config.read_text()).get("retrofit")
+    if not isinstance(record, dict):
+        return {"norm": None, "nope": False}  # an arm left unpatched
+    return dict(record.get("options") or {}) | {"norm": record.get("norm"), "nope": bool(record.get("nope"))} \
+        | ({"rope": record["rope"]} if record.get("rope") is not None else {})
 
 
 def recovery_points(run_dir: Path) -> dict[int, dict]:
@@ -283,7 +334,9 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
     clock.stage("base", time.perf_counter() - start, skipped)
     for arm in exp.arms:
         t0 = time.perf_counter()
-        skipped = _finished(out / "arms" / arm.name) and (out / "arms" / arm.name / "recovery.json").is_file()
+        recovery_file = out / "arms" / arm.name / "recovery.json"
+        before = recovery_file.stat().st_mtime_ns if _finished(recovery_file.parent) and recovery_file.is_file() \
+            else None
         try:
             recovery[arm.name] = run_arm(recipe, exp, arm, base, out)
         except Exception as err:  # noqa: BLE001 -- a diverged (or crashed) arm is a result, not a crash of the experiment
@@ -291,7 +344,8 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
                 traceback.print_exc()
             failures[arm.name] = _one_line(err)
             print(f"[experiment] arm {arm.name} FAILED: {failures[arm.name]}")
-        clock.stage(f"arm {arm.name}", time.perf_counter() - t0, skipped)
+        skipped = before is not None and recovery_file.is_file() and recovery_file.stat().st_mtime_ns == before
+        clock.stage(f"arm {arm.name}", time.perf_counter() - t0, skipped)  # a retrained arm is not skipped
     t0 = time.perf_counter()
     done = [a.name for a in exp.arms if a.name not in failures]
     evaluated_base = [base] if base and exp.eval_base else []
@@ -303,8 +357,7 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
     clock.stage("eval", time.perf_counter() - t0 + earlier, skipped=len(reused) == len(evaluation["models"]))
     results = {"schema": "retrofit.experiment/1", "recipe": recipe.name, "hardware": hardware(),
                "wall_time_s": clock.rounded(),
-               "base": base, "arms": {a.name: {"patch": a.patch.options | {"norm": a.patch.norm, "nope": a.patch.nope}
-                                               | ({"rope": a.patch.rope} if a.patch.rope is not None else {}),
+               "base": base, "arms": {a.name: {"patch": trained_patch(out / "arms" / a.name, a),
                                                "settings": {"lr": a.lr, "recovery": to_plain(a.recovery)},
                                                "failed": failures.get(a.name),
                                                "recovery": recovery.get(a.name)} for a in exp.arms},

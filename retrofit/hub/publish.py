@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..atomic import atomic_folder, owned_folder, remove_owned
-from ..errors import RetrofitError
+from ..errors import RetrofitError, shown
 from ..evaluate.report import line_plot
 from ..load.adapters import (
     ADAPTER_CONFIG,
@@ -47,6 +47,7 @@ from ..load.checkpoint import patch_tensors
 from ..load.runs import check_finished
 from ..load.sources import check_model_files, is_hub_id
 from ..norms import AttentionShape, get_norm, make_options
+from ..recipe import load_yaml
 from ..train.runlog import read_log
 from .model_card import GUARD, model_card
 
@@ -266,8 +267,8 @@ def stage(source, out, *, repo: str, merged: bool = False, base_model: str | Non
     src = Path(os.path.expanduser(str(source)))
     recipe, run_source = (run / "recipe.yaml" if run else None), None
     if recipe is not None and recipe.is_file():
-        text = recipe.read_text()
-        run_source = ((yaml.safe_load(text) or {}).get("model") or {}).get("source")
+        text, raw = _read_run_files(run)
+        run_source = (raw.get("model") if isinstance(raw.get("model"), dict) else {}).get("source")
         info["recipe_text"] = public_recipe(text)  # local paths go up as file names
         (out / "recipe.yaml").write_text(info["recipe_text"])
     experiment_eval = run.parent.parent / "eval" if run and run.parent.name == "arms" else None  # retrofit experiment
@@ -284,6 +285,30 @@ def stage(source, out, *, repo: str, merged: bool = False, base_model: str | Non
         card = card.replace(local, public_path(local))  # the card names local folders, never their paths
     (out / "README.md").write_text(card)
     return info
+
+
+def _read_run_files(run: Path) -> tuple[str, dict]:
+    """(text, mapping) of the run's recipe.yaml, after checking it and log.jsonl are what retrofit wrote: a recipe
+    that is not a mapping, or a whole log line that is not a step record, is a one-line error naming the file.
+    (A log line cut by a kill is not JSON and is skipped, as read_log does.)"""
+    path = run / "recipe.yaml"
+    text = path.read_text(encoding="utf-8")
+    raw = load_yaml(text, str(path)) or {}
+    if not isinstance(raw, dict):
+        raise RetrofitError(f"{path} is not a recipe (a YAML mapping of sections), it holds {shown(raw)}; restore "
+                            "it, or push the model folder alone")
+    log = run / "log.jsonl"
+    for number, line in enumerate(log.read_text(encoding="utf-8").splitlines() if log.is_file() else [], 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        evals = {k: v for k, v in record.items() if k.startswith("eval/loss@")} if isinstance(record, dict) else {}
+        if not isinstance(record, dict) or not isinstance(record.get("step", 0), int) or not all(
+                k.split("@", 1)[1].isdigit() and isinstance(v, (int, float)) for k, v in evals.items()):
+            raise RetrofitError(f"{log} line {number} is not a training log record ({shown(line)}); remove that "
+                                "line or restore the file")
+    return text, raw
 
 
 def _training_curve(log: Path, out: Path) -> str | None:

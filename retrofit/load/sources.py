@@ -16,6 +16,7 @@ import json
 import os
 import re
 import socket
+import struct
 import urllib.parse
 from pathlib import Path
 
@@ -100,6 +101,9 @@ def call_loader(source: str, kind: str, fn, *args, **kwargs):
         if kind == "hub":
             raise hub_error(source, err) from None
         raise RetrofitError(f"could not load {source!r}: {str(err).strip().splitlines()[0][:200]}") from None
+    except struct.error as err:  # transformers' GGUF reader unpacking a header cut short
+        raise RetrofitError(f"{source} is damaged: its GGUF header ends early ({err}); re-download or convert it "
+                            "again") from None
 
 
 def location(source: str, kind: str) -> tuple[str, dict]:

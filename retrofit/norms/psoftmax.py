@@ -11,7 +11,9 @@ subtracted; runs through `retrofit.kernels.psoftmax_attention` (exact, no T x T 
 On a pretrained model p > 1 multiplies each head's output by exp(LSE(s) - LSE(p*s)/p) >= 1, orders of magnitude
 apart per head. `gain` adds a per-head output gain g_h (1-D, H values) that `retrofit.calibrate` sets to
 mean RMS(softmax output) / mean RMS(p-softmax output), so the retrofit starts near the original function. A
-recovery schedule moves p from 1 to `p` (the knob); the gain follows geometrically (g^0 = 1 at p = 1).
+recovery schedule moves p from 1 to `p` (the knob); the gain follows geometrically (g^0 = 1 at p = 1). When the
+schedule ends elsewhere than `p`, `settle_knob` makes the end the norm's own p and folds g^u into the gain, so a
+reload (p = the end, full gain) is what was trained; with a gain, p = 1 has no schedule (u would divide by 0).
 
 A model's own learned sinks (gpt_oss) are kept at p = 1 (softmax+1's kernel with the model's sink) and refused
 for p != 1: the sink would join the p-norm, N = logaddexp(p N_p, p b_h) / p, and the kernels implement a sink
@@ -20,6 +22,7 @@ for p = 1 only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -62,7 +65,21 @@ class PSoftmax(Norm):
         self.calibration = None  # a list while retrofit.calibrate() collects statistics
 
     def set_knob(self, value: float) -> None:
-        self.p = _p(value)
+        value = _p(value)
+        if self.gain is not None and self.options.p == 1.0 and value != 1.0:
+            raise RetrofitError(f"psoftmax p=1 with a gain cannot move its p to {value:g}: the gain follows "
+                                "g^((p_now - 1) / (p - 1)), undefined at p = 1; set patch.p > 1 (the schedule's "
+                                "target) or drop patch.gain or recovery.schedule")
+        self.p = value
+
+    def settle_knob(self) -> None:
+        """Make the knob's current value the norm's own p (what config.retrofit records after a schedule): the
+        gain's current power g^u is written into the gain, so the forward is unchanged (bitwise for fp32 gains)
+        and a model rebuilt with p = the knob's value computes exactly this one."""
+        if self.gain is not None and self.p != self.options.p:
+            with torch.no_grad():
+                self.gain.copy_(self._gain_now())
+        self.options = dataclasses.replace(self.options, p=self.p)  # a new object: options may be shared by layers
 
     def knob_value(self) -> float:
         return self.p
@@ -84,10 +101,14 @@ class PSoftmax(Norm):
         out, weights = self.attend(module, query, key, value, attention_mask, self.p, sink, kwargs)
         if self.gain is None:
             return out, weights
+        return (out.float() * self._gain_now().view(-1, 1)).to(out.dtype), weights  # (B, T, H, D)
+
+    def _gain_now(self) -> torch.Tensor:
+        """The gain at the current p, fp32 (H,): g^u, u = (p_now - 1) / (p - 1): 0 at p = 1 (the original), 1 at p."""
         gain = self.gain.float()
-        if self.p != self.options.p:  # mid-schedule: g^u, u = 0 at p = 1 (the original), 1 at the target p
+        if self.p != self.options.p:  # mid-schedule (set_knob refuses this when options.p == 1)
             gain = gain.pow((self.p - 1.0) / (self.options.p - 1.0))
-        return (out.float() * gain.view(-1, 1)).to(out.dtype), weights  # (B, T, H, D)
+        return gain
 
     @staticmethod
     def attend(module, query, key, value, attention_mask, p: float, sink, kwargs):

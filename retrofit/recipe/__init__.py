@@ -21,9 +21,9 @@ from pathlib import Path
 import yaml
 
 from ..atomic import atomic_write_text
-from ..errors import RetrofitError, closest
+from ..errors import RetrofitError, closest, shown
 from .experiment import ArmSection, ExperimentSection, ReferenceSection, check_arm_name
-from .schema import apply_overrides, build, knob, need, to_plain
+from .schema import apply_overrides, build, knob, load_yaml, need, to_plain
 from .schema import documentation as _documentation
 from .sections import (
     CountingOptions,
@@ -92,10 +92,11 @@ def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
     need(isinstance(raw, dict), "a recipe must be a YAML mapping of sections (model, patch, data, train, eval, output)")
     valid = ["name", *SECTIONS, *EXTRA_SECTIONS]
     for key in raw:
-        need(key in valid, f"unknown recipe section {key!r}{closest(key, valid)}; valid sections: {', '.join(valid)}")
+        need(key in valid, f"unknown recipe section {shown(key)}{closest(key, valid)}; "
+                           f"valid sections: {', '.join(valid)}")
     core = {k: v for k, v in raw.items() if k not in EXTRA_SECTIONS}
     for key, value in core.items():
-        need(key == "name" or isinstance(value, dict), f"recipe section {key} must be a mapping, got {value!r}")
+        need(key == "name" or isinstance(value, dict), f"recipe section {key} must be a mapping, got {shown(value)}")
     core.setdefault("name", name)
     extras = {k: build(EXTRA_SECTIONS[k], v or {}, k) for k, v in raw.items() if k in EXTRA_SECTIONS}
     recipe = build(Recipe, core, "")
@@ -108,7 +109,7 @@ def load_recipe(path, overrides=()) -> Recipe:
     path = Path(path)
     need(path.is_file(), f"no such recipe file: {path}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path.read_text(), str(path)) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -161,5 +162,5 @@ __all__ = [
     "CountingOptions", "DataSection", "EvalSection", "ModelSection", "OutputSection", "PasskeyOptions",
     "PatchSection", "PeftSection", "Recipe", "RecoverySection",
     "ScheduleSection", "TrainSection", "apply_overrides", "build", "documentation", "flat",
-    "load_recipe", "recipe_from_dict", "recipe_to_dict", "register_section", "save_recipe",
+    "load_recipe", "load_yaml", "recipe_from_dict", "recipe_to_dict", "register_section", "save_recipe",
 ]

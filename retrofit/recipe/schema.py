@@ -6,7 +6,8 @@
     documentation(Section)                       # (dotted key, default, doc) rows, nested included
 
 Supported field types: bool, int, float, str, Any, dict, list[T], Literal[...], unions with None, and
-nested dataclasses. An unknown key names the closest valid one.
+nested dataclasses. An unknown key names the closest valid one. YAML is read with load_yaml: bounded in depth
+and in what its aliases expand to, so a small file cannot make a billion values (or a RecursionError).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..errors import RetrofitError
+from ..errors import RetrofitError, shown
 from ..errors import closest as _closest
 
 _MISSING = dataclasses.MISSING
@@ -35,6 +36,76 @@ def knob(default=_MISSING, doc: str = "", *, factory=None):
 def need(ok: bool, message: str) -> None:
     if not ok:
         raise RetrofitError(message)
+
+
+# ---- YAML, bounded ------------------------------------------------------------------------------------------------
+# A recipe is a few levels of sections and keys and at most some thousands of values. Aliases (*a) share one node
+# many times, so a 500-byte file can stand for 9**9 values ("billion laughs"): count values as if every alias
+# were written out and refuse beyond these bounds before anything is built from them.
+MAX_DEPTH = 32
+MAX_VALUES = 100_000
+
+
+class _TooLarge(Exception):
+    """A bound was crossed (message, line); load_yaml turns it into a one-line RetrofitError."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader whose composer refuses to nest deeper than MAX_DEPTH (PyYAML composes recursively: a file
+    nested 1000 deep is a RecursionError otherwise)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent, index):
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise _TooLarge(f"nests deeper than {MAX_DEPTH} levels", self.peek_event().start_mark.line + 1)
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def _expanded(node, depth: int, seen: dict) -> tuple[int, int]:
+    """(values, height) of `node` with every alias written out; a cycle (&a [*a]) counts as too deep. `seen`
+    holds finished nodes by id, so shared nodes cost one visit and recursion stays within MAX_DEPTH."""
+    done = seen.get(id(node))
+    if done is None:
+        if depth > MAX_DEPTH:
+            raise _TooLarge(f"nests deeper than {MAX_DEPTH} levels (aliases written out)", node.start_mark.line + 1)
+        children = node.value if isinstance(node, yaml.SequenceNode) else \
+            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
+        values, height = 1, 0
+        for child in children:
+            count, tall = _expanded(child, depth + 1, seen)
+            values, height = values + count, max(height, tall)
+            if values > MAX_VALUES:
+                raise _TooLarge(f"expands to more than {MAX_VALUES:,} values through its aliases (*name)",
+                                node.start_mark.line + 1)
+        done = seen[id(node)] = (values, height + 1)
+    if depth + done[1] - 1 > MAX_DEPTH:
+        raise _TooLarge(f"nests deeper than {MAX_DEPTH} levels (aliases written out)", node.start_mark.line + 1)
+    return done
+
+
+def load_yaml(text: str, what: str):
+    """yaml.safe_load, bounded: deeper than MAX_DEPTH or more than MAX_VALUES values once aliases are expanded
+    is a one-line RetrofitError naming `what` (the file or override) and the line. yaml.YAMLError passes through."""
+    loader = _BoundedLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _expanded(node, 1, {})
+        return loader.construct_document(node)
+    except _TooLarge as err:
+        message, line = err.args
+        raise RetrofitError(f"{what} {message} (line {line}); a recipe is a few levels of sections and keys, "
+                            "write it out plainly") from None
+    finally:
+        loader.dispose()
 
 
 def _describe(tp) -> str:
@@ -57,7 +128,7 @@ _SCALARS = {bool: bool, int: int, float: (int, float), str: str}
 
 def _coerce(value, tp, path: str):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    bad = RetrofitError(f"{path} must be {_describe(tp)}, got {value!r}")
+    bad = RetrofitError(f"{path} must be {_describe(tp)}, got {shown(value)}")
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
@@ -73,7 +144,7 @@ def _coerce(value, tp, path: str):
         raise last if len(args) == 2 else bad
     if origin is Literal:
         if value not in args:
-            raise RetrofitError(f"{path} must be one of {', '.join(map(str, args))}, got {value!r}"
+            raise RetrofitError(f"{path} must be one of {', '.join(map(str, args))}, got {shown(value)}"
                                 f"{_closest(value, map(str, args))}")
         return value
     if dataclasses.is_dataclass(tp):
@@ -145,7 +216,7 @@ def apply_overrides(raw: dict, overrides) -> dict:
         keys = dotted.strip().split(".")
         need(all(keys), f"override {item!r} has an empty key")
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = load_yaml(text, f"override {dotted.strip()}") if text.strip() else None
         except yaml.YAMLError:
             value = text
         node = raw

@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 
 from transformers import CONFIG_MAPPING
 
-from ..errors import closest
+from ..errors import RetrofitError, closest, shown
 from ..norms import NORMS, make_options
 from ..rope import normalize_rope
 from .schema import knob, need
@@ -57,7 +57,21 @@ def _check_model_config(config: dict) -> None:
     cls = CONFIG_MAPPING[model_type]
     valid = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {})) | set(inspect.signature(cls).parameters)
     for key in config:
-        need(key in valid, f"model.config: {model_type} has no config key {key!r}{closest(key, valid)}")
+        need(key in valid, f"model.config: {model_type} has no config key {shown(key)}{closest(key, valid)}")
+    for key, value in config.items():  # hidden_size: -64 builds a config, then fails deep in torch.empty
+        need(key not in SIZE_KEYS or not isinstance(value, int) or isinstance(value, bool) or value >= 1,
+             f"model.config.{key} must be >= 1, got {value}")
+    try:  # the config class checks types itself (transformers 5: strict dataclasses): hidden_size: abc
+        cls(**{k: v for k, v in config.items() if k != "model_type"})
+    except Exception as err:  # noqa: BLE001 - whatever the config class raises is a bad model.config
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[-1].strip()[:160]
+        raise RetrofitError(f"model.config is not a valid {model_type} config ({reason}); fix that value") from None
+
+
+# model.config keys that are sizes or counts: each must be >= 1 (a negative one fails deep inside torch)
+SIZE_KEYS = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "vocab_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions",
+             "n_inner", "n_ctx"}
 
 
 @dataclass
@@ -167,7 +181,7 @@ class DataSection:
 
     def __post_init__(self):
         need(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
-        need(self.val_blocks >= 0, f"data.val_blocks must be >= 0, got {self.val_blocks}")
+        need(self.val_blocks >= 1, f"data.val_blocks must be >= 1 (every evaluation reads them), got {self.val_blocks}")
         need(self.max_docs is None or self.max_docs > 0, f"data.max_docs must be > 0, got {self.max_docs}")
         if self.task == "lm":
             need((self.dataset is None) != (self.files is None),
@@ -223,12 +237,15 @@ class TrainSection:
 
     def __post_init__(self):
         need(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
+        need(0 <= self.seed < 2**32, f"train.seed must be in 0..2**32-1 (what numpy and torch take), got {self.seed}")
+        need(math.isfinite(self.adam_eps) and self.adam_eps > 0,
+             f"train.adam_eps must be > 0 and finite (AdamW divides by sqrt(v) + eps), got {self.adam_eps}")
         need(math.isfinite(self.lr) and self.lr >= 0, f"train.lr must be >= 0 and finite, got {self.lr}")
         need(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         need(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
         need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-              f"train.betas must be two numbers in [0, 1), got {self.betas}")
+              f"train.betas must be two numbers in [0, 1), got {shown(self.betas)}")
         need(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
         need(self.batch_size >= 1 and self.micro_batch_size >= 1, "train.batch_size and micro_batch_size must be >= 1")
         need(self.batch_size % self.micro_batch_size == 0,
@@ -251,10 +268,10 @@ class EvalSection:
 
     def __post_init__(self):
         need(self.every >= 0, f"eval.every must be >= 0, got {self.every}")
-        need(all(s >= 0 for s in self.at_steps), f"eval.at_steps must be >= 0, got {self.at_steps}")
+        need(all(s >= 0 for s in self.at_steps), f"eval.at_steps must be >= 0, got {shown(self.at_steps)}")
         need(self.batches >= 1 and self.batch_size >= 1, "eval.batches and eval.batch_size must be >= 1")
         need(self.lengths is None or (self.lengths and all(n >= 2 for n in self.lengths)),
-              f"eval.lengths must be a non-empty list of lengths >= 2, got {self.lengths}")
+              f"eval.lengths must be a non-empty list of lengths >= 2, got {shown(self.lengths)}")
 
 
 TRACKERS = ("tensorboard", "wandb")

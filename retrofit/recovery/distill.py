@@ -66,6 +66,14 @@ def teacher_mode(model: nn.Module):
         model.train(was)
 
 
+def kl_per_position(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) over the last dim from log-probabilities (..., V) -> (...). A token the teacher
+    rules out (log-probability -inf: a masked or padded vocabulary entry) adds 0, as 0 * log 0 = 0 says;
+    exp(t) * (t - s) there is 0 * -inf = NaN (F.kl_div(log_target=True) too)."""
+    diff = torch.where(teacher > float("-inf"), teacher - student, torch.zeros((), dtype=student.dtype))
+    return (teacher.exp() * diff).sum(-1)
+
+
 def _chunk_terms(model, student_h, teacher_h, labels, lm_weight: float, kl_weight: float, temperature: float):
     """One chunk's summed loss: (B, c, d) hidden states and (B, c) labels (-100 = not scored)."""
     logits = _head(model, student_h)  # (B, c, V)
@@ -77,8 +85,7 @@ def _chunk_terms(model, student_h, teacher_h, labels, lm_weight: float, kl_weigh
     if kl_weight:
         with torch.no_grad():
             teacher = torch.log_softmax(_head(model, teacher_h) / temperature, -1)  # (B, c, V)
-        student = torch.log_softmax(logits / temperature, -1)
-        kl = (teacher.exp() * (teacher - student)).sum(-1)  # (B, c): KL(teacher || student) per position
+        kl = kl_per_position(teacher, torch.log_softmax(logits / temperature, -1))  # (B, c)
         total = total + kl_weight * temperature ** 2 * (kl * valid).sum()
     return total
 

@@ -95,7 +95,12 @@ def record_knob(model: nn.Module) -> None:
     if len(set(values)) != 1:
         raise RetrofitError(f"the schedule left layers at different knob values ({min(values)} .. {max(values)}); "
                             "set recovery.schedule.steps <= train.steps so it ends before the run does")
-    norm = knob_norms(model)[0]
+    norms = knob_norms(model)
+    for norm in norms:  # psoftmax folds its gain's current power in: the recorded p alone rebuilds this model
+        settle = getattr(norm, "settle_knob", None)
+        if settle is not None:
+            settle()
+    norm = norms[0]
     for m in model.modules():
         record = getattr(getattr(m, "config", None), "retrofit", None)
         if isinstance(record, dict) and "options" in record:

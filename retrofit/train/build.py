@@ -27,7 +27,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from ..calibrate import calibrate
-from ..errors import RetrofitError
+from ..errors import RetrofitError, check_token_ids
 from ..load import CountingModel, language_model
 from ..positions import position_limit
 from ..recipe import PeftSection, Recipe, RecoverySection, TrainSection
@@ -92,6 +92,13 @@ def check_lengths(model: nn.Module, recipe: Recipe) -> None:
     if recipe.data.task == "counting" and lm.config.vocab_size < recipe.data.counting.alphabet:
         raise RetrofitError(f"the model's vocabulary ({lm.config.vocab_size}) is smaller than "
                             f"data.counting.alphabet ({recipe.data.counting.alphabet})")
+
+
+def check_vocabulary(model: nn.Module, tokenizer) -> None:
+    """The tokenizer's ids fit the model's embedding (a mismatched model.tokenizer is an IndexError in step 1)."""
+    if tokenizer is not None and hasattr(tokenizer, "get_vocab"):
+        rows = language_model(model).get_input_embeddings().num_embeddings
+        check_token_ids(max(tokenizer.get_vocab().values()), rows, "the tokenizer (model.tokenizer)", "the model")
 
 
 def wrap_task(model: nn.Module, task: str) -> nn.Module:

@@ -15,9 +15,12 @@ trained with a different recipe. Only folders holding the marker are ever delete
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -66,14 +69,16 @@ def save_checkpoint(accelerator, run_dir, step: int, data_state: dict, recipe_fl
             raise RetrofitError(f"{tmp} is in the way and was not made by retrofit; move it away and resume")
         owned_folder(tmp)
     accelerator.wait_for_everyone()
-    write_state(accelerator, tmp)
+    with _disk_full_is_one_line(accelerator, tmp, run_dir, step):
+        write_state(accelerator, tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         meta = {"step": step, "data": data_state, "recipe": recipe_flat, "processes": accelerator.num_processes,
                 "time": time.time(), "window": window, "knob": knob}
-        (tmp / "meta.json").write_text(json.dumps(meta))
-        fsync_tree(tmp)
-        write_manifest(tmp)  # written last: what verify() checks before any resume uses the folder
+        with _disk_full_is_one_line(accelerator, tmp, run_dir, step):
+            (tmp / "meta.json").write_text(json.dumps(meta))
+            fsync_tree(tmp)
+            write_manifest(tmp)  # written last: what verify() checks before any resume uses the folder
         # re-reached after a resume: the older copy goes first (a kill now keeps tmp only)
         if final.exists() and not remove_owned(final, root):
             raise RetrofitError(f"{final} exists and was not written by retrofit; move it away and resume")
@@ -83,6 +88,36 @@ def save_checkpoint(accelerator, run_dir, step: int, data_state: dict, recipe_fl
             remove_owned(old, root)
     accelerator.wait_for_everyone()
     return final
+
+
+# What a full disk looks like from inside torch.save: its zip writer's RuntimeError, e.g. "[enforce fail at
+# inline_container.cc:...] . PytorchStreamWriter failed writing file data/0: file write failed" (no errno in it).
+_WRITE_FAILED = re.compile(r"PytorchStreamWriter failed writing|file write failed|No space left on device", re.I)
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether `err` is a write that failed for want of space (ENOSPC, a used-up quota, torch's writer failing)."""
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(err, RuntimeError) and bool(_WRITE_FAILED.search(str(err)))
+
+
+@contextlib.contextmanager
+def _disk_full_is_one_line(accelerator, tmp: Path, run_dir, step: int):
+    """A full disk while writing checkpoint `step`: the half-written .tmp- folder is removed (its space given
+    back; nothing loads it anyway) and the error is one line saying so. The checkpoints before it are untouched,
+    so the run resumes from the newest of them once there is space."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        if not disk_full(err):
+            raise
+        if accelerator.is_main_process:
+            remove_owned(tmp, tmp.parent)
+        detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+        raise RetrofitError(f"the disk is full: checkpoint step {step} could not be written in {Path(run_dir)} "
+                            f"({detail}); free some space, then continue with `retrofit train RECIPE --resume "
+                            f"{Path(run_dir)}` (it resumes from the last complete checkpoint)") from None
 
 
 def _sha256(path: Path) -> str:

@@ -104,7 +104,8 @@ def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, dev
     with quiet_transformers():
         model = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, config=config,
                             revision=revision, dtype=as_dtype(dtype) or torch.float32, device_map=device_map,
-                            attn_implementation=record.get("base_attn_implementation", "sdpa"), **kwargs)
+                            attn_implementation=record.get("base_attn_implementation", "sdpa"),
+                            trust_remote_code=False, **kwargs)
     patch_from_record(model, record)
     saved = call_loader(source, kind, patch_tensors, source, kind, revision)
     expected = {k for k in model.state_dict() if f".{CHILD}." in k}

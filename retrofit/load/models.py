@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2TokenizerFast
 
 from ..errors import RetrofitError
-from .sources import call_loader, location, resolve_source, source_kind
+from .sources import call_loader, location, refuse_custom_code, resolve_source, source_kind
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -33,7 +33,8 @@ def as_dtype(dtype):
 def load_config(source: str, revision: str | None = None):
     kind = source_kind(source)
     where, extra = location(source, kind)
-    return call_loader(source, kind, AutoConfig.from_pretrained, where, revision=revision, **extra)
+    return call_loader(source, kind, AutoConfig.from_pretrained, where, revision=revision,
+                       trust_remote_code=False, **extra)
 
 
 def load_plain_model(source: str, *, dtype=None, attn_implementation: str = "sdpa", revision: str | None = None,
@@ -43,7 +44,7 @@ def load_plain_model(source: str, *, dtype=None, attn_implementation: str = "sdp
     where, extra = location(source, kind)
     model = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, revision=revision,
                         dtype=as_dtype(dtype) or torch.float32, attn_implementation=attn_implementation,
-                        device_map=device_map, **extra, **kwargs)
+                        device_map=device_map, trust_remote_code=False, **extra, **kwargs)
     if kind == "gguf":
         forget_gguf_quantizer(model)
     return model.eval()
@@ -68,14 +69,16 @@ def load_tokenizer(source: str, revision: str | None = None):
     A folder of tokenizer files only also works; a bare vocab.json + merges.txt is read as GPT-2's BPE."""
     path = Path(resolve_source(source)).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():  # tokenizer files only (else: not a model folder)
+        refuse_custom_code(path, source)
         if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
-            return AutoTokenizer.from_pretrained(str(path))
+            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
-            return GPT2TokenizerFast.from_pretrained(str(path))
+            return GPT2TokenizerFast.from_pretrained(str(path), trust_remote_code=False)
     kind = source_kind(source)
     where, extra = location(source, kind)
     try:
-        return call_loader(source, kind, AutoTokenizer.from_pretrained, where, revision=revision, **extra)
+        return call_loader(source, kind, AutoTokenizer.from_pretrained, where, revision=revision,
+                           trust_remote_code=False, **extra)
     except RetrofitError:
         if kind == "hub":
             raise
@@ -92,4 +95,4 @@ def model_from_config(model_type: str, attn_implementation: str = "sdpa", seed: 
         raise RetrofitError(f"cannot build a {model_type!r} config: {str(err).splitlines()[0]}") from None
     if seed is not None:
         torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, trust_remote_code=False)

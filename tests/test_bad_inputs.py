@@ -104,6 +104,14 @@ def build_world(root: Path) -> dict:
     Path(w["bad_yaml"]).write_text("model: [unclosed\n  source: x\n")
     w["list_yaml"] = str(root / "list.yaml")
     Path(w["list_yaml"]).write_text("- a\n- b\n")
+    # round 3 (load): a folder whose auto_map names its own code; a patched checkpoint missing a base weight
+    planted = copy("planted") / "config.json"
+    planted.write_text(json.dumps({**json.loads(planted.read_text()), "auto_map": {"AutoConfig": "x.Config"}}))
+    from safetensors.torch import load_file, save_file
+    nokey = copy("ckpt_nokey", root / "ckpt") / "model.safetensors"
+    tensors = load_file(str(nokey))
+    del tensors["model.layers.0.self_attn.o_proj.weight"]
+    save_file(tensors, str(nokey), metadata={"format": "pt"})
     return w
 
 
@@ -238,6 +246,15 @@ CASES = [
     ("bench-unknown-flag", "bench attention --bogus", r"unrecognized arguments: --bogus"),
     ("bench-out-is-a-folder", "bench attention --seq 8 --out {folder}", r"--out .*folder is a folder"),
     ("bench-eval-length-zero", "bench eval --length 0 --out {out}/b.json", r"--length must be >= 1"),
+    # round 3 (load)
+    ("patch-auto-map", "patch {planted} --norm avnorm --out {out}",
+     r"planted: config.json has an auto_map \(custom code\); retrofit never runs a model folder's code"),
+    ("eval-auto-map", "eval {planted} --data {text} --lengths 8 --out {out}", r"planted: config.json has an auto_map"),
+    ("eval-tokenizer-auto-map", "eval {model} --tokenizer {planted} --data {text} --lengths 8 --out {out}",
+     r"planted: config.json has an auto_map"),
+    ("eval-ckpt-missing-weight", "eval {ckpt_nokey} --data {text} --lengths 8 --out {out}",
+     r"ckpt_nokey is damaged or was saved from another model: weights missing "
+     r"model.layers.0.self_attn.o_proj.weight; save the model again"),
 ]
 
 

@@ -141,3 +141,111 @@ def test_the_harness_refuses_trust_remote_code_and_a_planted_folder(tmp_path):
     with pytest.raises(RetrofitError, match="never runs a model's own code"):
         RetrofitLM(str(model), device="cpu", trust_remote_code=True)
     assert not canary.exists()
+
+
+# ---- damaged checkpoints (item 4) --------------------------------------------------------------------------------
+
+def saved_patched(folder: Path, model_type: str, norm: str = "avnorm", nope: bool = False):
+    """A tiny patched model with random patch parameters, saved to folder; returns the model."""
+    import torch
+
+    import retrofit
+
+    model = tiny_model(model_type)
+    retrofit.patch(model, norm, nope=nope)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".retrofit." in name:
+                p.copy_(torch.rand(p.shape) + 0.5)
+    model.save_pretrained(folder)
+    return model
+
+
+def edit_weights(folder: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("model_type, key", [
+    ("llama", "model.layers.0.self_attn.o_proj.weight"),   # a base weight
+    ("llama", "model.norm.weight"),                          # a base norm parameter
+    ("llama", "model.layers.1.self_attn.retrofit.gain"),    # the patch's norm parameter
+    ("gpt2", "transformer.wpe.weight"),                      # the position table (the model keeps its positions)
+    ("gpt2", "transformer.h.0.attn.c_proj.bias"),
+])
+def test_a_missing_key_is_one_line_naming_it(tmp_path, model_type, key):
+    import retrofit
+
+    saved_patched(tmp_path / "ckpt", model_type)
+    edit_weights(tmp_path / "ckpt", lambda t: t.pop(key))
+    with pytest.raises(RetrofitError) as err:
+        retrofit.from_pretrained(str(tmp_path / "ckpt"))
+    assert "\n" not in str(err.value) and key in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("key", ["model.layers.0.self_attn.extra.weight", "model.layers.0.self_attn.retrofit.bogus",
+                                 "model.layers.0.self_attn.retrofit.weight"])
+def test_an_unexpected_key_is_one_line_naming_it(tmp_path, key):
+    import torch
+
+    import retrofit
+
+    saved_patched(tmp_path / "ckpt", "llama")
+    edit_weights(tmp_path / "ckpt", lambda t: t.update({key: torch.ones(32)}))
+    with pytest.raises(RetrofitError, match="unexpected") as err:
+        retrofit.from_pretrained(str(tmp_path / "ckpt"))
+    assert "\n" not in str(err.value) and key in str(err.value), str(err.value)
+
+
+def test_a_patch_tensor_of_the_wrong_shape_is_refused(tmp_path):
+    import torch
+
+    import retrofit
+
+    saved_patched(tmp_path / "ckpt", "llama")
+    edit_weights(tmp_path / "ckpt", lambda t: t.update({"model.layers.0.self_attn.retrofit.gain": torch.ones(3)}))
+    with pytest.raises(RetrofitError, match="wrong shape model.layers.0.self_attn.retrofit.gain"):
+        retrofit.from_pretrained(str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("norm", ["avnorm", "ssmax"])
+def test_a_nope_model_without_its_position_table_loads_and_equals_what_was_saved(tmp_path, norm):
+    """What the patch itself removes (GPT-2's wpe under NoPE) is the one missing key accepted."""
+    import torch
+    from safetensors import safe_open
+
+    import retrofit
+    from tests.tiny import random_ids
+
+    model = saved_patched(tmp_path / "ckpt", "gpt2", norm=norm, nope=True)
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
+        assert "transformer.wpe.weight" not in f.keys()  # the legitimate case really lacks the table
+    loaded = retrofit.from_pretrained(str(tmp_path / "ckpt"))
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    mine, theirs = loaded.state_dict(), model.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_an_adapter_with_foreign_patch_tensors_is_refused(tmp_path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    from retrofit.load import load_adapter, save_adapter
+
+    base = tiny_model("llama")
+    base.save_pretrained(tmp_path / "base")
+    import retrofit
+    retrofit.patch(base, "avnorm")
+    lora = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
+    save_adapter(lora, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    tensors = load_file(str(tmp_path / "adapter" / "retrofit.safetensors"))
+    tensors["model.layers.7.self_attn.retrofit.gain"] = torch.ones(4)
+    save_file(tensors, str(tmp_path / "adapter" / "retrofit.safetensors"))
+    with pytest.raises(RetrofitError, match=r"model.layers.7.self_attn.retrofit.gain\): it belongs to another"):
+        load_adapter(tmp_path / "adapter")

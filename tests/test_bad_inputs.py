@@ -255,6 +255,10 @@ CASES = [
     ("eval-ckpt-missing-weight", "eval {ckpt_nokey} --data {text} --lengths 8 --out {out}",
      r"ckpt_nokey is damaged or was saved from another model: weights missing "
      r"model.layers.0.self_attn.o_proj.weight; save the model again"),
+    ("train-dtype-unknown", "train {recipe} model.dtype=float8 --out {out}",
+     r"model.dtype must be one of auto, float32, bfloat16, float16, got 'float8'"),
+    ("patch-dtype-unknown", "patch {model} --norm avnorm --dtype fp8 --out {out}",
+     r"unknown dtype 'fp8'; use auto \(the saved dtype\) or one of float32"),
 ]
 
 

@@ -374,3 +374,93 @@ def test_data_parallel_replicas_each_use_their_own_norm(monkeypatch):
         assert not torch.equal(expected[0](input_ids=ids).logits, model(input_ids=ids).logits)
         plain = model(input_ids=ids).logits  # the original is untouched by its replicas
         assert torch.equal(plain, copy.deepcopy(model)(input_ids=ids).logits)
+
+
+# ---- dtype (item 11) -----------------------------------------------------------------------------------------------
+
+def bf16_folder(folder: Path) -> Path:
+    import torch
+
+    tiny_model("llama").to(torch.bfloat16).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def saved_dtypes(folder: Path) -> set:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {f.get_tensor(k).dtype for k in f.keys()}
+
+
+def test_patch_keeps_a_bf16_model_bf16_and_from_pretrained_reloads_it_as_saved(tmp_path, capsys):
+    import torch
+
+    import retrofit
+    from retrofit.cli import main
+    from tests.tiny import random_ids
+
+    source = bf16_folder(tmp_path / "bf16")
+    assert main(["patch", str(source), "--norm", "avnorm", "--out", str(tmp_path / "patched")]) == 0
+    assert saved_dtypes(tmp_path / "patched") == {torch.bfloat16}  # base and patch tensors: no fp32 copy
+    model = retrofit.from_pretrained(str(tmp_path / "patched"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert retrofit.from_pretrained(str(tmp_path / "patched"), dtype="auto").dtype == torch.bfloat16
+    for asked in ("float32", torch.float32):
+        fp32 = retrofit.from_pretrained(str(tmp_path / "patched"), dtype=asked)
+        assert {p.dtype for p in fp32.parameters()} == {torch.float32}
+    ids = random_ids(2, 12)
+    with torch.no_grad():  # the same weights: fp32 of the bf16 values exactly
+        torch.testing.assert_close(fp32(input_ids=ids).logits, model.float()(input_ids=ids).logits, rtol=0, atol=0)
+    assert main(["patch", str(source), "--norm", "avnorm", "--dtype", "float32", "--out", str(tmp_path / "p32")]) == 0
+    assert saved_dtypes(tmp_path / "p32") == {torch.float32}
+
+
+def test_plain_loads_keep_the_saved_dtype_and_eval_reports_it(tmp_path, capsys):
+    import torch
+
+    from retrofit.cli import main
+    from retrofit.load import load_model
+
+    source = bf16_folder(tmp_path / "bf16")
+    assert load_model(str(source)).dtype == torch.bfloat16
+    assert load_model(str(source), dtype="float32").dtype == torch.float32
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on a mat and the dog ran far. " * 20)
+    for dtype, expected in (("auto", "bfloat16"), ("float32", "float32")):
+        out = tmp_path / f"eval-{dtype}"
+        assert main(["eval", str(source), "--data", str(text), "--lengths", "8", "--dtype", dtype, "--out", str(out),
+                     "--no-progress"]) == 0
+        assert json.loads((out / "results.json").read_text())["models"][0]["dtype"] == expected
+
+
+def test_a_recipe_takes_auto_by_default_and_trains_fp32_master_weights(tmp_path):
+    """model.dtype auto (the default) loads a bf16 source and trains it in float32 (the run saves float32);
+    bfloat16 keeps the weights bf16; an unknown dtype is refused in one line."""
+    import torch
+
+    from retrofit.load import load_base
+    from retrofit.recipe import recipe_from_dict
+    from retrofit.train import train
+
+    source = bf16_folder(tmp_path / "bf16")
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on a mat and the dog ran far. " * 60)
+
+    def recipe(**model):
+        return recipe_from_dict({
+            "model": {"source": str(source), **model}, "patch": {"norm": "avnorm"},
+            "data": {"task": "lm", "files": [str(text)], "seq_len": 16, "val_blocks": 1},
+            "train": {"steps": 2, "batch_size": 2, "micro_batch_size": 2, "lr": 1e-3, "warmup_steps": 1,
+                      "progress": False},
+            "eval": {"batches": 1, "batch_size": 2}, "output": {"dir": str(tmp_path / "run"), "save_every": 0}})
+
+    assert recipe().model.dtype == "auto"
+    assert load_base(recipe())[0].dtype == torch.float32
+    assert load_base(recipe(dtype="bfloat16"))[0].dtype == torch.bfloat16
+    with pytest.raises(RetrofitError, match="model.dtype"):
+        recipe(dtype="float8")
+    result = train(recipe())
+    assert result.steps == 2 and result.losses and all(torch.isfinite(torch.tensor(v)) for v in result.losses.values())
+    assert {p.dtype for p in result.model.parameters()} == {torch.float32}
+    assert saved_dtypes(tmp_path / "run") == {torch.float32}

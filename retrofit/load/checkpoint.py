@@ -94,7 +94,8 @@ def quiet_transformers():
 
 
 def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, device_map=None, **kwargs):
-    """Load a retrofit checkpoint: the base model, then the patch from config.retrofit, then its weights."""
+    """Load a retrofit checkpoint: the base model, then the patch from config.retrofit, then its weights.
+    dtype: "auto" (default, also None) keeps the dtype it was saved in; a name or torch dtype converts."""
     kind = source_kind(source)
     if kind == "gguf":
         raise RetrofitError(f"{source} is a GGUF file, not a retrofit checkpoint; use retrofit.load_model")
@@ -109,7 +110,7 @@ def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, dev
     # kept quiet, and checked here instead (check_base_keys): anything else missing or unexpected is an error.
     with quiet_transformers():
         model, info = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, config=config,
-                                  revision=revision, dtype=as_dtype(dtype) or torch.float32, device_map=device_map,
+                                  revision=revision, dtype=as_dtype(dtype), device_map=device_map,
                                   attn_implementation=record.get("base_attn_implementation", "sdpa"),
                                   trust_remote_code=False, output_loading_info=True, **kwargs)
     check_base_keys(source, model, record, info)

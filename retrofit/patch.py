@@ -41,7 +41,7 @@ from .families import (
     position_query_scaling,
 )
 from .norms import AttentionShape, get_norm, make_options
-from .norms.base import CHILD, Norm
+from .norms.base import CHILD, is_output_hook
 from .positions import already_without_positions, has_positions_removed, remove_positions, restore_positions
 from .rope import apply_rope, describe_rope, plan_rope, reset_to_original, restore_rope
 from .version import VERSION
@@ -314,7 +314,7 @@ def unpatch(model: nn.Module) -> None:
     for module in model.modules():
         module._modules.pop(CHILD, None)
         for key, hook in list(module._forward_pre_hooks.items()):  # acts_on_output norms' hooks
-            if isinstance(getattr(hook, "__self__", None), Norm):
+            if is_output_hook(hook):
                 del module._forward_pre_hooks[key]
     model.__dict__.pop("set_attn_implementation", None)  # the class's own again (see _guarded_switch)
     restore_positions(model)

@@ -105,6 +105,14 @@ def build_world(root: Path) -> dict:
     w["list_yaml"] = str(root / "list.yaml")
     Path(w["list_yaml"]).write_text("- a\n- b\n")
     build_round3_errors(root, w)
+    # round 3 (load): a folder whose auto_map names its own code; a patched checkpoint missing a base weight
+    planted = copy("planted") / "config.json"
+    planted.write_text(json.dumps({**json.loads(planted.read_text()), "auto_map": {"AutoConfig": "x.Config"}}))
+    from safetensors.torch import load_file, save_file
+    nokey = copy("ckpt_nokey", root / "ckpt") / "model.safetensors"
+    tensors = load_file(str(nokey))
+    del tensors["model.layers.0.self_attn.o_proj.weight"]
+    save_file(tensors, str(nokey), metadata={"format": "pt"})
     return w
 
 
@@ -307,6 +315,19 @@ CASES = [
      r"run_list_recipe/recipe.yaml is not a recipe \(a YAML mapping of sections\), it holds \['a', 'b'\]"),
     ("push-log-malformed-line", "push {run_bad_log} --repo me/x --dry-run {out}",
      r"run_bad_log/log.jsonl line 3 is not a training log record \('\[1, 2\]'\); remove that line"),
+    # round 3 (load)
+    ("patch-auto-map", "patch {planted} --norm avnorm --out {out}",
+     r"planted: config.json has an auto_map \(custom code\); retrofit never runs a model folder's code"),
+    ("eval-auto-map", "eval {planted} --data {text} --lengths 8 --out {out}", r"planted: config.json has an auto_map"),
+    ("eval-tokenizer-auto-map", "eval {model} --tokenizer {planted} --data {text} --lengths 8 --out {out}",
+     r"planted: config.json has an auto_map"),
+    ("eval-ckpt-missing-weight", "eval {ckpt_nokey} --data {text} --lengths 8 --out {out}",
+     r"ckpt_nokey is damaged or was saved from another model: weights missing "
+     r"model.layers.0.self_attn.o_proj.weight; save the model again"),
+    ("train-dtype-unknown", "train {recipe} model.dtype=float8 --out {out}",
+     r"model.dtype must be one of auto, float32, bfloat16, float16, got 'float8'"),
+    ("patch-dtype-unknown", "patch {model} --norm avnorm --dtype fp8 --out {out}",
+     r"unknown dtype 'fp8'; use auto \(the saved dtype\) or one of float32"),
 ]
 
 

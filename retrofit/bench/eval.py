@@ -45,7 +45,7 @@ def _model(source):
         torch.manual_seed(0)
         sizes = dict(SMALL)
         config = AutoConfig.for_model(sizes.pop("model_type"), **sizes)
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", trust_remote_code=False).eval()
     from ..load import load_model
     return load_model(source).eval()
 

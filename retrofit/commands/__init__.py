@@ -108,7 +108,7 @@ def check_recipe(recipe) -> None:
         return
     device = device_for_memory()
     # half-precision weights or mixed precision ("auto" may pick bf16) keep 2-byte activations: the lower bound
-    size = 4 if m.dtype == "float32" and recipe.train.precision == "fp32" else 2
+    size = 4 if m.dtype in ("auto", "float32") and recipe.train.precision == "fp32" else 2  # auto trains in fp32
     check_fits(config, recipe.data.seq_len * recipe.train.micro_batch_size, training=True, device=device,
                dtype_bytes=size, checkpointing=recipe.train.gradient_checkpointing,
                what=f"training at data.seq_len {recipe.data.seq_len:,} x train.micro_batch_size "
@@ -132,6 +132,6 @@ def check_eval_memory(sources, lengths, batch_tokens: int, device=None, dtype=No
         if source_kind(source) == "gguf" or (folder.is_dir() and not (folder / "config.json").is_file()):
             continue  # a GGUF file, an adapter or a LoRA run: checked when it is loaded
         check_fits(load_config(source), tokens, training=False, device=device or device_for_memory(),
-                   dtype_bytes=4 if dtype in (None, "float32") else 2,
+                   dtype_bytes=4 if dtype in (None, "auto", "float32") else 2,  # auto: at most fp32
                    what=f"{source} at length {longest:,}",
                    lower="--lengths or --batch-tokens")

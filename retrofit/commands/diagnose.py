@@ -32,7 +32,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--calibrate-tokens", type=int, default=8192,
                         help="tokens of --data (after the windows) that calibrate avnorm gains (default 8192; 0: none)")
     parser.add_argument("--label", action="append", default=[], help="a name per source, in order")
-    parser.add_argument("--dtype", default="float32", help="model dtype (default float32)")
+    parser.add_argument("--dtype", default="float32",
+                        help="model dtype (default float32; auto: the dtype it was saved in)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random directions of g(T, eps)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 

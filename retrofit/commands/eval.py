@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", metavar="FILE", default=None,
                         help="YAML list of {name, patch: {norm, ...options}, rope}: evaluate every model once per "
                              "variant, side by side (training-free settings in one report)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto (default): each model in the dtype it was saved in")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 

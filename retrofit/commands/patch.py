@@ -75,7 +75,8 @@ def add_arguments(parser):
     parser.add_argument("--schedule-start", type=float, default=None,
                         help="the knob at position 0 (default the norm's identity value; see recovery.schedule)")
     parser.add_argument("--out", help="folder to save the patched model (and tokenizer) to")
-    parser.add_argument("--dtype", default=None, help="float32 (default) | bfloat16 | float16")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (default: the dtype the model was saved in) | float32 | bfloat16 | float16")
     parser.add_argument("--push-to-hub", metavar="REPO", default=None,
                         help="after saving, push to this Hub repository (OWNER/NAME); see `retrofit push`")
 

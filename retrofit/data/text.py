@@ -69,12 +69,12 @@ def open_texts(section: DataSection, *, split: str | None = None, files: list[st
         builder = BUILDERS[Path(paths[0]).suffix.lower()]
         extra = {"sample_by": "document"} if builder == "text" else {}  # one .txt file = one document
         return datasets.load_dataset(builder, data_files=paths, split="train", streaming=True,
-                                     cache_dir=section.cache_dir, **extra)
+                                     cache_dir=section.cache_dir, trust_remote_code=False, **extra)
     name = section.dataset
     try:
         return datasets.load_dataset(name, section.config, split=split or section.split,
                                      streaming=section.streaming if streaming is None else streaming,
-                                     cache_dir=section.cache_dir)
+                                     cache_dir=section.cache_dir, trust_remote_code=False)  # never a script
     except ConnectionError as err:
         raise RetrofitError(f"cannot reach Hub dataset {name!r} (offline?): {str(err).splitlines()[0][:160]}; "
                             "use data.files with local files instead") from None

@@ -61,6 +61,9 @@ class RetrofitLM(HFLM):
     def __init__(self, pretrained: str, *, norm: str | None = None, rope: str | None = None, nope: bool = False,
                  max_length: int | None = None, tokenizer: str | None = None, dtype: str | None = None,
                  device: str | None = None, **kwargs):
+        if kwargs.pop("trust_remote_code", False) not in (False, "False", "false", None):
+            raise RetrofitError("trust_remote_code: retrofit never runs a model's own code; use a model whose "
+                                "architecture transformers ships")
         options = _split_options(norm, kwargs)
         model = load_model(str(pretrained), dtype=None if dtype in (None, "auto") else dtype)
         if norm is not None or rope is not None or nope:
@@ -74,7 +77,7 @@ class RetrofitLM(HFLM):
         self.retrofit_max_length = int(max_length) if max_length else default_max_length(model)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         super().__init__(pretrained=model.to(device), tokenizer=tok, max_length=self.retrofit_max_length,
-                         device=device, **kwargs)
+                         device=device, trust_remote_code=False, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

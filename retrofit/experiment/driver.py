@@ -31,7 +31,7 @@ from ..atomic import atomic_write_text, owned_folder, remove_owned
 from ..errors import RetrofitError, shown
 from ..evaluate import evaluate_models
 from ..evaluate.report import write_report
-from ..load import load, load_config
+from ..load import load, load_config, training_dtype
 from ..positions import learned_position_limit
 from ..recipe import (
     ArmSection,
@@ -121,7 +121,9 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
         resume = False
     else:
         resume = any(arm_dir.iterdir())
-    result = train(stage, model=load(base) if base else None, resume=resume)
+    # the base in the dtype the recipe trains in (model.dtype auto: float32 master weights, as load_base does)
+    base_model = load(base, dtype=training_dtype(recipe.model.dtype)) if base else None
+    result = train(stage, model=base_model, resume=resume)
     recovery = recovery_points(arm_dir) | {int(k): v for k, v in result.evals.items()}
     atomic_write_text(recovery_file, json.dumps(recovery, indent=1))
     return recovery
@@ -261,7 +263,8 @@ def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: Expe
             t0 = time.perf_counter()
             one = evaluate_models([source], names=[name], data=exp.eval_data, lengths=allowed,
                                   train_len=exp.train_len or recipe.data.seq_len, max_tokens=exp.eval_max_tokens,
-                                  tokenizer=recipe.model.tokenizer, progress=progress)
+                                  tokenizer=recipe.model.tokenizer, progress=progress,
+                                  dtype=training_dtype(recipe.model.dtype))  # the base as the arms: same dtype
             one["models"][0] |= {"checkpoint": _within(source, out), "evaluated_at": time.time(),
                                  "eval_s": round(time.perf_counter() - t0, 1)}
         merged = one if merged is None else dict(merged, models=merged["models"] + one["models"])

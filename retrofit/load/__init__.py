@@ -11,7 +11,7 @@ head), runs (run folders, recipes' models, and the dispatcher `load`).
 
 from .adapters import load_adapter, save_adapter
 from .checkpoint import load_checkpoint
-from .models import load_config, load_plain_model, load_tokenizer, model_from_config
+from .models import load_config, load_plain_model, load_tokenizer, model_from_config, training_dtype
 from .runs import (
     apply_patch,
     check_finished,
@@ -32,5 +32,5 @@ __all__ = [
     "CountingModel", "apply_patch", "check_finished", "check_model_files", "check_safetensors", "from_pretrained",
     "is_hub_id", "language_model", "load", "load_adapter", "load_base", "load_checkpoint", "load_config", "load_model",
     "load_plain_model", "load_run", "load_tokenizer", "model_from_config", "recipe_tokenizer", "resolve_source",
-    "save_adapter", "save_model", "source_kind",
+    "save_adapter", "save_model", "source_kind", "training_dtype",
 ]

@@ -33,7 +33,7 @@ from transformers.utils import cached_file
 from ..atomic import atomic_folder
 from ..errors import RetrofitError
 from ..patch import patch_from_record, patch_record
-from .checkpoint import load_model_or_checkpoint
+from .checkpoint import listed, load_model_or_checkpoint
 from .sources import hub_error, hub_reachable
 
 RECORD, TENSORS = "retrofit.json", "retrofit.safetensors"
@@ -157,7 +157,10 @@ def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=
     if missing and existing is None:
         raise RetrofitError(f"{source} lacks {len(missing)} patch tensors (e.g. {sorted(missing)[0]}): neither "
                             f"{TENSORS} nor the adapter holds them; save it with retrofit.load.save_adapter")
-    base.load_state_dict({k: v for k, v in saved.items() if k in expected}, strict=False)
+    if saved.keys() - expected:
+        raise RetrofitError(f"{folder / TENSORS} holds patch tensors the patch does not have "
+                            f"({listed(saved.keys() - expected)}): it belongs to another model or patch")
+    base.load_state_dict(saved, strict=False)
     try:
         model = PeftModel.from_pretrained(base, str(folder), is_trainable=is_trainable)
     except (OSError, ValueError, KeyError, RuntimeError) as err:

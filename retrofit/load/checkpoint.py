@@ -21,6 +21,7 @@ from transformers.utils import cached_file
 from transformers.utils import logging as hf_logging
 
 from ..errors import RetrofitError
+from ..families import family_of
 from ..patch import CHILD, patch_from_record
 from .models import as_dtype, load_config, load_plain_model
 from .sources import call_loader, check_safetensors, hub_reachable, location, source_kind
@@ -79,16 +80,22 @@ def patch_tensors(source: str, kind: str, revision: str | None,
 
 @contextlib.contextmanager
 def quiet_transformers():
-    level = hf_logging.get_verbosity()
+    """No loading report and no progress bar: check_base_keys reports what is wrong, in one line (a bar drawn
+    before it would make a refusal three lines)."""
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, device_map=None, **kwargs):
-    """Load a retrofit checkpoint: the base model, then the patch from config.retrofit, then its weights."""
+    """Load a retrofit checkpoint: the base model, then the patch from config.retrofit, then its weights.
+    dtype: "auto" (default, also None) keeps the dtype it was saved in; a name or torch dtype converts."""
     kind = source_kind(source)
     if kind == "gguf":
         raise RetrofitError(f"{source} is a GGUF file, not a retrofit checkpoint; use retrofit.load_model")
@@ -99,18 +106,52 @@ def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, dev
         raise RetrofitError(f"{source} is not a retrofit checkpoint (its config.json has no 'retrofit' section); "
                             "load it with retrofit.load_model or transformers")
     del config.retrofit
-    # The base load reports our patch tensors as "unexpected" and NoPE-removed tables as "missing":
-    # both are expected here (the patch tensors are loaded below), so keep that report quiet.
+    # transformers' loading report calls our patch tensors "unexpected" and a NoPE-removed table "missing": it is
+    # kept quiet, and checked here instead (check_base_keys): anything else missing or unexpected is an error.
     with quiet_transformers():
-        model = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, config=config,
-                            revision=revision, dtype=as_dtype(dtype) or torch.float32, device_map=device_map,
-                            attn_implementation=record.get("base_attn_implementation", "sdpa"), **kwargs)
+        model, info = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, config=config,
+                                  revision=revision, dtype=as_dtype(dtype), device_map=device_map,
+                                  attn_implementation=record.get("base_attn_implementation", "sdpa"),
+                                  trust_remote_code=False, output_loading_info=True, **kwargs)
+    check_base_keys(source, model, record, info)
     patch_from_record(model, record)
     saved = call_loader(source, kind, patch_tensors, source, kind, revision)
-    expected = {k for k in model.state_dict() if f".{CHILD}." in k}
-    missing = expected - saved.keys()
-    if missing:
-        raise RetrofitError(f"{source} lacks {len(missing)} patch tensors (e.g. {sorted(missing)[0]}): "
-                            "the checkpoint is incomplete; save it again with model.save_pretrained")
-    model.load_state_dict({k: saved[k] for k in expected}, strict=False)
+    load_patch_tensors(model, saved, source)
     return model.eval()
+
+
+def listed(keys) -> str:
+    """Up to three names of a set of keys, for a one-line error."""
+    keys = sorted(keys)
+    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
+def check_base_keys(source: str, model, record: dict, info: dict) -> None:
+    """The base weights of a checkpoint are all there and nothing else is, apart from what the patch itself adds
+    (keys containing `.retrofit.`, checked by load_patch_tensors) or removes (NoPE's learned position table): a
+    missing weight would otherwise be left at its random initialization, silently."""
+    family = family_of(model.config)
+    removed = f"{family.positions_path}." if record.get("nope") and family and family.positions == "learned" else None
+    missing = {k for k in info.get("missing_keys", ()) if not (removed and k.startswith(removed))}
+    unexpected = {k for k in info.get("unexpected_keys", ()) if f".{CHILD}." not in k}
+    mismatched = {k[0] if isinstance(k, (tuple, list)) else k for k in info.get("mismatched_keys", ())}
+    problems = [f"{what} {listed(keys)}" for what, keys in (("missing", missing), ("unexpected", unexpected),
+                                                             ("of the wrong shape", mismatched)) if keys]
+    if problems:
+        raise RetrofitError(f"{source} is damaged or was saved from another model: weights {'; '.join(problems)}; "
+                            "save the model again (loading it would leave those weights random)")
+
+
+def load_patch_tensors(model, saved: dict, source: str) -> None:
+    """Put the saved patch tensors into the patched model: exactly the ones the patch has, of its shapes."""
+    expected = {k: v for k, v in model.state_dict().items() if f".{CHILD}." in k}
+    missing, unexpected = expected.keys() - saved.keys(), saved.keys() - expected.keys()
+    wrong = {k for k in expected.keys() & saved.keys() if saved[k].shape != expected[k].shape}
+    if missing:
+        raise RetrofitError(f"{source} lacks {len(missing)} patch tensors ({listed(missing)}): "
+                            "the checkpoint is incomplete; save it again with model.save_pretrained")
+    if unexpected or wrong:
+        what = f"unexpected {listed(unexpected)}" if unexpected else f"of the wrong shape {listed(wrong)}"
+        raise RetrofitError(f"{source}'s patch tensors do not match its config.retrofit record ({what}); "
+                            "save the model again with model.save_pretrained")
+    model.load_state_dict(saved, strict=False)

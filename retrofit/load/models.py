@@ -1,5 +1,6 @@
 """Plain Hugging Face loading: config, model, tokenizer from a source; a fresh model from a config.
 
+    model = load_plain_model("gpt2")                          # in its saved dtype (dtype="auto", transformers 5's)
     model = load_plain_model("./smollm2/SmolLM2.Q4_1.gguf")   # GGUF, dequantized to fp32 by transformers
     tokenizer = load_tokenizer("gpt2")                        # None when the source ships none
     model = model_from_config("llama", hidden_size=64, num_hidden_layers=2)
@@ -15,35 +16,51 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2TokenizerFast
 
 from ..errors import RetrofitError
-from .sources import call_loader, location, resolve_source, source_kind
+from .sources import call_loader, location, refuse_custom_code, resolve_source, source_kind
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+AUTO = "auto"  # transformers 5's default: the dtype the weights were saved in (config.json's dtype)
 
 
 def as_dtype(dtype):
-    """A torch dtype from a name (float32, bf16, ...); None and torch dtypes pass through."""
-    if dtype is None or isinstance(dtype, torch.dtype):
+    """A torch dtype from a name (float32, bf16, ...), or "auto" (also for None: keep the saved dtype, as
+    transformers 5 does); torch dtypes pass through."""
+    if dtype is None or dtype == AUTO:
+        return AUTO
+    if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise RetrofitError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+        raise RetrofitError(f"unknown dtype {dtype!r}; use auto (the saved dtype) or one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def training_dtype(dtype) -> torch.dtype:
+    """The dtype a recipe's model.dtype trains the weights in: auto = float32 master weights whatever the source was
+    saved in (bf16 values are exact in fp32; pure-bf16 AdamW loses updates smaller than a weight's precision, so
+    half precision is only ever asked for by name; train.precision sets mixed precision)."""
+    dtype = as_dtype(dtype)
+    return torch.float32 if dtype == AUTO else dtype
 
 
 def load_config(source: str, revision: str | None = None):
     kind = source_kind(source)
     where, extra = location(source, kind)
-    return call_loader(source, kind, AutoConfig.from_pretrained, where, revision=revision, **extra)
+    return call_loader(source, kind, AutoConfig.from_pretrained, where, revision=revision,
+                       trust_remote_code=False, **extra)
 
 
 def load_plain_model(source: str, *, dtype=None, attn_implementation: str = "sdpa", revision: str | None = None,
                      device_map=None, **kwargs):
-    """A causal LM from a Hub id, folder or .gguf file, exactly as transformers loads it (fp32 by default)."""
+    """A causal LM from a Hub id, folder or .gguf file, exactly as transformers loads it: in the dtype it was saved
+    in by default (dtype "auto"); a .gguf file dequantized to float32 unless a dtype is named."""
     kind = source_kind(source)
     where, extra = location(source, kind)
+    dtype = as_dtype(dtype)
     model = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, revision=revision,
-                        dtype=as_dtype(dtype) or torch.float32, attn_implementation=attn_implementation,
-                        device_map=device_map, **extra, **kwargs)
+                        dtype=torch.float32 if kind == "gguf" and dtype == AUTO else dtype,
+                        attn_implementation=attn_implementation, device_map=device_map, trust_remote_code=False,
+                        **extra, **kwargs)
     if kind == "gguf":
         forget_gguf_quantizer(model)
     return model.eval()
@@ -68,14 +85,16 @@ def load_tokenizer(source: str, revision: str | None = None):
     A folder of tokenizer files only also works; a bare vocab.json + merges.txt is read as GPT-2's BPE."""
     path = Path(resolve_source(source)).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():  # tokenizer files only (else: not a model folder)
+        refuse_custom_code(path, source)
         if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
-            return AutoTokenizer.from_pretrained(str(path))
+            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
-            return GPT2TokenizerFast.from_pretrained(str(path))
+            return GPT2TokenizerFast.from_pretrained(str(path), trust_remote_code=False)
     kind = source_kind(source)
     where, extra = location(source, kind)
     try:
-        return call_loader(source, kind, AutoTokenizer.from_pretrained, where, revision=revision, **extra)
+        return call_loader(source, kind, AutoTokenizer.from_pretrained, where, revision=revision,
+                           trust_remote_code=False, **extra)
     except RetrofitError:
         if kind == "hub":
             raise
@@ -92,4 +111,4 @@ def model_from_config(model_type: str, attn_implementation: str = "sdpa", seed: 
         raise RetrofitError(f"cannot build a {model_type!r} config: {str(err).splitlines()[0]}") from None
     if seed is not None:
         torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, trust_remote_code=False)

@@ -22,7 +22,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -34,7 +33,7 @@ from ..recipe import PatchSection, Recipe, load_recipe
 from ..rope import normalize_rope
 from .adapters import ADAPTER_CONFIG, is_adapter, load_adapter
 from .checkpoint import is_checkpoint, load_checkpoint
-from .models import load_plain_model, load_tokenizer, model_from_config
+from .models import load_plain_model, load_tokenizer, model_from_config, training_dtype
 from .sources import check_model_files, location, source_kind
 from .task_model import HEAD_FILE, TASK_FILE, CountingModel, language_model
 
@@ -96,8 +95,9 @@ def load_model(source, *, dtype=None, attn_implementation: str = "sdpa", revisio
                 device_map=device_map)
 
 
-def from_pretrained(source, *, revision=None, dtype=None, device_map=None):
-    """A retrofit checkpoint or adapter, patched as recorded; anything unpatched is refused."""
+def from_pretrained(source, *, revision=None, dtype="auto", device_map=None):
+    """A retrofit checkpoint or adapter, patched as recorded; anything unpatched is refused.
+    dtype: "auto" keeps the dtype it was saved in (transformers 5's default); float32, bfloat16, float16 convert."""
     kind = source_kind(source)
     if kind == "gguf":
         raise RetrofitError(f"{source} is a GGUF file, not a retrofit checkpoint; use retrofit.load_model")
@@ -117,9 +117,10 @@ def load_base(recipe: Recipe):
         cfg = dict(m.config)
         model = model_from_config(cfg.pop("model_type"), attn_implementation=m.attn_implementation,
                                   seed=recipe.train.seed, **cfg)
-        model.to(getattr(torch, m.dtype))
-    else:
-        model = load(m.source, dtype=m.dtype, attn_implementation=m.attn_implementation, revision=m.revision)
+        model.to(training_dtype(m.dtype))
+    else:  # model.dtype auto: float32 master weights, whatever the source was saved in (see training_dtype)
+        model = load(m.source, dtype=training_dtype(m.dtype), attn_implementation=m.attn_implementation,
+                     revision=m.revision)
     return model, recipe_tokenizer(recipe)
 
 

@@ -24,6 +24,9 @@ from huggingface_hub import constants
 
 from ..errors import RetrofitError
 
+# Files whose `auto_map` makes transformers import a model folder's own Python (refused: refuse_custom_code).
+CUSTOM_CODE_FILES = ("config.json", "tokenizer_config.json")
+
 
 def resolve_source(source) -> str:
     """`pkg:NAME/FILE` -> FILE inside installed package NAME (found without importing it), e.g.
@@ -61,12 +64,39 @@ def source_kind(source: str) -> str:
     if path.is_dir():
         if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
             raise RetrofitError(f"{source} is a folder without config.json: not a Hugging Face model folder")
+        refuse_custom_code(path, source)
         return "folder"
     if path.exists():
         raise RetrofitError(f"{source} is a file, not a model folder or .gguf file")
     if not is_hub_id(source):
         raise RetrofitError(f"no such file or folder: {source}")
     return "hub"
+
+
+def refuse_custom_code(folder: Path, shown=None) -> None:
+    """Refuse a folder whose config.json or tokenizer_config.json has an `auto_map`: transformers would import the
+    folder's own Python for it (and, without trust_remote_code, ask on stdin whether to). Checked before any
+    transformers call sees the folder; every loader also passes trust_remote_code=False (issue 26)."""
+    for name in CUSTOM_CODE_FILES:
+        try:
+            text = (folder / name).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue  # absent, or unreadable: check_model_files names a damaged config.json
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = None
+        if (isinstance(parsed, dict) and "auto_map" in parsed) or (parsed is None and '"auto_map"' in text):
+            raise RetrofitError(f"{shown or folder}: {name} has an auto_map (custom code); retrofit never runs a "
+                                "model folder's code — use a model whose architecture transformers ships")
+
+
+def custom_code_error(source: str, err: Exception) -> RetrofitError | None:
+    """transformers' refusal (trust_remote_code=False) of a Hub repository that ships code, as one line."""
+    if "trust_remote_code" not in str(err) and "custom code" not in str(err):
+        return None
+    return RetrofitError(f"{source} ships custom code (an auto_map); retrofit never runs a model's code — use a "
+                         "model whose architecture transformers ships")
 
 
 def hub_error(source: str, err: Exception) -> RetrofitError:
@@ -90,7 +120,9 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def call_loader(source: str, kind: str, fn, *args, **kwargs):
-    """Run a transformers loader, turning network/missing-repo failures into one-line errors.
+    """Run a transformers loader, turning network/missing-repo failures into one-line errors. Every caller
+    passes trust_remote_code=False to transformers' loaders (without it transformers asks on stdin, and a `y` runs
+    the model folder's Python); a Hub repository that ships code is then refused here in one line.
 
     Offline, a Hub id is still loaded from the local cache when it is there (local_files_only)."""
     if kind == "hub" and not hub_reachable():
@@ -98,6 +130,9 @@ def call_loader(source: str, kind: str, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except (OSError, ValueError) as err:
+        refusal = custom_code_error(source, err)
+        if refusal is not None:
+            raise refusal from None
         if kind == "hub":
             raise hub_error(source, err) from None
         raise RetrofitError(f"could not load {source!r}: {str(err).strip().splitlines()[0][:200]}") from None

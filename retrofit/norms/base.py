@@ -8,6 +8,8 @@ A norm is an `nn.Module` attached to one attention module as its `retrofit` chil
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -19,7 +21,7 @@ from ..families import output_projection
 from ..kernels.masks import hides_future
 
 CHILD = "retrofit"  # name of the norm module attached to each attention module
-_CURRENT: dict[int, tuple] = {}  # id(norm) -> (its owner's child, its owner's output projection), per forward
+_REGISTER = threading.Lock()  # held only while follow_projection adds a hook (never on a plain forward)
 
 # How transformers' models hand an attention function their learned per-head sink logits (gpt_oss: s_aux=self.sinks).
 SINK_KWARGS = ("s_aux", "sinks")
@@ -81,43 +83,82 @@ class Norm(nn.Module):
         return None
 
     # ---- acts_on_output norms: hooks on the owner's output projection ----------------------------------------------
-    # Both hooks are bound methods of the norm, so a deepcopy of a patched model rebinds them to the copy's norm.
-    # The norm keeps no reference to its owner (PEFT's modules_to_save deep-copies the norm alone): the guard on
-    # the owner records, for the forward under way, who the owner's child and projection are (_CURRENT).
+    # The hooks hold no per-forward state, so concurrent forwards of one model (threads) cannot see each other's:
+    # the projection's hook is bound to the owner (ProjectionHook) and reads the owner's child when it runs.
 
     def hook_output(self, owner: nn.Module) -> None:
         """Normalize `owner`'s output-projection input from now on (retrofit.patch calls this)."""
-        owner.register_forward_pre_hook(self.follow_projection)
-        self._hook_projection(output_projection(owner))
-
-    def _hook_projection(self, projection: nn.Module) -> None:
-        if not any(getattr(h, "__self__", None) is self for h in projection._forward_pre_hooks.values()):
-            projection.register_forward_pre_hook(self.before_projection)
-
-    def follow_projection(self, owner: nn.Module, args):
-        """Forward pre-hook on the owner: keep before_projection on its *current* output projection (PEFT may wrap
-        it after the patch: LoRA on o_proj must see the normalized input too), and note who does what now."""
-        projection = output_projection(owner)
-        self._hook_projection(projection)
-        _CURRENT[id(self)] = (owner._modules.get(CHILD), projection)
-
-    def before_projection(self, projection: nn.Module, args):
-        """Forward pre-hook on the owner's output projection: args[0] (B, T, H*D), heads concatenated, goes
-        through the owner's child *now* — this norm, PEFT's modules_to_save wrapper around it (whose active copy
-        trains), or the trained copy merge_and_unload leaves in its place — as (B, T, H, D). One norm's hooks
-        exist per owner at a time (unpatch removes them), so the child is applied once."""
-        child, current = _CURRENT.pop(id(self), (None, None))
-        if child is None or current is not projection or not args:
-            return None  # bypassed (a distillation teacher), or a stale hook on a projection PEFT has wrapped
-        norm = child if isinstance(child, Norm) else getattr(child, "original_module", None)
-        if not (isinstance(norm, Norm) and norm.acts_on_output):
-            return None  # a norm that acts inside attention took this one's place
-        x = args[0]
-        heads = self.shape.num_heads
-        return (child(x.view(*x.shape[:-1], heads, x.shape[-1] // heads)).reshape(x.shape), *args[1:])
+        owner.register_forward_pre_hook(follow_projection)
+        follow_projection(owner, ())
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self.options).items())
+
+
+class ProjectionHook:
+    """Forward pre-hook on an attention module's output projection, bound to that attention module (its owner).
+
+    args[0] (B, T, H*D), heads concatenated, goes through the owner's child as it is *now* — the norm, PEFT's
+    modules_to_save wrapper around it (whose active copy trains), or the trained copy merge_and_unload leaves in
+    its place — as (B, T, H, D). It does nothing when the owner has no such child (the teacher bypass detaches
+    it) or when this projection is no longer the owner's (PEFT wrapped it: the wrapper has its own hook).
+
+    Bound to the owner rather than the norm: the norm keeps no reference to its owner (PEFT's modules_to_save
+    deep-copies the norm alone), and nothing is handed from one hook to another, so concurrent forwards of one
+    model share no state. A deepcopy of the model rebinds it to the copy's owner; a deepcopy of the projection
+    alone (PEFT's modules_to_save on o_proj) gives an inert hook, so the input is normalized once, by the
+    wrapper's."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: nn.Module | None):
+        self.owner = owner
+
+    def __call__(self, projection: nn.Module, args):
+        owner = self.owner
+        if owner is None or not args or output_projection(owner) is not projection:
+            return None
+        child = owner._modules.get(CHILD)
+        norm = child if isinstance(child, Norm) else getattr(child, "original_module", None)
+        if not (isinstance(norm, Norm) and norm.acts_on_output):
+            return None  # bypassed, or a norm that acts inside attention took this one's place
+        x = args[0]
+        heads = norm.shape.num_heads
+        return (child(x.view(*x.shape[:-1], heads, x.shape[-1] // heads)).reshape(x.shape), *args[1:])
+
+    def __deepcopy__(self, memo):
+        return ProjectionHook(memo.get(id(self.owner)))
+
+
+def follow_projection(owner: nn.Module, args) -> None:
+    """Forward pre-hook on an AVNorm owner: its *current* output projection carries a ProjectionHook bound to it.
+
+    PEFT may wrap the projection after the patch (LoRA on o_proj must see the normalized input too), and an
+    nn.DataParallel replica shares its original's hook table, whose hook is bound to the original owner: a replica
+    gets a table of its own, so each replica normalizes with its own norm. Changes the model only then (under a
+    lock: two threads must not both add one); on every other forward it only looks."""
+    projection = output_projection(owner)
+    if projection is None or _bound(projection, owner):
+        return None
+    with _REGISTER:
+        if _bound(projection, owner):
+            return None
+        if getattr(projection, "_is_replica", False):
+            projection._forward_pre_hooks = OrderedDict(
+                (k, h) for k, h in projection._forward_pre_hooks.items() if not isinstance(h, ProjectionHook))
+        projection.register_forward_pre_hook(ProjectionHook(owner))
+    return None
+
+
+def _bound(projection: nn.Module, owner: nn.Module) -> bool:
+    return any(isinstance(h, ProjectionHook) and h.owner is owner for h in projection._forward_pre_hooks.values())
+
+
+def is_output_hook(hook) -> bool:
+    """Whether a forward pre-hook is one of the acts_on_output hooks (retrofit.unpatch removes them)."""
+    return hook is follow_projection or isinstance(hook, ProjectionHook)
+
+
 
 
 def visible_keys(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -33,8 +33,11 @@ class ModelSection:
                                      "e.g. {model_type: llama, hidden_size: 64, num_hidden_layers: 2}")
     tokenizer: str | None = knob(None, "tokenizer Hub id or folder; null = the source's own (text tasks need one)")
     revision: str | None = knob(None, "Hub revision (branch, tag or commit) of source")
-    dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", "weight dtype at load; keep float32 and use "
-                                                                      "train.precision for mixed precision")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
+        "auto", "dtype the weights train in. auto: float32 master weights whatever the source was saved in (a bf16 "
+                "model is upcast on load, exactly; the run saves float32); bfloat16/float16: the weights themselves "
+                "train in half precision (updates below a weight's precision are lost). Use train.precision for "
+                "mixed precision")
     attn_implementation: Literal["sdpa", "eager"] = knob("sdpa", "kernel the patch wraps; sdpa is faster, eager "
                                                                 "for models without an sdpa path")
 

@@ -55,6 +55,14 @@ def naive_ssmax(q, k, v, s_param, scale=None, causal=True, attn_mask=None):
     return naive_psoftmax(q.double() * factor.unsqueeze(-1), k, v, 1.0, scale, causal, attn_mask)
 
 
+def naive_ssmax_rounded(q, k, v, s_param, dtype, scale=None, causal=True, attn_mask=None):
+    """naive_ssmax with the scaled q, s_h log(n_i) q_i, rounded to `dtype`: what an fp16/bf16 kernel receives."""
+    n = naive_logits(q, k, scale, causal, attn_mask).isfinite().sum(-1).clamp_min(1).double()  # (B, H, Tq)
+    factor = s_param.double().view(1, -1, 1) * torch.log(n)
+    scaled = (q.double() * factor.unsqueeze(-1)).to(dtype)
+    return naive_psoftmax(scaled, k.to(dtype), v.to(dtype), 1.0, scale, causal, attn_mask)
+
+
 def naive_softmax1(q, k, v, sink, scale=None, causal=True, attn_mask=None):
     s = naive_logits(q, k, scale, causal, attn_mask)
     b = sink.double().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
@@ -76,10 +84,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(params=["auto", "blockwise"])
-def backend(request, monkeypatch):
-    monkeypatch.setattr(K, "FORCE_BACKEND", None if request.param == "auto" else request.param)
-    return request.param
+@pytest.fixture(params=["auto", "blockwise", "decode"])
+def backend(request):
+    """auto: what users get (decode for a few query rows, the fused CPU kernel for p = 1, else blockwise)."""
+    with K.force_backend(None if request.param == "auto" else request.param):
+        yield request.param
 
 
 def qkv(B=1, H=2, Hkv=None, Tq=17, Tk=None, D=8, dtype=torch.float32, seed=0, spread=1.0):
@@ -188,7 +197,6 @@ def test_many_small_blocks(backend, monkeypatch, name, setting):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=2e-5)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     monkeypatch.undo()  # the same gradients from the default (large) blocks
-    monkeypatch.setattr(K, "FORCE_BACKEND", None if backend == "auto" else backend)
     out = call(name, q, k, v, extra_param(q.shape[1], torch.float32), **kw)
     for got, want in zip(grads, torch.autograd.grad(out.square().sum(), (q, k, v))):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -197,7 +205,6 @@ def test_many_small_blocks(backend, monkeypatch, name, setting):
 @pytest.mark.parametrize("setting", ["causal", "gqa_pad", "pad_additive", "more_q_than_k"])
 def test_worker_threads_match_one_thread(monkeypatch, setting):
     """With several torch threads the blockwise kernel shares blocks out to worker threads: same numbers."""
-    monkeypatch.setattr(K, "FORCE_BACKEND", "blockwise")
     monkeypatch.setattr(K.blockwise, "BLOCK_ELEMS", 256)  # many blocks, so both threads get work
     shared_out = []
     real = K.blockwise._in_threads
@@ -209,8 +216,9 @@ def test_worker_threads_match_one_thread(monkeypatch, setting):
     for threads in (1, 2):
         torch.set_num_threads(threads)
         try:
-            out = psoftmax_attention(q, k, v, 3.0, enable_gqa=q.shape[1] != k.shape[1], **kw)
-            results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+            with K.force_backend("blockwise"):
+                out = psoftmax_attention(q, k, v, 3.0, enable_gqa=q.shape[1] != k.shape[1], **kw)
+                results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
             assert torch.get_num_threads() == threads  # the workers' one-thread setting did not leak
         finally:
             torch.set_num_threads(1)
@@ -277,6 +285,8 @@ def test_low_precision_large_logits(backend, name, dtype):
     pad = left_padding(2, 40, 40, [0, 7], "bool")
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out, ref = run(name, q, k, v, extra, causal=True, attn_mask=pad)  # ref: float64 from the same rounded inputs
+    if name == "ssmax":  # its kernel input is the scaled q, rounded to `dtype` (the compute dtype) once
+        ref = naive_ssmax_rounded(q.detach(), k.detach(), v.detach(), extra, dtype, causal=True, attn_mask=pad)
     assert out.dtype == dtype and out.isfinite().all()
     torch.testing.assert_close(out.double(), ref, rtol=0.02, atol=0.02)
     out.float().square().sum().backward()
@@ -355,10 +365,10 @@ def fwd_bwd(name, T, H=4, D=16):
 
 peaks = {}
 for backend in (None, "blockwise"):
-    K.FORCE_BACKEND = backend
-    for name in ("psoftmax", "psoftmax_p1", "ssmax", "softmax1"):
-        peak_mb(fwd_bwd(name, 300))  # first calls page in library code, which resident memory counts too
-        peaks[f"{backend or 'auto'}/{name}"] = peak_mb(fwd_bwd(name, int(sys.argv[1])))
+    with K.force_backend(backend):
+        for name in ("psoftmax", "psoftmax_p1", "ssmax", "softmax1"):
+            peak_mb(fwd_bwd(name, 300))  # first calls page in library code, which resident memory counts too
+            peaks[f"{backend or 'auto'}/{name}"] = peak_mb(fwd_bwd(name, int(sys.argv[1])))
 print(json.dumps(peaks))
 """
 
@@ -397,9 +407,9 @@ def test_triton_matches_blockwise(monkeypatch, p, setting):
     gqa = q.shape[1] != k.shape[1]
     results = []
     for backend in ("triton", "blockwise"):
-        monkeypatch.setattr(K, "FORCE_BACKEND", backend)
-        out = psoftmax_attention(q, k, v, p, enable_gqa=gqa, **kw)
-        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        with K.force_backend(backend):
+            out = psoftmax_attention(q, k, v, p, enable_gqa=gqa, **kw)
+            grads = torch.autograd.grad(out.square().sum(), (q, k, v))
         results.append((out, *grads))
     for got, want in zip(*results):
         assert got.isfinite().all()

@@ -38,78 +38,16 @@ torch's default generator (so torch.manual_seed and activation checkpointing rep
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 
-from . import blockwise, cpu_fused
+from . import blockwise, cpu_fused, decode, dispatch, ops  # noqa: F401  (the backends, for tests and benchmarks)
+from .dispatch import autocast_on, force_backend, triton_backend
+from .dispatch import choose as _choose
+from .dispatch import compute_dtype as _compute_dtype
 from .masks import causal_mask, combine_causal, visible_counts
 from .softcap import check_softcap
-
-# None = pick per call; "blockwise" / "cpu_fused" / "triton" force one (tests and benchmarks).
-FORCE_BACKEND: str | None = None
-_TRITON_UNSET = object()
-_triton = _TRITON_UNSET
-
-
-def triton_backend():
-    """retrofit.kernels.triton_psoftmax when Triton imports, else None (importing retrofit never needs Triton)."""
-    global _triton
-    if _triton is _TRITON_UNSET:
-        try:
-            from . import triton_psoftmax
-            _triton = triton_psoftmax if triton_psoftmax.AVAILABLE else None
-        except Exception:  # a broken Triton install must not break the CPU path
-            _triton = None
-    return _triton
-
-
-def _backend(q, k, v, p: float, mask, dropout, softcap):
-    if dropout is not None or softcap is not None:  # the one backend with dropout in its backward, and softcap
-        return blockwise
-    if FORCE_BACKEND is not None:
-        return {"blockwise": blockwise, "cpu_fused": cpu_fused, "triton": triton_backend()}[FORCE_BACKEND]
-    if q.shape[2] == 0 or k.shape[2] == 0:  # nothing to attend: blockwise returns zeros (fused CPU op crashes)
-        return blockwise
-    if q.is_cuda and triton_backend() is not None and triton_backend().supports(q, v, mask):
-        return triton_backend()
-    if p == 1.0 and cpu_fused.available(q, v):
-        return cpu_fused
-    return blockwise
-
-
-class _Attention(torch.autograd.Function):
-    """out = A v with A = exp(s - N); N from the backend's p-normalizer, or logaddexp(LSE, sink) for softmax+1."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sink, p, scale, causal, mask, backend, dropout, softcap):
-        extra = {"dropout": dropout} if dropout is not None else {}
-        if softcap is not None:  # only blockwise takes it (see _backend)
-            extra["softcap"] = softcap
-        out, norm = backend.forward(q, k, v, p, scale, causal, mask, **extra)  # (B, H, Tq, Dv), (B, H, Tq); ours
-        if sink is not None:  # softmax+1: sum exp(s) -> exp(b_h) + sum exp(s), i.e. N -> logaddexp(N, b_h)
-            with_sink = torch.logaddexp(norm, sink.detach().to(norm.dtype).view(1, -1, 1))
-            rescale = torch.exp(norm - with_sink).unsqueeze(-1)  # sigmoid(LSE - b_h), (B, H, Tq, 1)
-            out = out.mul_(rescale) if out.dtype == rescale.dtype else (out.to(rescale.dtype) * rescale).to(q.dtype)
-            norm = with_sink
-        ctx.save_for_backward(q, k, v, out, norm, sink)
-        ctx.args = (p, scale, causal, mask, backend, extra)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, norm, sink = ctx.saved_tensors
-        p, scale, causal, mask, backend, extra = ctx.args
-        with _no_autocast(q.device.type):  # backward may be called inside autocast too
-            dq, dk, dv = backend.backward(dout.contiguous(), q, k, v, out, norm, p, scale, causal, mask, **extra)
-        dsink = None
-        if sink is not None and ctx.needs_input_grad[3]:
-            # dN/db_h = exp(b_h - N_i) and d out_i/dN_i = -out_i:  dL/db_h = -sum_{b,i} exp(b_h - N_i) dO_i . out_i
-            delta = (dout.to(norm.dtype) * out.to(norm.dtype)).sum(-1)  # (B, H, Tq)
-            weight = torch.exp(sink.detach().to(norm.dtype).view(1, -1, 1) - norm)
-            dsink = -(weight * delta).sum((0, 2)).to(sink.dtype)
-        return dq, dk, dv, dsink, None, None, None, None, None, None, None
 
 
 def _check(q, k, v, attn_mask, enable_gqa, name):
@@ -135,32 +73,19 @@ def _check(q, k, v, attn_mask, enable_gqa, name):
                              f"= {want}")
 
 
-def _no_autocast(device_type: str):
-    """Autocast off for this device if it is on (a no-op context elsewhere, e.g. on devices autocast lacks)."""
-    try:
-        on = torch.is_autocast_enabled(device_type)
-    except (RuntimeError, TypeError):  # a device type autocast does not know
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, enabled=False) if on else contextlib.nullcontext()
-
-
-def _widest(q, k, v) -> torch.dtype:
-    return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-
-
 def _attention(q, k, v, p, sink, scale, causal, attn_mask, dropout_p, softcap):
-    """out (B, H, Tq, Dv) in v's dtype; q, k, v of mixed dtypes are upcast first (autograd casts each grad back)."""
+    """out (B, H, Tq, Dv): q, k, v go to the compute dtype first (dispatch.compute_dtype; autograd casts each
+    gradient back to its input's dtype), then to the backend dispatch.choose picks, through the custom op."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
-    wide = _widest(q, k, v)
-    out_dtype = v.dtype
+    wide = _compute_dtype(q, k, v)
+    out_dtype = wide if autocast_on(q.device.type) else v.dtype  # SDPA's: autocast's dtype, else v's
     q, k, v = q.to(wide), k.to(wide), v.to(wide)  # no-ops (no copy, no graph node) when they already agree
-    dropout = blockwise.Dropout(dropout_p, int(torch.randint(2 ** 62, ()).item())) if dropout_p > 0 else None
-    backend = _backend(q, k, v, p, attn_mask, dropout, softcap)
-    with _no_autocast(q.device.type):  # the kernels choose their own precision (module docstring)
-        out = _Attention.apply(q, k, v, sink, p, scale, bool(causal), attn_mask, backend, dropout, softcap)
+    seed = torch.randint(2 ** 62, (), device="cpu") if dropout_p > 0 else None  # the dropout mask's seed
+    backend = _choose(q, k, v, p, attn_mask, dropout_p > 0, softcap)
+    out = ops.attention(q, k, v, sink, attn_mask, seed, p, scale, bool(causal), backend, softcap, dropout_p)
     return out.to(out_dtype)
 
 
@@ -196,12 +121,12 @@ def ssmax_attention(q, k, v, s_param, *, scale=None, causal=True, attn_mask=None
         raise ValueError(f"ssmax_attention: s_param must have one value per query head ({H}); "
                          f"got {tuple(s_param.shape)}")
     softcap = check_softcap(softcap, "ssmax_attention")
-    ct = blockwise.compute_dtype(_widest(q, k, v))
+    target = _compute_dtype(q, k, v)  # the kernel's dtype; k and v go on as they are (no fp32 copies)
     n = visible_counts(attn_mask, causal, Tq, Tk, q.device)  # broadcastable to (B, H, Tq), >= 1
-    factor = s_param.to(ct).view(H, 1) * torch.log(n.to(ct))  # (.., H, Tq)
-    q_scaled = q.to(ct) * factor.unsqueeze(-1)  # (B, H, Tq, D)
-    out = _attention(q_scaled, k.to(ct), v.to(ct), 1.0, None, scale, causal, attn_mask, dropout_p, softcap)
-    return out.to(v.dtype)
+    wide = blockwise.compute_dtype(target)  # fp32 (fp64 for fp64): q * factor is rounded to target once
+    factor = s_param.to(wide).view(H, 1) * torch.log(n.to(wide))  # (.., H, Tq)
+    q_scaled = (q.to(wide) * factor.unsqueeze(-1)).to(target)  # (B, H, Tq, D), the one tensor this norm adds
+    return _attention(q_scaled, k, v, 1.0, None, scale, causal, attn_mask, dropout_p, softcap)
 
 
 def softmax1_attention(q, k, v, sink, *, scale=None, causal=True, attn_mask=None, enable_gqa=False, dropout_p=0.0,
@@ -221,4 +146,4 @@ def softmax1_attention(q, k, v, sink, *, scale=None, causal=True, attn_mask=None
 
 
 __all__ = ["psoftmax_attention", "ssmax_attention", "softmax1_attention", "visible_counts", "causal_mask",
-           "combine_causal", "triton_backend", "FORCE_BACKEND"]
+           "combine_causal", "triton_backend", "force_backend"]

@@ -38,6 +38,7 @@ def force_backend(name: str | None):
         _FORCED.reset(token)
 
 
+@torch.compiler.assume_constant_result  # Dynamo cannot trace ContextVar.get: the name is read once, at trace time
 def forced() -> str | None:
     return _FORCED.get()
 

@@ -425,3 +425,75 @@ def test_triton_low_precision(dtype):
     ref = naive_psoftmax(q, k, v, 2.0)
     assert out.dtype == dtype and out.isfinite().all()
     torch.testing.assert_close(out.double(), ref, rtol=0.03, atol=0.03)
+
+
+# ---------------------------------------------------------------- backend choice: decode path, forcing
+
+
+@pytest.mark.parametrize("name", ["ssmax", "softmax1"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_fused_cpu_kernel_matches_reference(name, setting):
+    """p = 1 on PyTorch's fused CPU kernel, forced: `auto` sends these few-row settings to the decode path now."""
+    q, k, v, kw = make(setting)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    extra = extra_param(q.shape[1], torch.float32)
+    with K.force_backend("cpu_fused"):
+        out, ref = run(name, q, k, v, extra, **kw)
+        got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=2e-5)
+    for g, want in zip(got, torch.autograd.grad(ref.square().sum(), (q, k, v))):
+        torch.testing.assert_close(g.double(), want.double(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("p", [1.0, 1.5, 2.0, 3.0])
+@pytest.mark.parametrize("setting", ["decode", "prefill_chunk", "gqa_pad", "pad_additive", "more_q_than_k"])
+def test_decode_path_matches_blockwise(p, setting):
+    """A few query rows go to the decode path (auto), and it agrees with blockwise, forward and backward."""
+    q, k, v, kw = make(setting)
+    assert K.dispatch.choose(q, k, v, p, kw.get("attn_mask"), False, None) == "decode"
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    results = []
+    for backend in (None, "blockwise"):
+        with K.force_backend(backend):
+            out = psoftmax_attention(q, k, v, p, enable_gqa=q.shape[1] != k.shape[1], **kw)
+            results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    for got, want in zip(results[0][1:], results[1][1:]):  # fp32 gradients through A dA - A^p delta: rounding
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+    ref = naive_psoftmax(q, k, v, p, **kw)
+    torch.testing.assert_close(results[0][0].double(), ref, rtol=1e-5, atol=2e-5)
+    for got, want in zip(results[0][1:], torch.autograd.grad(ref.square().sum(), (q, k, v))):
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=2e-5)
+
+
+def test_decode_path_is_only_for_a_few_rows():
+    q, k, v = qkv(Tq=K.decode.MAX_ROWS + 1)
+    assert K.dispatch.choose(q, k, v, 2.0, None, False, None) == "blockwise"
+    q, k, v = qkv(Tq=1, Tk=40)
+    assert K.dispatch.choose(q, k, v, 2.0, None, True, None) == "blockwise"  # dropout: blockwise regenerates it
+
+
+def test_forcing_the_fused_kernel_with_p_other_than_1_raises():
+    """It computes softmax only: forced with p != 1 it must refuse, not silently compute p = 1."""
+    q, k, v = qkv()
+    with K.force_backend("cpu_fused"), pytest.raises(ValueError, match=r"softmax only \(p = 1\), not p = 2"):
+        psoftmax_attention(q, k, v, 2.0)
+    with pytest.raises(ValueError, match="unknown backend 'fused'"):
+        with K.force_backend("fused"):
+            pass
+
+
+def test_force_backend_stays_in_its_thread():
+    """A ContextVar: another thread running meanwhile still chooses per call, and the name is gone after the block."""
+    import threading
+
+    q, k, v = qkv(Tq=40)
+    seen = {}
+    with K.force_backend("blockwise"):
+        worker = threading.Thread(target=lambda: seen.update(other=K.dispatch.choose(q, k, v, 1.0, None, False,
+                                                                                      None)))
+        worker.start()
+        worker.join()
+        seen["here"] = K.dispatch.choose(q, k, v, 1.0, None, False, None)
+    seen["after"] = K.dispatch.choose(q, k, v, 1.0, None, False, None)
+    assert seen == {"other": "cpu_fused", "here": "blockwise", "after": "cpu_fused"}

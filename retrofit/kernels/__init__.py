@@ -4,32 +4,44 @@
     out = ssmax_attention(q, k, v, s_param)             # logits * s_h * log(n), n = visible keys
     out = softmax1_attention(q, k, v, sink)             # weights exp(s) / (exp(b_h) + sum exp(s))
 
-All take SDPA's conventions: q (B, H, Tq, D), k/v (B, Hkv, Tk, D); out (B, H, Tq, D) in v's dtype;
+All take SDPA's conventions: q (B, H, Tq, D), k/v (B, Hkv, Tk, D); out (B, H, Tq, D);
 `causal` aligns bottom-right (queries are the last Tq of the Tk positions, as with a KV cache);
 `attn_mask` is bool (True = attend) or additive float (hidden = dtype min or -inf), broadcastable to
 (B, H, Tq, Tk), and may be combined with `causal`; with `enable_gqa`, query head h uses kv head
 h // (H // Hkv). A row with no visible key gives 0 and zero (finite) gradients.
 
 Every kernel computes out_i = sum_j exp(s_ij - N_i) v_j for a row normalizer N, never with a T x T
-tensor (memory O(T) forward and backward), accumulating in fp32 for fp16/bf16. Backends, per call:
+tensor (memory O(T) forward and backward), accumulating in fp32 for fp16/bf16. Backends, chosen per
+call in this order (dispatch.py):
+  blockwise        calls with dropout: bounded blocks of plain PyTorch ops (any p, any device), on CPU
+                   shared out to torch.get_num_threads() worker threads (see blockwise.py for why).
+  decode           a few query rows (Tq <= 16, KV-cache decoding), any p, any device: the scores of
+                   those rows directly, two matmuls and a few elementwise ops (decode.py).
   triton_psoftmax  CUDA with Triton importable: one fused flash-style kernel, forward and backward.
   cpu_fused        CPU, p = 1 (softmax, ssmax, softmax+1): PyTorch's fused flash kernel + its LSE.
-  blockwise        everything else (any p, any device): bounded blocks of plain PyTorch ops, on CPU
-                   shared out to torch.get_num_threads() worker threads (see blockwise.py for why).
-Softmax+1 is softmax with N = logaddexp(LSE, b_h), i.e. out = softmax_out * sigmoid(LSE - b_h); its
-gradient flows to q, k, v and the sink through the same backward (see cpu_fused.py).
+  blockwise        everything else.
+`force_backend(name)` (a context manager; tests and benchmarks) routes the calls inside it to one backend;
+one that cannot compute a call raises ValueError (the fused CPU kernel with p != 1, Triton without CUDA
+or its interpreter). Softmax+1 is softmax with N = logaddexp(LSE, b_h), i.e. out = softmax_out *
+sigmoid(LSE - b_h); its gradient flows to q, k, v and the sink through the same backward (ops.py).
 
-Mixed floating dtypes (bf16 autocast: Llama-family RoPE hands back q, k in fp32 and v in bf16) are
-accepted as SDPA accepts them: all three are upcast to the widest, computed as usual (fp32
-accumulation), and out is returned in v's dtype (what the output projection then reads); each
-gradient comes back in its input's dtype. Autocast is switched off inside the kernels, forward and
-backward: it would otherwise round the blockwise matmuls to bf16 on the calling thread only (the
-worker threads do not inherit it), and the fp32 accumulation promised above would not hold.
+Every call goes through one torch.library custom op, retrofit::attention, with a fake implementation and a
+registered backward op (ops.py): torch.compile(fullgraph=True) traces the norms with no graph break. Without
+a graph to record (no_grad, inference), the implementation is called directly, skipping the op's dispatch.
+
+Dtypes as SDPA. Under autocast (for q's device), q, k and v are cast to the autocast dtype
+(torch.get_autocast_dtype) and computed in it, with fp32 accumulation; out is in that dtype. So bf16
+training runs the Triton kernel's bf16 tensor-core path and the fused CPU kernel's bf16 path; blockwise
+and decode compute bf16 inputs in fp32 explicitly (blockwise's worker threads do not inherit autocast
+anyway). Outside autocast, mixed dtypes (Llama-family RoPE hands back q, k in fp32 and v in bf16) are
+upcast to the widest, and out is returned in v's dtype. Either way each gradient comes back in its
+input's dtype, and autocast is off inside the kernels, forward and backward (they choose their own
+precision). SSMax scales q (in fp32, rounded once to the compute dtype) and passes k and v on as they are.
 
 `softcap` c (Gemma 2's attn_logit_softcapping) caps the scaled logits before the mask and the
 normalization, s -> c * tanh(s / c), forward and backward (ds_raw = ds_capped * (1 - tanh^2(s / c))).
-Only the blockwise backend implements it: PyTorch's fused CPU kernel cannot cap, and the Triton
-kernel does not, so soft-capped calls are routed to blockwise (see softcap.py for the formulas).
+The blockwise and decode backends implement it: PyTorch's fused CPU kernel cannot cap, and the Triton
+kernel does not, so soft-capped calls with many query rows go to blockwise (see softcap.py).
 
 `dropout_p` (as SDPA's; pass 0 outside training) drops attention weights after normalization. It
 runs on the blockwise backend, which regenerates the mask in the backward from a seed drawn from

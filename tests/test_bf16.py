@@ -1,7 +1,8 @@
 """bf16 autocast: Llama-family RoPE hands the attention function q, k in fp32 and v in bf16; every norm trains.
 
-The kernels accept mixed q/k/v dtypes as SDPA does: upcast to the widest, compute (fp32 accumulation),
-return out in v's dtype and each gradient in its input's dtype.
+The kernels treat dtypes as SDPA does. Under autocast q, k, v are cast to the autocast dtype, computed in it
+with fp32 accumulation, and out is in that dtype. Outside autocast mixed dtypes are upcast to the widest
+(fp32 accumulation), out comes back in v's dtype; either way each gradient is in its input's dtype.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import torch
 
 import retrofit
 import retrofit.kernels as K
-from tests.test_kernels import KERNELS, call, extra_param, make
+from tests.test_kernels import KERNELS, call, extra_param, make, naive_ssmax_rounded
 from tests.tiny import random_ids, tiny_model
 
 
-@pytest.fixture(params=["auto", "blockwise"])
-def backend(request, monkeypatch):
-    monkeypatch.setattr(K, "FORCE_BACKEND", None if request.param == "auto" else request.param)
-    return request.param
+@pytest.fixture(params=["auto", "blockwise", "decode"])
+def backend(request):
+    with K.force_backend(None if request.param == "auto" else request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
@@ -49,17 +50,89 @@ def test_mixed_dtypes_equal_the_fp32_result_rounded_once(one_thread, backend, na
     assert torch.equal(grads[2], want_grads[2].to(torch.bfloat16))
 
 
-def test_kernels_ignore_an_enclosing_autocast(one_thread):
-    """Inside autocast the blockwise matmuls would run in bf16; the kernels switch it off, forward and backward."""
-    q, k, v, kw = make("causal")
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    plain = K.psoftmax_attention(q, k, v, 3.0, **kw)
-    plain_grads = torch.autograd.grad(plain.square().sum(), (q, k, v))
+BACKEND_MODULES = ("blockwise", "cpu_fused", "decode")
+
+
+def spy_backends(monkeypatch):
+    """Record (backend, q/k/v dtypes, k and v data pointers) for every backend forward call."""
+    seen = []
+    for name in BACKEND_MODULES:
+        module = getattr(K, name)
+
+        def spy(q, k, v, *args, _real=module.forward, _name=name, **kw):
+            seen.append((_name, (q.dtype, k.dtype, v.dtype), (k.data_ptr(), v.data_ptr())))
+            return _real(q, k, v, *args, **kw)
+        monkeypatch.setattr(module, "forward", spy)
+    return seen
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("setting", ["causal", "decode", "gqa_pad"])
+def test_autocast_computes_in_the_autocast_dtype(one_thread, monkeypatch, backend, name, setting):
+    """Under CPU bf16 autocast, as SDPA: q, k, v reach the backend in bf16 and out is bf16.
+
+    Inputs are fp32 q, k (as RoPE returns them) and bf16 v. The backend must compute the bf16 inputs
+    with fp32 accumulation, so out equals the float64 reference *on the bf16-rounded inputs* to within
+    one bf16 rounding of the output (2^-8 relative) plus, where a backend rounds the weights to bf16 before
+    the P V product as flash attention does (the fused CPU kernel), 2^-9 sum_j A_ij |v_j| (atol 2^-8 for
+    these |v| ~ 1); and the fp32 reference within bf16 input rounding (logits of size ~3 move by ~2^-8 * 3;
+    3e-2 covers it). Gradients come back finite and nonzero, in their inputs' dtypes.
+    """
+    q, k, v, kw = make(setting)
+    extra = extra_param(q.shape[1], torch.float32)
+    q, k, v = (x.requires_grad_() for x in (q, k, v.to(torch.bfloat16)))
+    seen = spy_backends(monkeypatch)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        under = K.psoftmax_attention(q, k, v, 3.0, **kw)
-        grads = torch.autograd.grad(under.square().sum(), (q, k, v))  # backward inside autocast too
-    assert under.dtype == torch.float32 and torch.equal(under, plain)
-    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+        out = call(name, q, k, v, extra, **kw)
+    assert seen and all(dtypes == (torch.bfloat16,) * 3 for _, dtypes, _ in seen), seen
+    if backend != "auto":
+        assert {used for used, _, _ in seen} == {backend}
+    assert out.dtype == torch.bfloat16
+    rounded = [x.detach().to(torch.bfloat16) for x in (q, k, v)]
+    _, reference, param = KERNELS[name]
+    if name == "ssmax":  # the kernel's bf16 input is the scaled q, s_h log(n_i) q_i, rounded once
+        ref16 = naive_ssmax_rounded(q.detach(), k.detach(), v.detach(), extra, torch.bfloat16, **kw)
+    else:
+        ref16 = reference(*rounded, *(() if param is None else (extra,)), **kw)
+    torch.testing.assert_close(out.double(), ref16, rtol=2 ** -8, atol=2 ** -8)
+    ref32 = reference(q.detach(), k.detach(), v.detach().float(), *(() if param is None else (extra,)), **kw)
+    torch.testing.assert_close(out.double(), ref32, rtol=3e-2, atol=3e-2)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32, torch.bfloat16]
+    assert all(g.isfinite().all() and g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_autocast_only_casts_the_inputs(one_thread, backend, name):
+    """Autocast changes the inputs' dtype and nothing inside the kernels: forward and backward (run inside
+    autocast) are bitwise those of the same call on inputs cast to bf16 by hand, outside autocast. (The
+    blockwise worker threads do not inherit autocast; were it left on in the calling thread, its matmuls
+    would round differently from theirs.)"""
+    q, k, v, kw = make("causal")
+    extra = extra_param(q.shape[1], torch.float32)
+    if name == "ssmax":  # it scales q before rounding it (once), so a q rounded by hand first would differ
+        q = q.to(torch.bfloat16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = call(name, q, k, v, extra, **kw)
+        grads = torch.autograd.grad(under, (q, k, v), dout.to(torch.bfloat16))  # backward inside autocast too
+    by_hand = call(name, *(x.to(torch.bfloat16) for x in (q, k, v)), extra, **kw)
+    hand_grads = torch.autograd.grad(by_hand, (q, k, v), dout.to(torch.bfloat16))
+    assert under.dtype == torch.bfloat16 and torch.equal(under, by_hand)
+    assert all(torch.equal(a, b) for a, b in zip(grads, hand_grads))
+
+
+def test_ssmax_passes_k_and_v_on_uncopied(one_thread, monkeypatch):
+    """SSMax scales q only: bf16 k and v reach the backend as the very tensors given (no fp32 copies)."""
+    q, k, v, kw = make("gqa_pad", torch.bfloat16)
+    seen = spy_backends(monkeypatch)
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = K.ssmax_attention(q, k, v, extra_param(q.shape[1], torch.float32), enable_gqa=True, **kw)
+        assert out.dtype == torch.bfloat16
+    assert len(seen) == 2 and all(ptrs == (k.data_ptr(), v.data_ptr()) for _, _, ptrs in seen)
+    assert all(dtypes == (torch.bfloat16,) * 3 for _, dtypes, _ in seen)
 
 
 def test_non_floating_inputs_raise():

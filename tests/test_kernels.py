@@ -1,7 +1,8 @@
 """retrofit.kernels against naive references that materialize the T x T weights (they live here, not in the library).
 
-Every kernel is checked on each CPU backend: `auto` (what users get: the fused CPU kernel for p = 1,
-blockwise PyTorch otherwise) and `blockwise` forced for p = 1 too. The Triton kernel runs only on CUDA.
+Every kernel is checked on each CPU backend: `auto` (what users get: the decode path for a few query rows,
+the fused CPU kernel for p = 1, blockwise PyTorch otherwise), and `blockwise` and `decode` forced. The Triton
+kernel runs here on CUDA; tests/test_triton_interpreter.py runs it on CPU through Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ def naive_ssmax(q, k, v, s_param, scale=None, causal=True, attn_mask=None):
     return naive_psoftmax(q.double() * factor.unsqueeze(-1), k, v, 1.0, scale, causal, attn_mask)
 
 
+def naive_ssmax_rounded(q, k, v, s_param, dtype, scale=None, causal=True, attn_mask=None):
+    """naive_ssmax with the scaled q, s_h log(n_i) q_i, rounded to `dtype`: what an fp16/bf16 kernel receives."""
+    n = naive_logits(q, k, scale, causal, attn_mask).isfinite().sum(-1).clamp_min(1).double()  # (B, H, Tq)
+    factor = s_param.double().view(1, -1, 1) * torch.log(n)
+    scaled = (q.double() * factor.unsqueeze(-1)).to(dtype)
+    return naive_psoftmax(scaled, k.to(dtype), v.to(dtype), 1.0, scale, causal, attn_mask)
+
+
 def naive_softmax1(q, k, v, sink, scale=None, causal=True, attn_mask=None):
     s = naive_logits(q, k, scale, causal, attn_mask)
     b = sink.double().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
@@ -76,10 +85,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(params=["auto", "blockwise"])
-def backend(request, monkeypatch):
-    monkeypatch.setattr(K, "FORCE_BACKEND", None if request.param == "auto" else request.param)
-    return request.param
+@pytest.fixture(params=["auto", "blockwise", "decode"])
+def backend(request):
+    """auto: what users get (decode for a few query rows, the fused CPU kernel for p = 1, else blockwise)."""
+    with K.force_backend(None if request.param == "auto" else request.param):
+        yield request.param
 
 
 def qkv(B=1, H=2, Hkv=None, Tq=17, Tk=None, D=8, dtype=torch.float32, seed=0, spread=1.0):
@@ -188,7 +198,6 @@ def test_many_small_blocks(backend, monkeypatch, name, setting):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=2e-5)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     monkeypatch.undo()  # the same gradients from the default (large) blocks
-    monkeypatch.setattr(K, "FORCE_BACKEND", None if backend == "auto" else backend)
     out = call(name, q, k, v, extra_param(q.shape[1], torch.float32), **kw)
     for got, want in zip(grads, torch.autograd.grad(out.square().sum(), (q, k, v))):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -197,7 +206,6 @@ def test_many_small_blocks(backend, monkeypatch, name, setting):
 @pytest.mark.parametrize("setting", ["causal", "gqa_pad", "pad_additive", "more_q_than_k"])
 def test_worker_threads_match_one_thread(monkeypatch, setting):
     """With several torch threads the blockwise kernel shares blocks out to worker threads: same numbers."""
-    monkeypatch.setattr(K, "FORCE_BACKEND", "blockwise")
     monkeypatch.setattr(K.blockwise, "BLOCK_ELEMS", 256)  # many blocks, so both threads get work
     shared_out = []
     real = K.blockwise._in_threads
@@ -209,8 +217,9 @@ def test_worker_threads_match_one_thread(monkeypatch, setting):
     for threads in (1, 2):
         torch.set_num_threads(threads)
         try:
-            out = psoftmax_attention(q, k, v, 3.0, enable_gqa=q.shape[1] != k.shape[1], **kw)
-            results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+            with K.force_backend("blockwise"):
+                out = psoftmax_attention(q, k, v, 3.0, enable_gqa=q.shape[1] != k.shape[1], **kw)
+                results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
             assert torch.get_num_threads() == threads  # the workers' one-thread setting did not leak
         finally:
             torch.set_num_threads(1)
@@ -277,6 +286,8 @@ def test_low_precision_large_logits(backend, name, dtype):
     pad = left_padding(2, 40, 40, [0, 7], "bool")
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out, ref = run(name, q, k, v, extra, causal=True, attn_mask=pad)  # ref: float64 from the same rounded inputs
+    if name == "ssmax":  # its kernel input is the scaled q, rounded to `dtype` (the compute dtype) once
+        ref = naive_ssmax_rounded(q.detach(), k.detach(), v.detach(), extra, dtype, causal=True, attn_mask=pad)
     assert out.dtype == dtype and out.isfinite().all()
     torch.testing.assert_close(out.double(), ref, rtol=0.02, atol=0.02)
     out.float().square().sum().backward()
@@ -355,10 +366,10 @@ def fwd_bwd(name, T, H=4, D=16):
 
 peaks = {}
 for backend in (None, "blockwise"):
-    K.FORCE_BACKEND = backend
-    for name in ("psoftmax", "psoftmax_p1", "ssmax", "softmax1"):
-        peak_mb(fwd_bwd(name, 300))  # first calls page in library code, which resident memory counts too
-        peaks[f"{backend or 'auto'}/{name}"] = peak_mb(fwd_bwd(name, int(sys.argv[1])))
+    with K.force_backend(backend):
+        for name in ("psoftmax", "psoftmax_p1", "ssmax", "softmax1"):
+            peak_mb(fwd_bwd(name, 300))  # first calls page in library code, which resident memory counts too
+            peaks[f"{backend or 'auto'}/{name}"] = peak_mb(fwd_bwd(name, int(sys.argv[1])))
 print(json.dumps(peaks))
 """
 
@@ -397,9 +408,9 @@ def test_triton_matches_blockwise(monkeypatch, p, setting):
     gqa = q.shape[1] != k.shape[1]
     results = []
     for backend in ("triton", "blockwise"):
-        monkeypatch.setattr(K, "FORCE_BACKEND", backend)
-        out = psoftmax_attention(q, k, v, p, enable_gqa=gqa, **kw)
-        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        with K.force_backend(backend):
+            out = psoftmax_attention(q, k, v, p, enable_gqa=gqa, **kw)
+            grads = torch.autograd.grad(out.square().sum(), (q, k, v))
         results.append((out, *grads))
     for got, want in zip(*results):
         assert got.isfinite().all()
@@ -416,38 +427,73 @@ def test_triton_low_precision(dtype):
     torch.testing.assert_close(out.double(), ref, rtol=0.03, atol=0.03)
 
 
-_INTERPRETER_CHILD = """
-import sys, types, torch
-sys.modules["retrofit"] = types.ModuleType("retrofit")
-sys.modules["retrofit"].__path__ = [sys.argv[1]]
-sys.path.insert(0, sys.argv[2])
-from retrofit.kernels import blockwise, triton_psoftmax
-import test_kernels as tk
-assert triton_psoftmax.AVAILABLE
-worst = 0.0
-for setting, p in [("causal", 2.0), ("more_q_than_k", 3.0), ("pad_additive", 1.0), ("gqa_pad", 2.0),
-                   ("bias_and_causal_chunk", 2.0)]:
-    q, k, v, kw = tk.make(setting)
-    args = (p, q.shape[-1] ** -0.5, kw["causal"], kw.get("attn_mask"))
-    out, norm = blockwise.forward(q, k, v, *args)
-    got = triton_psoftmax.forward(q, k, v, *args)
-    g = torch.randn_like(out)
-    got += triton_psoftmax.backward(g, q, k, v, out, norm, *args)
-    want = (out, norm) + blockwise.backward(g, q, k, v, out, norm, *args)
-    worst = max([worst] + [(a - b).abs().max().item() for a, b in zip(got, want)])
-print(worst)
-"""
+# ---------------------------------------------------------------- backend choice: decode path, forcing
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
-def test_triton_kernels_in_interpreter():
-    """Triton's CPU interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors: checks them without a GPU.
+@pytest.mark.parametrize("name", ["ssmax", "softmax1"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_fused_cpu_kernel_matches_reference(name, setting):
+    """p = 1 on PyTorch's fused CPU kernel, forced: `auto` sends these few-row settings to the decode path now."""
+    q, k, v, kw = make(setting)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    extra = extra_param(q.shape[1], torch.float32)
+    with K.force_backend("cpu_fused"):
+        out, ref = run(name, q, k, v, extra, **kw)
+        got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=2e-5)
+    for g, want in zip(got, torch.autograd.grad(ref.square().sum(), (q, k, v))):
+        torch.testing.assert_close(g.double(), want.double(), rtol=1e-4, atol=1e-5)
 
-    (The interpreter's bf16 tl.dot is broken, so this checks fp32 only.)
-    """
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    child = subprocess.run([sys.executable, "-c", _INTERPRETER_CHILD, os.path.dirname(os.path.dirname(K.__file__)),
-                            here], env=env, capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stderr[-2000:]
-    assert float(child.stdout.strip().splitlines()[-1]) < 1e-5
+
+@pytest.mark.parametrize("p", [1.0, 1.5, 2.0, 3.0])
+@pytest.mark.parametrize("setting", ["decode", "prefill_chunk", "gqa_pad", "pad_additive", "more_q_than_k"])
+def test_decode_path_matches_blockwise(p, setting):
+    """A few query rows go to the decode path (auto), and it agrees with blockwise, forward and backward."""
+    q, k, v, kw = make(setting)
+    assert K.dispatch.choose(q, k, v, p, kw.get("attn_mask"), False, None) == "decode"
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    results = []
+    for backend in (None, "blockwise"):
+        with K.force_backend(backend):
+            out = psoftmax_attention(q, k, v, p, enable_gqa=q.shape[1] != k.shape[1], **kw)
+            results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    for got, want in zip(results[0][1:], results[1][1:]):  # fp32 gradients through A dA - A^p delta: rounding
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+    ref = naive_psoftmax(q, k, v, p, **kw)
+    torch.testing.assert_close(results[0][0].double(), ref, rtol=1e-5, atol=2e-5)
+    for got, want in zip(results[0][1:], torch.autograd.grad(ref.square().sum(), (q, k, v))):
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=2e-5)
+
+
+def test_decode_path_is_only_for_a_few_rows():
+    q, k, v = qkv(Tq=K.decode.MAX_ROWS + 1)
+    assert K.dispatch.choose(q, k, v, 2.0, None, False, None) == "blockwise"
+    q, k, v = qkv(Tq=1, Tk=40)
+    assert K.dispatch.choose(q, k, v, 2.0, None, True, None) == "blockwise"  # dropout: blockwise regenerates it
+
+
+def test_forcing_the_fused_kernel_with_p_other_than_1_raises():
+    """It computes softmax only: forced with p != 1 it must refuse, not silently compute p = 1."""
+    q, k, v = qkv()
+    with K.force_backend("cpu_fused"), pytest.raises(ValueError, match=r"softmax only \(p = 1\), not p = 2"):
+        psoftmax_attention(q, k, v, 2.0)
+    with pytest.raises(ValueError, match="unknown backend 'fused'"):
+        with K.force_backend("fused"):
+            pass
+
+
+def test_force_backend_stays_in_its_thread():
+    """A ContextVar: another thread running meanwhile still chooses per call, and the name is gone after the block."""
+    import threading
+
+    q, k, v = qkv(Tq=40)
+    seen = {}
+    with K.force_backend("blockwise"):
+        worker = threading.Thread(target=lambda: seen.update(other=K.dispatch.choose(q, k, v, 1.0, None, False,
+                                                                                      None)))
+        worker.start()
+        worker.join()
+        seen["here"] = K.dispatch.choose(q, k, v, 1.0, None, False, None)
+    seen["after"] = K.dispatch.choose(q, k, v, 1.0, None, False, None)
+    assert seen == {"other": "cpu_fused", "here": "blockwise", "after": "cpu_fused"}

@@ -34,9 +34,9 @@ def reference(name, q, k, v, extra, **kw):
 
 
 @pytest.fixture(params=["auto", "blockwise"])
-def backend(request, monkeypatch):
-    monkeypatch.setattr(K, "FORCE_BACKEND", None if request.param == "auto" else request.param)
-    return request.param
+def backend(request):
+    with K.force_backend(None if request.param == "auto" else request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
@@ -87,8 +87,8 @@ def test_softcap_routes_away_from_the_fused_kernel(one_thread, monkeypatch):
     K.softmax1_attention(q, k, v, torch.zeros(2), **kw)
     assert called == [1]  # the spy sees the fused path when there is no cap
     for force in (None, "cpu_fused"):
-        monkeypatch.setattr(K, "FORCE_BACKEND", force)
-        out = K.softmax1_attention(q, k, v, torch.zeros(2), softcap=CAP, **kw)
+        with K.force_backend(force):
+            out = K.softmax1_attention(q, k, v, torch.zeros(2), softcap=CAP, **kw)
         torch.testing.assert_close(out.double(), reference("softmax1", q, k, v, torch.zeros(2), softcap=CAP, **kw),
                                    rtol=1e-5, atol=2e-5)
     assert called == [1]

@@ -70,9 +70,9 @@ def _function(impl: str, p: float, heads: int, device: str):
 
     import retrofit.kernels as K
 
-    K.FORCE_BACKEND = {"triton": "triton", "psoftmax": None if device == "cpu" else "blockwise"}.get(impl)
+    forced = {"triton": "triton", "psoftmax": None if device == "cpu" else "blockwise"}.get(impl)
     extra = torch.full((heads,), 0.5, device=device, requires_grad=True)  # SSMax s / softmax+1 sink
-    return {
+    fn = {
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "naive": lambda q, k, v: naive_psoftmax(q, k, v, p),
         "psoftmax": lambda q, k, v: K.psoftmax_attention(q, k, v, p),
@@ -80,6 +80,11 @@ def _function(impl: str, p: float, heads: int, device: str):
         "ssmax": lambda q, k, v: K.ssmax_attention(q, k, v, extra),
         "softmax1": lambda q, k, v: K.softmax1_attention(q, k, v, extra),
     }[impl]
+
+    def call(q, k, v):  # the backward runs on the backend the forward chose, wherever it is called
+        with K.force_backend(forced):
+            return fn(q, k, v)
+    return call
 
 
 def naive_psoftmax(q, k, v, p: float):

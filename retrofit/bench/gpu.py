@@ -146,8 +146,7 @@ def part_attention(args, sizes) -> dict:
                 rows.append(dict(config, skipped=f"over the part's {sizes['budget_s']} s budget"))
                 continue
             try:
-                with parity.forced_backend(None):  # measure() sets a backend of its own: restored after
-                    rows.append(measure(config))
+                rows.append(measure(config))
             except Exception as err:  # one configuration's failure (out of memory ...) is its row's result
                 rows.append(dict(config, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"))
             if args.device == "cuda":

@@ -24,7 +24,6 @@ no visible key gives 0. It materializes (B, H, Tq, Tk) in float64: sizes here st
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 
@@ -46,20 +45,6 @@ TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 4e-2}
 # no block size (32, 64, 128), so partial blocks get tested; the chunk has Tq = T // 3 = 112 queries.
 SIZES = {"full": dict(B=2, H=4, T=336, D=64, decode_keys=528), "tiny": dict(B=2, H=4, T=24, D=16, decode_keys=37)}
 CASES = ("causal", "bool-mask", "additive-mask", "gqa", "decode", "chunk")
-
-
-@contextlib.contextmanager
-def forced_backend(name: str | None):
-    """Route retrofit.kernels' calls to backend `name` (None = its own dispatch) for the block, then restore.
-    The one place this module touches the kernels' backend switch (retrofit.kernels.FORCE_BACKEND)."""
-    import retrofit.kernels as K
-
-    saved = K.FORCE_BACKEND
-    K.FORCE_BACKEND = name
-    try:
-        yield
-    finally:
-        K.FORCE_BACKEND = saved
 
 
 def reference(q, k, v, norm: str, param=None, *, p: float = 1.0, causal: bool = True, mask=None, scale=None):
@@ -160,6 +145,8 @@ def _skip_reason(backend: str, norm: str, q, v, mask) -> str | None:
 
 def check(norm: str, dtype: str, case: str, backend: str, device: str, size: dict, seed: int = 0) -> dict:
     """One parity check (see the module docstring); returns its row. Never raises: an exception is a failure."""
+    import retrofit.kernels as K
+
     row = {"norm": norm, "dtype": dtype, "case": case, "backend": backend}
     q, k, v, grad, param, causal, mask = _inputs(case, getattr(torch, dtype), device, size, seed)
     reason = _skip_reason(backend, norm, q, v, mask)
@@ -168,7 +155,7 @@ def check(norm: str, dtype: str, case: str, backend: str, device: str, size: dic
     needs_param = NORMS[norm][2] is not None
     leaves = [x.clone().requires_grad_() for x in (q, k, v)] + ([param.clone().requires_grad_()] if needs_param else [])
     try:
-        with forced_backend(None if backend == "dispatch" else backend):
+        with K.force_backend(None if backend == "dispatch" else backend):
             _poison(q, q, k, v)  # out, dq, dk, dv
             out = _kernel(norm, *leaves[:3], leaves[3] if needs_param else None, causal, mask)
             _poison(q, k, v)
@@ -190,7 +177,10 @@ def check(norm: str, dtype: str, case: str, backend: str, device: str, size: dic
 
 
 def backends(device: str) -> list[str]:
-    return ["dispatch", "triton", "blockwise"] if device.startswith("cuda") else ["dispatch", "cpu_fused", "blockwise"]
+    """Every backend that can run on `device`: dispatch (what users get), each forced kernel, and the decode path
+    (dispatch picks it for a few query rows; forced here on every case, so it is checked at full length too)."""
+    fused = "triton" if device.startswith("cuda") else "cpu_fused"
+    return ["dispatch", fused, "decode", "blockwise"]
 
 
 def run_suite(device: str, tiny: bool = False, dtypes=DTYPES, norms=tuple(NORMS), budget_s: float | None = None

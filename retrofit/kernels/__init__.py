@@ -4,32 +4,44 @@
     out = ssmax_attention(q, k, v, s_param)             # logits * s_h * log(n), n = visible keys
     out = softmax1_attention(q, k, v, sink)             # weights exp(s) / (exp(b_h) + sum exp(s))
 
-All take SDPA's conventions: q (B, H, Tq, D), k/v (B, Hkv, Tk, D); out (B, H, Tq, D) in v's dtype;
+All take SDPA's conventions: q (B, H, Tq, D), k/v (B, Hkv, Tk, D); out (B, H, Tq, D);
 `causal` aligns bottom-right (queries are the last Tq of the Tk positions, as with a KV cache);
 `attn_mask` is bool (True = attend) or additive float (hidden = dtype min or -inf), broadcastable to
 (B, H, Tq, Tk), and may be combined with `causal`; with `enable_gqa`, query head h uses kv head
 h // (H // Hkv). A row with no visible key gives 0 and zero (finite) gradients.
 
 Every kernel computes out_i = sum_j exp(s_ij - N_i) v_j for a row normalizer N, never with a T x T
-tensor (memory O(T) forward and backward), accumulating in fp32 for fp16/bf16. Backends, per call:
+tensor (memory O(T) forward and backward), accumulating in fp32 for fp16/bf16. Backends, chosen per
+call in this order (dispatch.py):
+  blockwise        calls with dropout: bounded blocks of plain PyTorch ops (any p, any device), on CPU
+                   shared out to torch.get_num_threads() worker threads (see blockwise.py for why).
+  decode           a few query rows (Tq <= 16, KV-cache decoding), any p, any device: the scores of
+                   those rows directly, two matmuls and a few elementwise ops (decode.py).
   triton_psoftmax  CUDA with Triton importable: one fused flash-style kernel, forward and backward.
   cpu_fused        CPU, p = 1 (softmax, ssmax, softmax+1): PyTorch's fused flash kernel + its LSE.
-  blockwise        everything else (any p, any device): bounded blocks of plain PyTorch ops, on CPU
-                   shared out to torch.get_num_threads() worker threads (see blockwise.py for why).
-Softmax+1 is softmax with N = logaddexp(LSE, b_h), i.e. out = softmax_out * sigmoid(LSE - b_h); its
-gradient flows to q, k, v and the sink through the same backward (see cpu_fused.py).
+  blockwise        everything else.
+`force_backend(name)` (a context manager; tests and benchmarks) routes the calls inside it to one backend;
+one that cannot compute a call raises ValueError (the fused CPU kernel with p != 1, Triton without CUDA
+or its interpreter). Softmax+1 is softmax with N = logaddexp(LSE, b_h), i.e. out = softmax_out *
+sigmoid(LSE - b_h); its gradient flows to q, k, v and the sink through the same backward (ops.py).
 
-Mixed floating dtypes (bf16 autocast: Llama-family RoPE hands back q, k in fp32 and v in bf16) are
-accepted as SDPA accepts them: all three are upcast to the widest, computed as usual (fp32
-accumulation), and out is returned in v's dtype (what the output projection then reads); each
-gradient comes back in its input's dtype. Autocast is switched off inside the kernels, forward and
-backward: it would otherwise round the blockwise matmuls to bf16 on the calling thread only (the
-worker threads do not inherit it), and the fp32 accumulation promised above would not hold.
+Every call goes through one torch.library custom op, retrofit::attention, with a fake implementation and a
+registered backward op (ops.py): torch.compile(fullgraph=True) traces the norms with no graph break. Without
+a graph to record (no_grad, inference), the implementation is called directly, skipping the op's dispatch.
+
+Dtypes as SDPA. Under autocast (for q's device), q, k and v are cast to the autocast dtype
+(torch.get_autocast_dtype) and computed in it, with fp32 accumulation; out is in that dtype. So bf16
+training runs the Triton kernel's bf16 tensor-core path and the fused CPU kernel's bf16 path; blockwise
+and decode compute bf16 inputs in fp32 explicitly (blockwise's worker threads do not inherit autocast
+anyway). Outside autocast, mixed dtypes (Llama-family RoPE hands back q, k in fp32 and v in bf16) are
+upcast to the widest, and out is returned in v's dtype. Either way each gradient comes back in its
+input's dtype, and autocast is off inside the kernels, forward and backward (they choose their own
+precision). SSMax scales q (in fp32, rounded once to the compute dtype) and passes k and v on as they are.
 
 `softcap` c (Gemma 2's attn_logit_softcapping) caps the scaled logits before the mask and the
 normalization, s -> c * tanh(s / c), forward and backward (ds_raw = ds_capped * (1 - tanh^2(s / c))).
-Only the blockwise backend implements it: PyTorch's fused CPU kernel cannot cap, and the Triton
-kernel does not, so soft-capped calls are routed to blockwise (see softcap.py for the formulas).
+The blockwise and decode backends implement it: PyTorch's fused CPU kernel cannot cap, and the Triton
+kernel does not, so soft-capped calls with many query rows go to blockwise (see softcap.py).
 
 `dropout_p` (as SDPA's; pass 0 outside training) drops attention weights after normalization. It
 runs on the blockwise backend, which regenerates the mask in the backward from a seed drawn from
@@ -38,78 +50,16 @@ torch's default generator (so torch.manual_seed and activation checkpointing rep
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 
-from . import blockwise, cpu_fused
+from . import blockwise, cpu_fused, decode, dispatch, ops  # noqa: F401  (the backends, for tests and benchmarks)
+from .dispatch import autocast_on, force_backend, triton_backend
+from .dispatch import choose as _choose
+from .dispatch import compute_dtype as _compute_dtype
 from .masks import causal_mask, combine_causal, visible_counts
 from .softcap import check_softcap
-
-# None = pick per call; "blockwise" / "cpu_fused" / "triton" force one (tests and benchmarks).
-FORCE_BACKEND: str | None = None
-_TRITON_UNSET = object()
-_triton = _TRITON_UNSET
-
-
-def triton_backend():
-    """retrofit.kernels.triton_psoftmax when Triton imports, else None (importing retrofit never needs Triton)."""
-    global _triton
-    if _triton is _TRITON_UNSET:
-        try:
-            from . import triton_psoftmax
-            _triton = triton_psoftmax if triton_psoftmax.AVAILABLE else None
-        except Exception:  # a broken Triton install must not break the CPU path
-            _triton = None
-    return _triton
-
-
-def _backend(q, k, v, p: float, mask, dropout, softcap):
-    if dropout is not None or softcap is not None:  # the one backend with dropout in its backward, and softcap
-        return blockwise
-    if FORCE_BACKEND is not None:
-        return {"blockwise": blockwise, "cpu_fused": cpu_fused, "triton": triton_backend()}[FORCE_BACKEND]
-    if q.shape[2] == 0 or k.shape[2] == 0:  # nothing to attend: blockwise returns zeros (fused CPU op crashes)
-        return blockwise
-    if q.is_cuda and triton_backend() is not None and triton_backend().supports(q, v, mask):
-        return triton_backend()
-    if p == 1.0 and cpu_fused.available(q, v):
-        return cpu_fused
-    return blockwise
-
-
-class _Attention(torch.autograd.Function):
-    """out = A v with A = exp(s - N); N from the backend's p-normalizer, or logaddexp(LSE, sink) for softmax+1."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sink, p, scale, causal, mask, backend, dropout, softcap):
-        extra = {"dropout": dropout} if dropout is not None else {}
-        if softcap is not None:  # only blockwise takes it (see _backend)
-            extra["softcap"] = softcap
-        out, norm = backend.forward(q, k, v, p, scale, causal, mask, **extra)  # (B, H, Tq, Dv), (B, H, Tq); ours
-        if sink is not None:  # softmax+1: sum exp(s) -> exp(b_h) + sum exp(s), i.e. N -> logaddexp(N, b_h)
-            with_sink = torch.logaddexp(norm, sink.detach().to(norm.dtype).view(1, -1, 1))
-            rescale = torch.exp(norm - with_sink).unsqueeze(-1)  # sigmoid(LSE - b_h), (B, H, Tq, 1)
-            out = out.mul_(rescale) if out.dtype == rescale.dtype else (out.to(rescale.dtype) * rescale).to(q.dtype)
-            norm = with_sink
-        ctx.save_for_backward(q, k, v, out, norm, sink)
-        ctx.args = (p, scale, causal, mask, backend, extra)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, norm, sink = ctx.saved_tensors
-        p, scale, causal, mask, backend, extra = ctx.args
-        with _no_autocast(q.device.type):  # backward may be called inside autocast too
-            dq, dk, dv = backend.backward(dout.contiguous(), q, k, v, out, norm, p, scale, causal, mask, **extra)
-        dsink = None
-        if sink is not None and ctx.needs_input_grad[3]:
-            # dN/db_h = exp(b_h - N_i) and d out_i/dN_i = -out_i:  dL/db_h = -sum_{b,i} exp(b_h - N_i) dO_i . out_i
-            delta = (dout.to(norm.dtype) * out.to(norm.dtype)).sum(-1)  # (B, H, Tq)
-            weight = torch.exp(sink.detach().to(norm.dtype).view(1, -1, 1) - norm)
-            dsink = -(weight * delta).sum((0, 2)).to(sink.dtype)
-        return dq, dk, dv, dsink, None, None, None, None, None, None, None
 
 
 def _check(q, k, v, attn_mask, enable_gqa, name):
@@ -135,32 +85,19 @@ def _check(q, k, v, attn_mask, enable_gqa, name):
                              f"= {want}")
 
 
-def _no_autocast(device_type: str):
-    """Autocast off for this device if it is on (a no-op context elsewhere, e.g. on devices autocast lacks)."""
-    try:
-        on = torch.is_autocast_enabled(device_type)
-    except (RuntimeError, TypeError):  # a device type autocast does not know
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, enabled=False) if on else contextlib.nullcontext()
-
-
-def _widest(q, k, v) -> torch.dtype:
-    return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-
-
 def _attention(q, k, v, p, sink, scale, causal, attn_mask, dropout_p, softcap):
-    """out (B, H, Tq, Dv) in v's dtype; q, k, v of mixed dtypes are upcast first (autograd casts each grad back)."""
+    """out (B, H, Tq, Dv): q, k, v go to the compute dtype first (dispatch.compute_dtype; autograd casts each
+    gradient back to its input's dtype), then to the backend dispatch.choose picks, through the custom op."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
-    wide = _widest(q, k, v)
-    out_dtype = v.dtype
+    wide = _compute_dtype(q, k, v)
+    out_dtype = wide if autocast_on(q.device.type) else v.dtype  # SDPA's: autocast's dtype, else v's
     q, k, v = q.to(wide), k.to(wide), v.to(wide)  # no-ops (no copy, no graph node) when they already agree
-    dropout = blockwise.Dropout(dropout_p, int(torch.randint(2 ** 62, ()).item())) if dropout_p > 0 else None
-    backend = _backend(q, k, v, p, attn_mask, dropout, softcap)
-    with _no_autocast(q.device.type):  # the kernels choose their own precision (module docstring)
-        out = _Attention.apply(q, k, v, sink, p, scale, bool(causal), attn_mask, backend, dropout, softcap)
+    seed = torch.randint(2 ** 62, (), device="cpu") if dropout_p > 0 else None  # the dropout mask's seed
+    backend = _choose(q, k, v, p, attn_mask, dropout_p > 0, softcap)
+    out = ops.attention(q, k, v, sink, attn_mask, seed, p, scale, bool(causal), backend, softcap, dropout_p)
     return out.to(out_dtype)
 
 
@@ -196,12 +133,12 @@ def ssmax_attention(q, k, v, s_param, *, scale=None, causal=True, attn_mask=None
         raise ValueError(f"ssmax_attention: s_param must have one value per query head ({H}); "
                          f"got {tuple(s_param.shape)}")
     softcap = check_softcap(softcap, "ssmax_attention")
-    ct = blockwise.compute_dtype(_widest(q, k, v))
+    target = _compute_dtype(q, k, v)  # the kernel's dtype; k and v go on as they are (no fp32 copies)
     n = visible_counts(attn_mask, causal, Tq, Tk, q.device)  # broadcastable to (B, H, Tq), >= 1
-    factor = s_param.to(ct).view(H, 1) * torch.log(n.to(ct))  # (.., H, Tq)
-    q_scaled = q.to(ct) * factor.unsqueeze(-1)  # (B, H, Tq, D)
-    out = _attention(q_scaled, k.to(ct), v.to(ct), 1.0, None, scale, causal, attn_mask, dropout_p, softcap)
-    return out.to(v.dtype)
+    wide = blockwise.compute_dtype(target)  # fp32 (fp64 for fp64): q * factor is rounded to target once
+    factor = s_param.to(wide).view(H, 1) * torch.log(n.to(wide))  # (.., H, Tq)
+    q_scaled = (q.to(wide) * factor.unsqueeze(-1)).to(target)  # (B, H, Tq, D), the one tensor this norm adds
+    return _attention(q_scaled, k, v, 1.0, None, scale, causal, attn_mask, dropout_p, softcap)
 
 
 def softmax1_attention(q, k, v, sink, *, scale=None, causal=True, attn_mask=None, enable_gqa=False, dropout_p=0.0,
@@ -221,4 +158,4 @@ def softmax1_attention(q, k, v, sink, *, scale=None, causal=True, attn_mask=None
 
 
 __all__ = ["psoftmax_attention", "ssmax_attention", "softmax1_attention", "visible_counts", "causal_mask",
-           "combine_causal", "triton_backend", "FORCE_BACKEND"]
+           "combine_causal", "triton_backend", "force_backend"]

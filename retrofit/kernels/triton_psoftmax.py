@@ -1,8 +1,9 @@
 """Fused flash-style p-softmax attention for CUDA in Triton: forward and backward, O(T) memory.
 
 Used automatically by retrofit.kernels when q is on CUDA and Triton imports; importing this module
-never fails without Triton (AVAILABLE is then False). UNTESTED ON HARDWARE when written: the session
-that wrote it had no GPU. tests/test_kernels.py compares it with the blockwise PyTorch kernel on CUDA.
+never fails without Triton (AVAILABLE is then False). CI runs it on CPU through Triton's interpreter
+(tests/test_triton_interpreter.py: fp32 and fp16 against a float64 reference, forward and backward);
+tests/test_kernels.py compares it with the blockwise PyTorch kernel on CUDA, bf16 included.
 
 Forward, per block of BLOCK_M query rows, streaming BLOCK_N keys at a time (online row max m):
 
@@ -28,6 +29,8 @@ calls with either to the blockwise backend, so this kernel never sees them. q, k
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .masks import as_4d
@@ -40,10 +43,14 @@ except Exception:  # ImportError, or a Triton that cannot find its compiler
     AVAILABLE = False
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Triton's interpreter (TRITON_INTERPRET=1, read by Triton at import) runs the kernels on CPU tensors: CI's
+# parity tests (tests/test_triton_interpreter.py). retrofit.kernels still never picks it for CPU tensors.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def supports(q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
-    return (AVAILABLE and q.is_cuda and q.dtype in _DTYPES and q.shape[-1] == v.shape[-1] <= 256
+    on_device = q.is_cuda or (INTERPRETED and q.device.type == "cpu")
+    return (AVAILABLE and on_device and q.dtype in _DTYPES and q.shape[-1] == v.shape[-1] <= 256
             and (mask is None or mask.dtype == torch.bool or mask.dtype in _DTYPES))
 
 

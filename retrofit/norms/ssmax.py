@@ -103,6 +103,7 @@ class SSMax(Norm):
             if sink is not None:  # scale q as ssmax_attention would, then softmax+1's kernel with the model's sink
                 scaled = query.float() * self.blended(self.factor(self.visible(module, query, key, value,
                                                                                 attention_mask, kwargs))).unsqueeze(-1)
+                scaled = scaled.to(query.dtype)  # rounded once; an fp32 q would make the kernel copy k, v to fp32
                 return kernel_call(softmax1_attention, module, scaled, key, value, attention_mask, sink, **kwargs)
         n = self.visible(module, query, key, value, attention_mask, kwargs)
         factor = self.blended(self.factor(n)).unsqueeze(-1)  # (..., Tq, 1): exactly 1.0 for n <= L (beyond, llama4)

@@ -31,13 +31,14 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    _print_summary(run_experiment(_checked_recipe(args.recipe, args), args.out), Path(args.out))
+    recipe = _checked_recipe(args.recipe, args)
+    _print_summary(run_experiment(recipe, args.out), Path(args.out))
     return 0
 
 
 def _checked_recipe(path, args):
     """The recipe with its overrides, refused before anything is written when --out or memory cannot do."""
-    check_out(args.out, "--out", empty=False)  # an experiment folder is resumed
+    args.out = check_out(args.out, "--out", empty=False)  # an experiment folder (made by retrofit) is resumed
     recipe = load_recipe(path, args.overrides)
     check_recipe(recipe)
     return recipe
@@ -46,7 +47,8 @@ def _checked_recipe(path, args):
 def run_demo(args) -> int:
     """`retrofit demo`: the embedded default experiment (recipes/demo.yaml), offline, on the CPU."""
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    _print_summary(run_experiment(_checked_recipe(DEMO_RECIPE, args), args.out), Path(args.out))
+    recipe = _checked_recipe(DEMO_RECIPE, args)
+    _print_summary(run_experiment(recipe, args.out), Path(args.out))
     return 0
 
 

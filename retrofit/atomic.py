@@ -118,16 +118,16 @@ def check_output(path, what: str = "--out", *, empty: bool = False) -> Path:
     RetrofitError, before anything is touched. Returns the path with `~` expanded."""
     out = output_path(path)
     if out.is_symlink():
-        raise RetrofitError(f"{what} {path} is a symbolic link; give the real folder (retrofit never writes "
+        raise RetrofitError(f"{what} {out} is a symbolic link; give the real folder (retrofit never writes "
                             "through a link it did not make)")
     if out.exists() and not out.is_dir():
-        raise RetrofitError(f"{what} {path} is a file, not a folder; choose another {what} or remove it")
+        raise RetrofitError(f"{what} {out} is a file, not a folder; choose another {what} or remove it")
     if not out.is_dir() or not any(out.iterdir()):
         return out
     if empty:
-        raise RetrofitError(f"{what} {path} exists and is not empty; choose another {what} or remove it")
+        raise RetrofitError(f"{what} {out} exists and is not empty; choose another {what} or remove it")
     if not _made_by_retrofit(out):
-        raise RetrofitError(f"{what} {path} holds files retrofit did not write (it has no {MARKER}); choose a new "
+        raise RetrofitError(f"{what} {out} holds files retrofit did not write (it has no {MARKER}); choose a new "
                             "or empty folder: retrofit never writes into a folder of yours")
     return out
 
@@ -261,8 +261,8 @@ def folder_lock(folder, enabled: bool = True):
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip() or "unknown"
-            raise RetrofitError(f"{folder} is in use by process {holder} (lock {path}); wait for it to finish "
-                                "or stop it before resuming") from None
+            raise RetrofitError(f"{folder} is in use by process {holder} (lock {path}); wait for it to finish, "
+                                "or stop it, and try again") from None
         f.seek(0)
         f.truncate()
         f.write(f"{os.getpid()}\n")

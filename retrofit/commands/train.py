@@ -44,8 +44,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out or args.resume:
         overrides.append(f"output.dir={args.out or args.resume}")
     recipe = load_recipe(args.recipe, overrides)
-    if not args.out and recipe.output.dir:
-        check_out(recipe.output.dir, "output.dir", empty=False)
+    if not args.out and recipe.output.dir:  # the recipe's own (or overridden) output.dir, `~` expanded here
+        recipe.output.dir = check_out(recipe.output.dir, "output.dir", empty=False)
     check_recipe(recipe)
     result = train(recipe, resume=bool(args.resume))
     last = result.losses.get(max(result.losses)) if result.losses else None

@@ -156,13 +156,13 @@ def check_no_links(folders) -> None:
         found = first_link(folder, named)
         if found is not None:
             where = found.relative_to(folder).as_posix() if found != folder else found.name
-            raise RetrofitError(f"push: {where} in {folder} is a symbolic link; push never publishes what a link "
-                                "points to: replace it with a copy of the file, or remove it")
+            raise RetrofitError(f"{where} in {folder} is a symbolic link; push never publishes what a link points "
+                                "to: replace it with a copy of the file, or remove it")
 
 
 def _place(src: Path, dst: Path, link: bool) -> None:
     if src.is_symlink():  # check_no_links refused these already; never follow one, whatever the caller
-        raise RetrofitError(f"push: {src} is a symbolic link; push never publishes what a link points to")
+        raise RetrofitError(f"{src} is a symbolic link; push never publishes what a link points to")
     dst.parent.mkdir(parents=True, exist_ok=True)
     if link:
         try:

@@ -104,6 +104,10 @@ def build_world(root: Path) -> dict:
     Path(w["bad_yaml"]).write_text("model: [unclosed\n  source: x\n")
     w["list_yaml"] = str(root / "list.yaml")
     Path(w["list_yaml"]).write_text("- a\n- b\n")
+    # round 3 (files): a checkpoint whose tokenizer_config.json is a link to a file outside it
+    linked = copy("ckpt_link", root / "ckpt")
+    (linked / "tokenizer_config.json").unlink()
+    os.symlink(w["afile"], linked / "tokenizer_config.json")
     return w
 
 
@@ -238,6 +242,20 @@ CASES = [
     ("bench-unknown-flag", "bench attention --bogus", r"unrecognized arguments: --bogus"),
     ("bench-out-is-a-folder", "bench attention --seq 8 --out {folder}", r"--out .*folder is a folder"),
     ("bench-eval-length-zero", "bench eval --length 0 --out {out}/b.json", r"--length must be >= 1"),
+    # round 3 (files): a folder of the user's own files ({folder} holds a.txt) or / is never written into
+    ("train-out-users-folder", "train {recipe} --out {folder}",
+     r"^retrofit train: error: --out .*/folder holds files retrofit did not write \(it has no .retrofit-owned\)"),
+    ("train-output-dir-root", "train {recipe} output.dir=/", r"output.dir / holds files retrofit did not write"),
+    ("train-resume-users-folder", "train {recipe} --resume {folder}", r"--resume .*/folder holds files retrofit did"),
+    ("demo-out-users-folder", "demo --out {folder}", r"--out .*/folder holds files retrofit did not write"),
+    ("demo-out-root", "demo --out /", r"--out / holds files retrofit did not write"),
+    ("eval-out-users-folder", "eval {model} --data {text} --lengths 8 --out {folder}", r"--out .*/folder holds files"),
+    ("diagnose-out-users-folder", "diagnose {model} --data {text} --lengths 8,16 --out {folder}",
+     r"--out .*/folder holds files retrofit did not write"),
+    ("push-dry-run-users-folder", "push {ckpt} --repo me/x --dry-run {folder}", r"--dry-run .*/folder exists and is "
+                                                                                 r"not empty"),
+    ("push-link-in-checkpoint", "push {ckpt_link} --repo me/x --dry-run {out}",
+     r"tokenizer_config.json in .*/ckpt_link is a symbolic link; push never publishes what a link points to"),
 ]
 
 

@@ -332,6 +332,6 @@ def test_a_second_eval_into_the_same_folder_is_refused_while_the_first_runs(eval
         code, lines, _ = run_cli(argv, capsys)
         assert code == 2 and lines == [f"retrofit eval: error: {out} is in use by process {os.getpid()} "
                                        f"(lock {out / atomic.LOCK}); wait for it to finish, or stop it, and try again"]
-        assert sorted(p.name for p in out.iterdir()) == sorted([atomic.MARKER, atomic.LOCK])  # nothing written by the second
+        assert sorted(p.name for p in out.iterdir()) == sorted([atomic.MARKER, atomic.LOCK])  # the second wrote nothing
     code, lines, _ = run_cli(argv, capsys)  # once it is done, the folder (made by retrofit) is written again
     assert code == 0 and (out / "results.json").is_file(), lines

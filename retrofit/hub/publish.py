@@ -11,7 +11,9 @@ eval` table and plots when found), recipe.yaml, eval/; an adapter with retrofit.
 (retrofit/load/adapters.py). The pushed config.json sets `"attn_implementation": "retrofit.from_pretrained"`,
 so plain transformers refuses it by name instead of silently running it unpatched
 (docs/plain-transformers.md); retrofit's loader overrides it. The only network call is `upload_folder`;
-the token (`hf auth login` or HF_TOKEN) is never printed, logged or written.
+the token (`hf auth login` or HF_TOKEN) is never printed, logged or written. A symbolic link anywhere in the
+folders push reads is refused before anything is staged (its target could be any file on this machine), and
+local paths go up as names: recipe.yaml, the card and eval/results.{json,md,csv} (retrofit/hub/public.py).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from ..load.sources import check_model_files, is_hub_id
 from ..norms import AttentionShape, get_norm, make_options
 from ..train.runlog import read_log
 from .model_card import GUARD, model_card
+from .public import check_no_links, is_local, local_paths, public_json, public_path, public_recipe
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
@@ -108,56 +111,6 @@ def _locate(source) -> tuple[Path | None, Path | None, Path | None]:
     if model is None and adapter is None:
         raise RetrofitError(f"{source} holds neither a model (config.json) nor an adapter ({ADAPTER_CONFIG})")
     return model, adapter, run
-
-
-# recipe keys that hold local paths: published as file names (a reader's machine has none of this one's folders)
-LOCAL_PATH_KEYS = {"model": ("source", "tokenizer"), "data": ("files", "val_files", "cache_dir"), "output": ("dir",)}
-
-
-def public_path(value):
-    """A local path as it is published: its name (`/home/me/runs/x` -> `x`); Hub ids and other values as they are."""
-    if not isinstance(value, str) or is_hub_id(value):
-        return value
-    looks_local = os.path.isabs(os.path.expanduser(value)) or os.path.exists(value) or os.sep in value
-    return Path(value).name if looks_local and Path(value).name else value
-
-
-def public_recipe(text: str) -> str:
-    """recipe.yaml with every local path replaced by its name (comments and layout kept: text replacement)."""
-    raw = yaml.safe_load(text) or {}
-    found = []
-    for section, keys in LOCAL_PATH_KEYS.items():
-        for key in keys:
-            value = (raw.get(section) or {}).get(key) if isinstance(raw.get(section), dict) else None
-            found += value if isinstance(value, list) else [value]
-    for value in sorted({v for v in found if isinstance(v, str)}, key=len, reverse=True):  # longest first
-        if public_path(value) != value:
-            text = text.replace(value, public_path(value))
-    return text
-
-
-def first_link(folder: Path, named: bool = False) -> Path | None:
-    """The first symbolic link in `folder`'s tree (the folder itself too, unless the user named it on the command
-    line), or None. os.walk does not follow links to folders, so nothing outside `folder` is looked at."""
-    if not named and folder.is_symlink():
-        return folder
-    for parent, folders, files in os.walk(folder):
-        for name in sorted(folders + files):
-            if (Path(parent) / name).is_symlink():
-                return Path(parent) / name
-    return None
-
-
-def check_no_links(folders) -> None:
-    """Refuse, before anything is staged, any symbolic link in the folders push reads from: a link's target may
-    be anything on this machine (a private key, /etc/passwd) and would be published. Links that stay inside
-    the folder are refused too: one rule, no resolving, nothing to get wrong. `folders`: (folder, named)."""
-    for folder, named in folders:
-        found = first_link(folder, named)
-        if found is not None:
-            where = found.relative_to(folder).as_posix() if found != folder else found.name
-            raise RetrofitError(f"{where} in {folder} is a symbolic link; push never publishes what a link points "
-                                "to: replace it with a copy of the file, or remove it")
 
 
 def _place(src: Path, dst: Path, link: bool) -> None:
@@ -346,7 +299,7 @@ def _stage_eval(eval_dir, candidates, out: Path) -> str | None:
         return None
     text = (found / "results.md").read_text()
     results = json.loads((found / "results.json").read_text()) if (found / "results.json").is_file() else {}
-    local = _local_paths(results) | {p for p in re.findall(r"`([^`\n]+)`", text) if _is_local(p)}
+    local = local_paths(results) | {p for p in re.findall(r"`([^`\n]+)`", text) if is_local(p)}
 
     def public(value: str) -> str:
         for path in sorted(local, key=len, reverse=True):  # longest first: a folder's path inside its file's
@@ -356,7 +309,7 @@ def _stage_eval(eval_dir, candidates, out: Path) -> str | None:
     eval_out = out / "eval"
     eval_out.mkdir(parents=True, exist_ok=True)
     if results:
-        (eval_out / "results.json").write_text(json.dumps(_public_json(results, public), indent=1) + "\n")
+        (eval_out / "results.json").write_text(json.dumps(public_json(results, public), indent=1) + "\n")
     for name in ("results.md", "results.csv"):
         if (found / name).is_file():
             (eval_out / name).write_text(public((found / name).read_text()))
@@ -365,31 +318,6 @@ def _stage_eval(eval_dir, candidates, out: Path) -> str | None:
     body = public(text[text.find("\n## "):] if "\n## " in text else text)  # tables and plots
     body = re.sub(r"!\[([^\]]*)\]\((?!https?:|/)([^)]+)\)", r"![\1](eval/\2)", body)
     return body.replace("\n## ", "\n### ").strip()
-
-
-def _is_local(value) -> bool:
-    """A string that names a path on this machine (absolute, or an existing relative path with a folder in it)."""
-    if not isinstance(value, str) or not value or public_path(value) == value:
-        return False
-    return os.path.isabs(os.path.expanduser(value)) or (os.sep in value and os.path.exists(value))
-
-
-def _local_paths(value) -> set[str]:
-    """Every string in a results.json (any depth) that names a local path: model sources, data files, tokenizers."""
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, list):
-        return set().union(*(_local_paths(v) for v in value)) if value else set()
-    return {value} if _is_local(value) else set()
-
-
-def _public_json(value, public):
-    """`value` with `public` applied to every string in it (keys kept)."""
-    if isinstance(value, dict):
-        return {k: _public_json(v, public) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_public_json(v, public) for v in value]
-    return public(value) if isinstance(value, str) else value
 
 
 # ---- push -----------------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..atomic import check_output
+from ..atomic import check_output, output_path
 from ..errors import RetrofitError, check_utf8
 
 
@@ -24,14 +24,16 @@ def check_counts(args, positive=(), nonnegative=()) -> None:
                 raise RetrofitError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
 
 
-def check_out_file(path, flag: str = "--out") -> None:
-    """An output *file* (a benchmark's JSON): not a folder, not a symbolic link, in a folder we can write."""
-    out = Path(os.path.expanduser(str(path)))
+def check_out_file(path, flag: str = "--out") -> str:
+    """An output *file* (a benchmark's JSON): not a folder, not a symbolic link, in a folder we can write.
+    Returns the path with `~` expanded: use it from here on."""
+    out = output_path(path)
     if out.is_symlink():
         raise RetrofitError(f"{flag} {path} is a symbolic link; give the real file path")
     if out.is_dir():
         raise RetrofitError(f"{flag} {path} is a folder; give a file path, e.g. {Path(path) / 'bench.json'}")
     _check_writable(out.parent, flag, path)
+    return str(out)
 
 
 def check_text_files(paths, flag: str) -> None:

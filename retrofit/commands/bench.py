@@ -62,5 +62,5 @@ def run(args: argparse.Namespace) -> int:
     options = parser.parse_args(args.options)
     check_counts(options, positive=COUNTS)
     if getattr(options, "out", None):
-        check_out_file(options.out)
+        options.out = check_out_file(options.out)  # `~` expanded, once
     return int(module.run(options) or 0)

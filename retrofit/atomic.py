@@ -144,26 +144,28 @@ def make_output(path, what: str = "--out") -> Path:
 @contextlib.contextmanager
 def output_folder(path, what: str = "--out", *, enabled: bool = True):
     """make_output and folder_lock for the block (a second writer gets a one-line error). When the block fails
-    and the folder, made by this call, holds nothing but the marker and the lock, it is removed again, with
-    the parents this call made: a refused run leaves nothing behind. enabled=False (accelerate's other
-    processes): the check only."""
+    and the folder was new or empty and holds nothing but the marker and the lock, it is put back as it was (the
+    folder and the parents this call made removed): a refused run leaves nothing behind. enabled=False
+    (accelerate's other processes): the check only."""
     out = check_output(path, what)
     if not enabled:
         yield out
         return
     made = [p for p in (out, *out.parents) if not p.exists()]
+    was_empty = bool(made) or not any(out.iterdir())
     make_output(out, what)
     with folder_lock(out):
         try:
             yield out
         except BaseException:
-            if made and {p.name for p in out.iterdir()} <= {MARKER, LOCK}:
+            if was_empty and {p.name for p in out.iterdir()} <= {MARKER, LOCK}:
                 _remove_bare(out, made)
             raise
 
 
 def _remove_bare(out: Path, made: list[Path]) -> None:
-    """Remove `out` (only the marker and lock in it) and the empty parents in `made`; rmdir, never rmtree."""
+    """Remove our marker and lock from `out`, then the folders in `made` (out and the parents this run made)
+    while they are empty: rmdir, never rmtree."""
     with contextlib.suppress(OSError):
         for name in (MARKER, LOCK):
             (out / name).unlink(missing_ok=True)

@@ -323,6 +323,10 @@ def test_a_train_refused_for_its_length_leaves_no_folder(tmp_path, capsys):
                                    "learned positions; set patch.nope: true (with a patch.norm) or use shorter "
                                    "lengths"], lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long.yaml"]  # neither runs/long nor runs/
+    empty = tmp_path / "empty"  # a folder the user made empty stays empty: no marker, no lock left in it
+    empty.mkdir()
+    code, lines, _ = run_cli(["train", recipe, "--out", empty], capsys)
+    assert code == 2 and list(empty.iterdir()) == [], lines
 
 
 def test_a_second_eval_into_the_same_folder_is_refused_while_the_first_runs(evaluated_run, tmp_path, capsys):

@@ -31,8 +31,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    recipe = _checked_recipe(args.recipe, args)
-    _print_summary(run_experiment(recipe, args.out), Path(args.out))
+    _print_summary(run_experiment(_checked_recipe(args.recipe, args), args.out), Path(args.out))
     return 0
 
 
@@ -47,8 +46,7 @@ def _checked_recipe(path, args):
 def run_demo(args) -> int:
     """`retrofit demo`: the embedded default experiment (recipes/demo.yaml), offline, on the CPU."""
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    recipe = _checked_recipe(DEMO_RECIPE, args)
-    _print_summary(run_experiment(recipe, args.out), Path(args.out))
+    _print_summary(run_experiment(_checked_recipe(DEMO_RECIPE, args), args.out), Path(args.out))
     return 0
 
 

@@ -7,6 +7,14 @@
     remove_owned(tmp, inside=run_dir)                    # ... which is the only kind we ever rmtree
     with folder_lock(run_dir):                           # one writer per run folder (fcntl.flock)
         ...
+    out = check_output("~/runs/x", "--out")              # the one rule for a folder a verb writes (below)
+    with output_folder(out, "--out") as out:             # ... made, marked and locked for the block
+        ...
+
+The rule for every folder a verb writes (train, experiment, patch, eval, diagnose, push --dry-run): it is new,
+empty, or one retrofit made (it holds MARKER). A folder of the user's own files, `/` or the home folder is
+refused in one line before anything is touched. `~` is expanded once, by check_output, and the path it
+returns is the one every check, writer and printed hint uses.
 
 A crash or an error inside the block leaves nothing behind: no half-written model to load silently.
 Files come out with the mode the umask gives (not mkstemp's 0600) and are fsynced, with their folder,
@@ -16,6 +24,8 @@ around the rename, so a power cut cannot leave an empty file under the final nam
 from __future__ import annotations
 
 import contextlib
+import glob
+import json
 import os
 import shutil
 import tempfile
@@ -73,27 +83,142 @@ def remove_owned(path, inside) -> bool:
     return True
 
 
+# ---- output folders: the one rule --------------------------------------------------------------------------------
+
+def output_path(path) -> Path:
+    """`~` expanded: what the user typed, as every check and writer must see it (never a literal `./~`)."""
+    return Path(os.path.expanduser(str(path)))
+
+
+def _made_by_retrofit(folder: Path) -> bool:
+    """Holds MARKER, or (a folder written before the marker existed) retrofit's own record: a run's log.jsonl that
+    opens with its config event, an eval/experiment/diagnose result with a `retrofit.` schema."""
+    marker = folder / MARKER
+    if marker.is_file() and not marker.is_symlink():
+        return True
+    for name in ("log.jsonl", "base/log.jsonl", "results.json", "diagnose.json"):
+        path = folder / name
+        if not path.is_file() or path.is_symlink():
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                head = f.readline(1 << 20) if name.endswith("jsonl") else f.read(1 << 26)
+            record = json.loads(head)
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        if isinstance(record, dict) and (record.get("event") == "config"
+                                         or str(record.get("schema", "")).startswith("retrofit.")):
+            return True
+    return False
+
+
+def check_output(path, what: str = "--out", *, empty: bool = False) -> Path:
+    """The rule for a folder a verb writes: new, empty, or made by retrofit (with empty=True, for a folder that
+    atomic_folder replaces whole: new or empty). Anything else, a symbolic link or a file is a one-line
+    RetrofitError, before anything is touched. Returns the path with `~` expanded."""
+    out = output_path(path)
+    if out.is_symlink():
+        raise RetrofitError(f"{what} {out} is a symbolic link; give the real folder (retrofit never writes "
+                            "through a link it did not make)")
+    if out.exists() and not out.is_dir():
+        raise RetrofitError(f"{what} {out} is a file, not a folder; choose another {what} or remove it")
+    if not out.is_dir() or not any(out.iterdir()):
+        return out
+    if empty:
+        raise RetrofitError(f"{what} {out} exists and is not empty; choose another {what} or remove it")
+    if not _made_by_retrofit(out):
+        raise RetrofitError(f"{what} {out} holds files retrofit did not write (it has no {MARKER}); choose a new "
+                            "or empty folder: retrofit never writes into a folder of yours")
+    return out
+
+
+def make_output(path, what: str = "--out") -> Path:
+    """check_output, then create the folder (and its parents) and mark it as retrofit's; returns its path."""
+    out = check_output(path, what)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / MARKER).is_file():
+        (out / MARKER).write_text("made by retrofit: retrofit writes here (and deletes only what it made)\n")
+    return out
+
+
+@contextlib.contextmanager
+def output_folder(path, what: str = "--out", *, enabled: bool = True):
+    """make_output and folder_lock for the block (a second writer gets a one-line error). When the block fails
+    and the folder was new or empty and holds nothing but the marker and the lock, it is put back as it was (the
+    folder and the parents this call made removed): a refused run leaves nothing behind. enabled=False
+    (accelerate's other processes): the check only."""
+    out = check_output(path, what)
+    if not enabled:
+        yield out
+        return
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    was_empty = bool(made) or not any(out.iterdir())
+    make_output(out, what)
+    with folder_lock(out):
+        try:
+            yield out
+        except BaseException:
+            if was_empty and {p.name for p in out.iterdir()} <= {MARKER, LOCK}:
+                _remove_bare(out, made)
+            raise
+
+
+def _remove_bare(out: Path, made: list[Path]) -> None:
+    """Remove our marker and lock from `out`, then the folders in `made` (out and the parents this run made)
+    while they are empty: rmdir, never rmtree."""
+    with contextlib.suppress(OSError):
+        for name in (MARKER, LOCK):
+            (out / name).unlink(missing_ok=True)
+        for folder in made:
+            folder.rmdir()  # stops at the first that is not empty (OSError): someone else's now
+
+
+# ---- a folder written all at once -------------------------------------------------------------------------------
+
+def clean_abandoned(out) -> list[Path]:
+    """Remove the `.NAME.*` siblings of `out` that a killed atomic_folder left: ours (MARKER in them) and with
+    their lock free (the kernel drops a flock when its process dies, so a live save keeps its folder)."""
+    import fcntl
+    out, removed = Path(out), []
+    for tmp in sorted(out.parent.glob(f".{glob.escape(out.name)}.*")):
+        lock = tmp / LOCK
+        if not owns(tmp, out.parent) or lock.is_symlink() or not lock.is_file():
+            continue
+        with open(lock, "a+") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a save in progress
+            shutil.rmtree(tmp)
+            removed.append(tmp)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_folder(out, what: str = "folder"):
-    """Yields a temporary Path; on success it becomes `out` (which must be absent or empty)."""
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise RetrofitError(f"{what} {out} exists and is not empty; choose another or remove it")
+    """Yields a temporary Path; on success it becomes `out` (new or empty: check_output(empty=True)).
+    The temporary sibling `.NAME.XXXX` holds MARKER and a held lock from its first moment until the rename, so
+    one left by a kill (SIGKILL mid-save) is provably ours and abandoned: the next atomic_folder for the same
+    `out` removes it (clean_abandoned)."""
+    out = check_output(out, what, empty=True)
     out.parent.mkdir(parents=True, exist_ok=True)
+    clean_abandoned(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
-    owned_folder(tmp)
     try:
-        yield tmp
-        (tmp / MARKER).unlink()
-        for p in sorted(tmp.rglob("*")):
-            if p.is_file() and not p.is_symlink():
-                with open(p, "rb") as f:
-                    os.fsync(f.fileno())
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
+        with folder_lock(tmp):  # before the marker: a marked folder without a held lock is abandoned
+            owned_folder(tmp)
+            yield tmp
+            for p in sorted(tmp.rglob("*")):
+                if p.is_file() and not p.is_symlink() and p.name not in (MARKER, LOCK):
+                    with open(p, "rb") as f:
+                        os.fsync(f.fileno())
+            if out.exists():
+                out.rmdir()
+            os.replace(tmp, out)
+            for name in (MARKER, LOCK):  # still locked: the lock is on the open file, wherever it now is
+                (out / name).unlink()
+            fsync_dir(out.parent)
     except BaseException:
         if tmp.exists():
             (tmp / MARKER).touch()  # it is ours either way: made by mkdtemp above
@@ -138,8 +263,8 @@ def folder_lock(folder, enabled: bool = True):
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip() or "unknown"
-            raise RetrofitError(f"{folder} is in use by process {holder} (lock {path}); wait for it to finish "
-                                "or stop it before resuming") from None
+            raise RetrofitError(f"{folder} is in use by process {holder} (lock {path}); wait for it to finish, "
+                                "or stop it, and try again") from None
         f.seek(0)
         f.truncate()
         f.write(f"{os.getpid()}\n")

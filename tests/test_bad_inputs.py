@@ -113,6 +113,10 @@ def build_world(root: Path) -> dict:
     tensors = load_file(str(nokey))
     del tensors["model.layers.0.self_attn.o_proj.weight"]
     save_file(tensors, str(nokey), metadata={"format": "pt"})
+    # round 3 (files): a checkpoint whose tokenizer_config.json is a link to a file outside it
+    linked = copy("ckpt_link", root / "ckpt")
+    (linked / "tokenizer_config.json").unlink()
+    os.symlink(w["afile"], linked / "tokenizer_config.json")
     return w
 
 
@@ -328,6 +332,20 @@ CASES = [
      r"model.dtype must be one of auto, float32, bfloat16, float16, got 'float8'"),
     ("patch-dtype-unknown", "patch {model} --norm avnorm --dtype fp8 --out {out}",
      r"unknown dtype 'fp8'; use auto \(the saved dtype\) or one of float32"),
+    # round 3 (files): a folder of the user's own files ({folder} holds a.txt) or / is never written into
+    ("train-out-users-folder", "train {recipe} --out {folder}",
+     r"^retrofit train: error: --out .*/folder holds files retrofit did not write \(it has no .retrofit-owned\)"),
+    ("train-output-dir-root", "train {recipe} output.dir=/", r"output.dir / holds files retrofit did not write"),
+    ("train-resume-users-folder", "train {recipe} --resume {folder}", r"--resume .*/folder holds files retrofit did"),
+    ("demo-out-users-folder", "demo --out {folder}", r"--out .*/folder holds files retrofit did not write"),
+    ("demo-out-root", "demo --out /", r"--out / holds files retrofit did not write"),
+    ("eval-out-users-folder", "eval {model} --data {text} --lengths 8 --out {folder}", r"--out .*/folder holds files"),
+    ("diagnose-out-users-folder", "diagnose {model} --data {text} --lengths 8,16 --out {folder}",
+     r"--out .*/folder holds files retrofit did not write"),
+    ("push-dry-run-users-folder", "push {ckpt} --repo me/x --dry-run {folder}", r"--dry-run .*/folder exists and is "
+                                                                                 r"not empty"),
+    ("push-link-in-checkpoint", "push {ckpt_link} --repo me/x --dry-run {out}",
+     r"tokenizer_config.json in .*/ckpt_link is a symbolic link; push never publishes what a link points to"),
 ]
 
 

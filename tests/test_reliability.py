@@ -101,11 +101,12 @@ def test_an_arm_that_died_before_its_first_checkpoint_is_cleaned_only_if_ours(tm
         "eval.lengths=[64]", "eval.batches=1", "eval.batch_size=2", "output.save_every=2"])
     exp = recipe.section("experiment")
     arm = exp.arms[0]
-    legacy = tmp_path / "arms" / arm.name  # an arm folder retrofit did not mark (an older version, or the user's)
+    legacy = tmp_path / "arms" / arm.name  # an arm folder retrofit did not mark: the user's (issue 26, item 2)
     legacy.mkdir(parents=True)
     (legacy / "notes.txt").write_text("mine")
-    experiment.run_arm(recipe, exp, arm, None, tmp_path)
-    assert (legacy / "notes.txt").read_text() == "mine" and (legacy / "result.json").is_file()
+    with pytest.raises(RetrofitError, match="holds files retrofit did not write"):
+        experiment.run_arm(recipe, exp, arm, None, tmp_path)
+    assert [p.name for p in legacy.iterdir()] == ["notes.txt"] and (legacy / "notes.txt").read_text() == "mine"
 
     arm = exp.arms[1]
     arm_dir = tmp_path / "arms" / arm.name
@@ -267,7 +268,7 @@ def test_a_non_finite_loss_on_a_save_step_writes_no_checkpoint(tmp_path, monkeyp
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     run = tmp_path / "run"
     raw = counting_recipe(run, steps=2, save_every=0)
-    with atomic.folder_lock(run), pytest.raises(RetrofitError) as err:
+    with atomic.output_folder(run, "output.dir"), pytest.raises(RetrofitError) as err:  # as a running train holds it
         train(recipe_from_dict(raw), resume=True)
     assert f"in use by process {os.getpid()}" in str(err.value) and "\n" not in str(err.value)
     assert not (run / "log.jsonl").exists()

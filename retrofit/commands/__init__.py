@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..atomic import check_output, output_path
 from ..errors import RetrofitError, check_utf8
 
 
@@ -23,14 +24,16 @@ def check_counts(args, positive=(), nonnegative=()) -> None:
                 raise RetrofitError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
 
 
-def check_out_file(path, flag: str = "--out") -> None:
-    """An output *file* (a benchmark's JSON): not a folder, not a symbolic link, in a folder we can write."""
-    out = Path(os.path.expanduser(str(path)))
+def check_out_file(path, flag: str = "--out") -> str:
+    """An output *file* (a benchmark's JSON): not a folder, not a symbolic link, in a folder we can write.
+    Returns the path with `~` expanded: use it from here on."""
+    out = output_path(path)
     if out.is_symlink():
         raise RetrofitError(f"{flag} {path} is a symbolic link; give the real file path")
     if out.is_dir():
         raise RetrofitError(f"{flag} {path} is a folder; give a file path, e.g. {Path(path) / 'bench.json'}")
-    check_out(out.parent, flag, empty=False)
+    _check_writable(out.parent, flag, path)
+    return str(out)
 
 
 def check_text_files(paths, flag: str) -> None:
@@ -41,18 +44,18 @@ def check_text_files(paths, flag: str) -> None:
             raise RetrofitError(f"{flag} {path} is empty; give a file with text in it")
 
 
-def check_out(path, flag: str = "--out", *, empty: bool = True) -> None:
-    """Refuse an output path that is a file, a symbolic link, not empty (when `empty`) or not writable."""
+def check_out(path, flag: str = "--out", *, empty: bool = True):
+    """The output-folder rule (retrofit.atomic.check_output: new, empty, or made by retrofit; with `empty`, new or
+    empty), and a place we can write; returns the path with `~` expanded (None for None): use it from here on."""
     if path is None:
-        return
-    out = Path(os.path.expanduser(str(path)))
-    if out.is_symlink():
-        raise RetrofitError(f"{flag} {path} is a symbolic link; give the real folder (retrofit never writes "
-                            "through a link it did not make)")
-    if out.exists() and not out.is_dir():
-        raise RetrofitError(f"{flag} {path} is a file, not a folder; choose another {flag} or remove it")
-    if empty and out.is_dir() and any(out.iterdir()):
-        raise RetrofitError(f"{flag} {path} exists and is not empty; choose another {flag} or remove it")
+        return None
+    out = check_output(path, flag, empty=empty)
+    _check_writable(out, flag, path)
+    return str(out)
+
+
+def _check_writable(out: Path, flag: str, path) -> None:
+    """A folder can be made at `out` (or it exists): its nearest existing ancestor is a writable folder."""
     parent = out
     while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
         parent = parent.parent  # the nearest folder that exists: the one we would create ours in
@@ -60,7 +63,6 @@ def check_out(path, flag: str = "--out", *, empty: bool = True) -> None:
         raise RetrofitError(f"{flag} {path}: {parent} is a file, so no folder can be made under it")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise RetrofitError(f"{flag} {path}: {parent} is not writable; choose a folder you can write to")
-
 
 
 def device_for_memory():

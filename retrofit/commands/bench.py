@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-from pathlib import Path
 
 from ..errors import RetrofitError
 from . import check_counts, check_out, check_out_file
@@ -60,15 +59,17 @@ def load(name: str):
             from None
 
 
-def _check_out(out, kind: str) -> None:
-    """A benchmark's --out: a JSON file ("file"), a file or an existing folder ("file-or-folder"), or a folder
-    that must be new or empty ("folder": the benchmark writes several files there)."""
+def _check_out(out, module) -> str:
+    """A benchmark's --out, `~` expanded once: a JSON file ("file"), a file or an existing folder to write the
+    benchmark's FILE_NAME into ("file-or-folder"), or a folder that must be new or empty ("folder": the benchmark
+    writes several files there)."""
+    kind = getattr(module, "OUT_KIND", "file")
     if kind == "folder":
-        check_out(out)
-    elif kind == "file-or-folder" and Path(os.path.expanduser(str(out))).is_dir() and not Path(out).is_symlink():
-        check_out(out, empty=False)
-    else:
-        check_out_file(out)
+        return check_out(out)
+    if kind == "file-or-folder" and not os.path.islink(os.path.expanduser(str(out))):  # a link: refused below
+        check_out_file(module.out_path(out))
+        return os.path.expanduser(str(out))
+    return check_out_file(out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,5 +80,5 @@ def run(args: argparse.Namespace) -> int:
     options = parser.parse_args(args.options)
     check_counts(options, positive=COUNTS)
     if getattr(options, "out", None):
-        _check_out(options.out, getattr(module, "OUT_KIND", "file"))
+        options.out = _check_out(options.out, module)  # `~` expanded, once
     return int(module.run(options) or 0)

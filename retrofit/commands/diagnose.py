@@ -40,7 +40,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     check_counts(args, positive=("windows", "queries"), nonnegative=("calibrate_tokens",))
-    check_out(args.out, "--out", empty=False)
+    args.out = check_out(args.out, "--out", empty=False)  # `~` expanded, once
     check_text_files([args.data], "--data")
     lengths = parse_lengths(args.lengths)
     check_eval_memory(args.sources, lengths, max(lengths), dtype=args.dtype)  # one window of the longest length

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from ..atomic import output_folder
 from ..diagnose.sources import parse_patch
 from ..errors import RetrofitError
 from ..evaluate import check_variants, evaluate_models
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_counts(args, positive=("trials", "batch_tokens", "chunk_tokens", "max_tokens", "train_len", "alphabet"))
-    check_out(args.out, "--out", empty=False)  # results are rewritten in place
+    args.out = check_out(args.out, "--out", empty=False)  # results (made by retrofit) are rewritten in place
     check_text_files(args.data or [], "--data")
     check_eval_memory(args.models, parse_lengths(args.lengths), args.batch_tokens, args.device, args.dtype)
     try:
@@ -79,6 +80,14 @@ def run(args: argparse.Namespace) -> int:
         patch = {"norm": norm, **options}
     variants = _read_variants(args.variants) if args.variants else None
     counting = {"sequences": args.trials, **({"alphabet": args.alphabet} if args.alphabet else {})}
+    with output_folder(args.out, "--out"):  # one `eval --out X` at a time: a second is refused, not overwritten
+        paths = _evaluate(args, depths, patch, variants, counting)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _evaluate(args, depths, patch, variants, counting) -> list[Path]:
+    """evaluate_models with the command line's settings, then the report into --out (printing the tables)."""
     results = evaluate_models(
         args.models, data=args.data, lengths=args.lengths, train_len=args.train_len,
         tasks=args.tasks.split(",") if args.tasks else None, max_tokens=args.max_tokens, tokenizer=args.tokenizer,
@@ -89,8 +98,7 @@ def run(args: argparse.Namespace) -> int:
     paths = write_report(results, args.out)
     if any(m["lengths"] for m in results["models"]):
         print(loss_table_markdown(results) + "\n\n" + cost_table_markdown(results))
-    print("wrote " + ", ".join(str(p) for p in paths))
-    return 0
+    return paths
 
 
 def _read_variants(path: str) -> list[dict]:

@@ -37,7 +37,7 @@ def run(args) -> int:
 
 def _checked_recipe(path, args):
     """The recipe with its overrides, refused before anything is written when --out or memory cannot do."""
-    check_out(args.out, "--out", empty=False)  # an experiment folder is resumed
+    args.out = check_out(args.out, "--out", empty=False)  # an experiment folder (made by retrofit) is resumed
     recipe = load_recipe(path, args.overrides)
     check_recipe(recipe)
     return recipe

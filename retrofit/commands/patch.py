@@ -117,7 +117,7 @@ def save_atomically(model, tokenizer, out: str) -> None:
 
 def run(args) -> int:
     check_counts(args, positive=("calibrate_tokens", "check_tokens"))
-    check_out(args.out, "--out")
+    args.out = check_out(args.out, "--out")  # new or empty; `~` expanded, once
     check_text_files([args.calibrate] if args.calibrate else [], "--calibrate")
     check_text_files([args.check_text] if args.check_text else [], "--check-text")
     options = {k: getattr(args, k) for k in NORM_FLAGS if getattr(args, k) is not None}

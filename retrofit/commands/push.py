@@ -28,7 +28,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    check_out(args.dry_run, "--dry-run")
+    args.dry_run = check_out(args.dry_run, "--dry-run")  # new or empty; `~` expanded, once
     where = push(args.source, args.repo, private=args.private, revision=args.revision, merged=args.merged,
                  base_model=args.base_model, license=args.license, eval_dir=args.eval_dir, dry_run=args.dry_run)
     if args.dry_run:

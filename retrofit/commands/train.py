@@ -38,12 +38,14 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.out and args.resume:
         raise RetrofitError("pass either --out or --resume (which names the run folder), not both")
+    # a run folder may exist (made by retrofit): training resumes or refuses it; `~` expanded here, once
+    args.out = check_out(args.out, "--out", empty=False)
+    args.resume = check_out(args.resume, "--resume", empty=False)
     if args.out or args.resume:
         overrides.append(f"output.dir={args.out or args.resume}")
-    check_out(args.out, "--out", empty=False)  # a run folder may exist: training resumes or refuses it
     recipe = load_recipe(args.recipe, overrides)
-    if not args.out and recipe.output.dir:
-        check_out(recipe.output.dir, "output.dir", empty=False)
+    if not args.out and recipe.output.dir:  # the recipe's own (or overridden) output.dir, `~` expanded here
+        recipe.output.dir = check_out(recipe.output.dir, "output.dir", empty=False)
     check_recipe(recipe)
     result = train(recipe, resume=bool(args.resume))
     last = result.losses.get(max(result.losses)) if result.losses else None

@@ -20,7 +20,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_write_text, check_output, make_output
 from ..calibrate import calibrate
 from ..errors import RetrofitError, read_utf8
 from ..load import load_model, load_tokenizer
@@ -126,6 +126,7 @@ def diagnose_sources(sources: list[str], *, data: str, out, lengths: list[int], 
     figures into `out` and returns it. `patches`: specs like 'avnorm' or 'psoftmax:p=2'."""
     if windows < 1 or queries < 1:
         raise RetrofitError("--windows and --queries must be >= 1")
+    out = check_output(out, "--out")  # new, empty or made by retrofit: refused before any model loads
     if labels and len(labels) != len(sources):
         raise RetrofitError(f"--label was given {len(labels)} time(s) for {len(sources)} source(s)")
     names = [parse_patch(spec)[0] for spec in patches]
@@ -146,8 +147,7 @@ def diagnose_sources(sources: list[str], *, data: str, out, lengths: list[int], 
                                                       shared_tokenizer)
         results += found
     results = json.loads(json.dumps(results))  # keys become strings, as in the file
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_output(out, "--out")
     header = {"command": f"retrofit diagnose {command}", "data": str(data),
               "tokens": ", ".join(f"{k}: {v}" for k, v in token_counts.items()), "windows": windows,
               "lengths": plan.lengths, "seconds": round(time.time() - started, 1), "torch": torch.__version__,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_write_text, owned_folder, remove_owned
+from ..atomic import atomic_write_text, make_output, owned_folder, remove_owned
 from ..errors import RetrofitError, shown
 from ..evaluate import evaluate_models
 from ..evaluate.report import write_report
@@ -327,8 +327,7 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
         raise RetrofitError("this recipe has no experiment section (arms, base_steps, finetune_steps); "
                             "use `retrofit train` for a single run")
     reference = load_reference(exp.reference, [a.name for a in exp.arms]) if exp.reference else None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_output(out_dir, "--out")  # new, empty or made by retrofit (a re-run resumes it)
     save_recipe(recipe, out / "recipe.yaml")
     clock, failures, recovery = _Clock(out), {}, {}
     start = time.perf_counter()

@@ -3,7 +3,8 @@
     from retrofit.hub import push
     push("runs/llama-avnorm", "me/smollm2-avnorm", dry_run="staged/")   # write what would go up
 
-Modules: model_card (README.md from what was staged) <- publish (stage, push, upload). The CLI is commands/push.py.
+Modules: model_card (README.md from what was staged), public (names not local paths; no symbolic links)
+<- publish (stage, push, upload). The CLI is commands/push.py.
 """
 
 from .model_card import GUARD, model_card

@@ -11,7 +11,9 @@ eval` table and plots when found), recipe.yaml, eval/; an adapter with retrofit.
 (retrofit/load/adapters.py). The pushed config.json sets `"attn_implementation": "retrofit.from_pretrained"`,
 so plain transformers refuses it by name instead of silently running it unpatched
 (docs/plain-transformers.md); retrofit's loader overrides it. The only network call is `upload_folder`;
-the token (`hf auth login` or HF_TOKEN) is never printed, logged or written.
+the token (`hf auth login` or HF_TOKEN) is never printed, logged or written. A symbolic link anywhere in the
+folders push reads is refused before anything is staged (its target could be any file on this machine), and
+local paths go up as names: recipe.yaml, the card and eval/results.{json,md,csv} (retrofit/hub/public.py).
 """
 
 from __future__ import annotations
@@ -24,13 +26,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import yaml
 from huggingface_hub import HfApi, ModelCard, get_token, try_to_load_from_cache
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..atomic import atomic_folder, owned_folder, remove_owned
+from ..atomic import atomic_folder, output_path, owned_folder, remove_owned
 from ..errors import RetrofitError, shown
 from ..evaluate.report import line_plot
 from ..load.adapters import (
@@ -50,11 +51,11 @@ from ..norms import AttentionShape, get_norm, make_options
 from ..recipe import load_yaml
 from ..train.runlog import read_log
 from .model_card import GUARD, model_card
+from .public import check_no_links, is_local, local_paths, public_json, public_path, public_recipe
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 MODEL_FILES = ("generation_config.json", "model.safetensors.index.json", "task.json", "task_head.safetensors")
-EVAL_FILES = ("results.md", "results.json", "results.csv")
 # ---- the one network call -------------------------------------------------------------------------------------------
 
 def upload_folder(folder, repo: str, *, private: bool, revision: str | None, token: str) -> str:
@@ -112,33 +113,9 @@ def _locate(source) -> tuple[Path | None, Path | None, Path | None]:
     return model, adapter, run
 
 
-# recipe keys that hold local paths: published as file names (a reader's machine has none of this one's folders)
-LOCAL_PATH_KEYS = {"model": ("source", "tokenizer"), "data": ("files", "val_files", "cache_dir"), "output": ("dir",)}
-
-
-def public_path(value):
-    """A local path as it is published: its name (`/home/me/runs/x` -> `x`); Hub ids and other values as they are."""
-    if not isinstance(value, str) or is_hub_id(value):
-        return value
-    looks_local = os.path.isabs(os.path.expanduser(value)) or os.path.exists(value) or os.sep in value
-    return Path(value).name if looks_local and Path(value).name else value
-
-
-def public_recipe(text: str) -> str:
-    """recipe.yaml with every local path replaced by its name (comments and layout kept: text replacement)."""
-    raw = yaml.safe_load(text) or {}
-    found = []
-    for section, keys in LOCAL_PATH_KEYS.items():
-        for key in keys:
-            value = (raw.get(section) or {}).get(key) if isinstance(raw.get(section), dict) else None
-            found += value if isinstance(value, list) else [value]
-    for value in sorted({v for v in found if isinstance(v, str)}, key=len, reverse=True):  # longest first
-        if public_path(value) != value:
-            text = text.replace(value, public_path(value))
-    return text
-
-
 def _place(src: Path, dst: Path, link: bool) -> None:
+    if src.is_symlink():  # check_no_links refused these already; never follow one, whatever the caller
+        raise RetrofitError(f"{src} is a symbolic link; push never publishes what a link points to")
     dst.parent.mkdir(parents=True, exist_ok=True)
     if link:
         try:
@@ -249,29 +226,43 @@ def _base_license(where) -> str | None:
         return None
 
 
+def publishable(source, eval_dir=None) -> tuple:
+    """(source folder, model folder, adapter folder, run folder, an experiment's eval folder), each None when
+    absent; refused in one line when any folder push reads from holds a symbolic link (check_no_links)."""
+    src = output_path(source)
+    check_no_links([(src, True)])  # before _locate reads its config.json
+    model_dir, adapter_dir, run = _locate(source)
+    experiment_eval = run.parent.parent / "eval" if run and run.parent.name == "arms" else None  # retrofit experiment
+    roots = [(run, True)] if run and run != src else []  # the run around a named adapter folder
+    if eval_dir:
+        roots.append((output_path(eval_dir), True))
+    elif experiment_eval is not None:
+        roots.append((experiment_eval, False))  # found, not named: a link there is refused too
+    check_no_links(roots)
+    if eval_dir is not None and not (output_path(eval_dir) / "results.md").is_file():
+        raise RetrofitError(f"--eval {eval_dir}: no results.md there (write one with `retrofit eval --out DIR`)")
+    return src, model_dir, adapter_dir, run, experiment_eval
+
+
 # ---- the folder to upload -------------------------------------------------------------------------------------------
 
 def stage(source, out, *, repo: str, merged: bool = False, base_model: str | None = None, license: str | None = None,
           eval_dir=None, command: str | None = None, link: bool = False) -> dict:
     """Write into the empty folder `out` exactly what `push` uploads; returns what the model card was made from."""
-    model_dir, adapter_dir, run = _locate(source)
+    src, model_dir, adapter_dir, run, experiment_eval = publishable(source, eval_dir)
     out = Path(out)
-    if eval_dir is not None and not (Path(eval_dir) / "results.md").is_file():
-        raise RetrofitError(f"--eval {eval_dir}: no results.md there (write one with `retrofit eval --out DIR`)")
     if merged and model_dir is None:
         info = _stage_merged(adapter_dir, run, out, link)
     elif adapter_dir is not None and not merged:
         info = _stage_adapter(adapter_dir, model_dir, run, out, link, base_model)
     else:
         info = _stage_model(model_dir, out, link)
-    src = Path(os.path.expanduser(str(source)))
     recipe, run_source = (run / "recipe.yaml" if run else None), None
     if recipe is not None and recipe.is_file():
         text, raw = _read_run_files(run)
         run_source = (raw.get("model") if isinstance(raw.get("model"), dict) else {}).get("source")
         info["recipe_text"] = public_recipe(text)  # local paths go up as file names
         (out / "recipe.yaml").write_text(info["recipe_text"])
-    experiment_eval = run.parent.parent / "eval" if run and run.parent.name == "arms" else None  # retrofit experiment
     bases = [b for b in (base_model, info.pop("recorded_base", None), info["base_model"], run_source) if b]
     info.update(repo=repo, command=command, merged=merged and adapter_dir is not None,
                 base_model=next(iter(bases), None),
@@ -325,14 +316,30 @@ def _training_curve(log: Path, out: Path) -> str | None:
 
 
 def _stage_eval(eval_dir, candidates, out: Path) -> str | None:
-    """Copy results.{md,json,csv} and plots into out/eval/; returns the markdown for the card (tables, plots)."""
-    found = Path(eval_dir) if eval_dir else next((p for p in candidates if (p / "results.md").is_file()), None)
+    """Copy results.{md,json,csv} (local paths published as names) and plots into out/eval/; returns the markdown
+    for the card (tables, plots)."""
+    found = output_path(eval_dir) if eval_dir else next((p for p in candidates if (p / "results.md").is_file()), None)
     if found is None:
         return None
-    for f in [found / n for n in EVAL_FILES if (found / n).is_file()] + sorted(found.glob("*.png")):
-        _place(f, out / "eval" / f.name, link=False)
     text = (found / "results.md").read_text()
-    body = text[text.find("\n## "):] if "\n## " in text else text  # tables and plots, not the local file paths
+    results = json.loads((found / "results.json").read_text()) if (found / "results.json").is_file() else {}
+    local = local_paths(results) | {p for p in re.findall(r"`([^`\n]+)`", text) if is_local(p)}
+
+    def public(value: str) -> str:
+        for path in sorted(local, key=len, reverse=True):  # longest first: a folder's path inside its file's
+            value = value.replace(path, public_path(path))
+        return value
+
+    eval_out = out / "eval"
+    eval_out.mkdir(parents=True, exist_ok=True)
+    if results:
+        (eval_out / "results.json").write_text(json.dumps(public_json(results, public), indent=1) + "\n")
+    for name in ("results.md", "results.csv"):
+        if (found / name).is_file():
+            (eval_out / name).write_text(public((found / name).read_text()))
+    for f in sorted(found.glob("*.png")):
+        _place(f, eval_out / f.name, link=False)
+    body = public(text[text.find("\n## "):] if "\n## " in text else text)  # tables and plots
     body = re.sub(r"!\[([^\]]*)\]\((?!https?:|/)([^)]+)\)", r"![\1](eval/\2)", body)
     return body.replace("\n## ", "\n### ").strip()
 
@@ -345,12 +352,13 @@ def push(source, repo: str, *, private: bool = False, revision: str | None = Non
     """Stage SOURCE and upload it to `repo` (or, with dry_run=DIR, write the staged folder there atomically).
     Returns the commit URL, or the dry-run folder."""
     check_repo(repo)
+    publishable(source, eval_dir)  # links and a bad source refused before any folder is made
     token = None if dry_run else find_token()
     kwargs = dict(repo=repo, merged=merged, base_model=base_model, license=license, eval_dir=eval_dir, command=command)
     if dry_run:
         with atomic_folder(dry_run, "--dry-run") as tmp:
             stage(source, tmp, **kwargs)
-        return str(Path(dry_run))
+        return str(output_path(dry_run))
     parent = Path(os.path.expanduser(str(source))).resolve().parent  # same filesystem: weights are hard-linked
     with tempfile.TemporaryDirectory(prefix=".retrofit-push-",
                                      dir=parent if os.access(parent, os.W_OK) else None) as tmp:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..atomic import atomic_write_text, folder_lock, fsync_dir, owned_folder, remove_owned
+from ..atomic import atomic_write_text, check_output, fsync_dir, output_folder, output_path, owned_folder, remove_owned
 from ..data import build_data
 from ..errors import RetrofitError
 from ..load import apply_patch, language_model, load_base, recipe_tokenizer, save_model
@@ -54,10 +54,11 @@ class TrainResult:
 
 
 def run_dir_of(recipe: Recipe) -> Path:
-    return Path(recipe.output.dir or f"runs/{recipe.name or 'run'}")
+    return output_path(recipe.output.dir or f"runs/{recipe.name or 'run'}")
 
 
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
+    check_output(run_dir, "output.dir")  # new, empty or made by retrofit: never a folder of the user's files
     held = [n for n in ("result.json", "log.jsonl", "config.json", checkpoint.FOLDER) if (run_dir / n).exists()]
     if resume and not run_dir.is_dir():
         raise RetrofitError(f"nothing to resume: {run_dir} does not exist")
@@ -110,7 +111,9 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
         if importlib.util.find_spec("wandb") is None:
             raise RetrofitError("output.trackers has wandb but it is not installed: pip install wandb")
     acc = build.make_accelerator(recipe.train, run_dir, trackers)
-    with folder_lock(run_dir, enabled=acc.is_main_process):  # one writer per run folder; released on any exit
+    # made, marked and locked (one writer per run folder; released on any exit); a run refused before it wrote
+    # anything (a length beyond GPT-2's positions, say) leaves no folder behind
+    with output_folder(run_dir, "output.dir", enabled=acc.is_main_process):
         return _train(recipe, acc, run_dir, model=model, tokenizer=tokenizer, data=data, resume=resume,
                       callbacks=callbacks)
 

@@ -44,7 +44,7 @@ from ..recipe import (
     save_recipe,
     to_plain,
 )
-from ..rope import describe_rope
+from ..rope import describe_rope, normalize_rope
 from ..train import read_log, train
 from .reference import load_reference
 from .report import write_experiment_report
@@ -169,7 +169,18 @@ def trained_patch(arm_dir: Path, arm: ArmSection) -> dict:
     if not isinstance(record, dict):
         return {"norm": None, "nope": False}  # an arm left unpatched
     return dict(record.get("options") or {}) | {"norm": record.get("norm"), "nope": bool(record.get("nope"))} \
-        | ({"rope": record["rope"]} if record.get("rope") is not None else {})
+        | ({"rope": _trained_rope(record["rope"], arm.patch.rope)} if record.get("rope") is not None else {})
+
+
+def _trained_rope(plan: dict, written):
+    """The rope a checkpoint was trained with, as the recipe wrote it ('yarn:4') when the two agree (every key the
+    recipe set has the trained value; the plan adds what the model filled in, such as the original positions),
+    else the checkpoint's own parameters."""
+    trained = plan.get("parameters", plan) if isinstance(plan, dict) else plan
+    if written is None or not isinstance(trained, dict):
+        return trained
+    agree = all(k in trained and trained[k] == v for k, v in normalize_rope(written).items())  # values may be lists
+    return written if agree else trained
 
 
 def recovery_points(run_dir: Path) -> dict[int, dict]:

@@ -16,7 +16,8 @@ call in this order (dispatch.py):
   blockwise        calls with dropout: bounded blocks of plain PyTorch ops (any p, any device), on CPU
                    shared out to torch.get_num_threads() worker threads (see blockwise.py for why).
   decode           a few query rows (Tq <= 16, KV-cache decoding), any p, any device: the scores of
-                   those rows directly, two matmuls and a few elementwise ops (decode.py).
+                   those rows directly, two matmuls and a few elementwise ops (decode.py); except
+                   softmax (p = 1) on CPU, which the fused CPU kernel below computes faster.
   triton_psoftmax  CUDA with Triton importable: one fused flash-style kernel, forward and backward.
   cpu_fused        CPU, p = 1 (softmax, ssmax, softmax+1): PyTorch's fused flash kernel + its LSE.
   blockwise        everything else.

@@ -11,7 +11,7 @@ import yaml
 
 from retrofit.cli import main
 from retrofit.errors import RetrofitError
-from retrofit.evaluate import check_variants, evaluate_models
+from retrofit.evaluate import EvalSpec, check_variants, evaluate_models
 from tests.test_evaluate import _char_tokenizer
 from tests.tiny import tiny_model
 
@@ -41,10 +41,10 @@ def test_variants_evaluate_each_setting_as_it_would_be_alone(folder, tmp_path, c
                  "--lengths", "16,32", "--out", str(out), "--no-progress"]) == 0, capsys.readouterr().err
     models = json.loads((out / "results.json").read_text())["models"]
     assert [m["name"] for m in models] == ["original", "yarn2", "yarn2+avnorm"]
-    alone = {"original": evaluate_models([str(folder)], data=str(tmp_path / "book.txt"), lengths=[16, 32],
-                                         progress=False),
-             "yarn2": evaluate_models([str(folder)], data=str(tmp_path / "book.txt"), lengths=[16, 32],
-                                      rope="yarn:2", progress=False)}
+    alone = {"original": evaluate_models([str(folder)], EvalSpec(data=str(tmp_path / "book.txt"), lengths=[16, 32],
+                                                                 progress=False)),
+             "yarn2": evaluate_models([str(folder)], EvalSpec(data=str(tmp_path / "book.txt"), lengths=[16, 32],
+                                                              rope="yarn:2", progress=False))}
     for m in models[:2]:
         assert [r["loss"] for r in m["lengths"]] == [r["loss"] for r in alone[m["name"]]["models"][0]["lengths"]]
     assert models[0]["rope"] == "none" and models[1]["rope"].startswith("yarn x2")

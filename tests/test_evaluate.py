@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import retrofit
 from retrofit import evaluate
 from retrofit.errors import RetrofitError
-from retrofit.evaluate import cut_windows, evaluate_models, parse_lengths, position_buckets, token_losses
+from retrofit.evaluate import EvalSpec, cut_windows, evaluate_models, parse_lengths, position_buckets, token_losses
 from tests.tiny import VOCAB, tiny_model
 
 
@@ -69,8 +69,8 @@ def test_windows_are_non_overlapping_deterministic_and_evenly_capped():
 def test_same_windows_for_every_model_and_deterministic():
     models = [tiny_model("llama", seed=0), tiny_model("gpt2", seed=1)]
     kwargs = dict(tokens=_tokens(), lengths="16,32,64", train_len=32, max_tokens=500, progress=False)
-    first = evaluate_models(models, **kwargs)
-    second = evaluate_models(models, **kwargs)
+    first = evaluate_models(models, EvalSpec(**kwargs))
+    second = evaluate_models(models, EvalSpec(**kwargs))
     for length_index in range(3):
         digests = {m["lengths"][length_index]["windows_sha1"] for m in first["models"]}
         assert len(digests) == 1
@@ -117,8 +117,8 @@ def test_text_is_tokenized_once_per_tokenizer(tmp_path, monkeypatch):
     calls = []
     real = evaluate.tokenize_files
     monkeypatch.setattr(evaluate, "tokenize_files", lambda tok, paths: calls.append(paths) or real(tok, paths))
-    results = evaluate_models(folders, data=str(tmp_path / "book.txt"), lengths=[32, 64], max_tokens=200,
-                              progress=False)
+    results = evaluate_models(folders, EvalSpec(data=str(tmp_path / "book.txt"), lengths=[32, 64], max_tokens=200,
+                                                progress=False))
     assert len(calls) == 1
     assert [m["name"] for m in results["models"]] == ["model0", "model1"]
     assert results["data"]["documents"] == [len(text)]
@@ -128,23 +128,23 @@ def test_text_is_tokenized_once_per_tokenizer(tmp_path, monkeypatch):
 def test_learned_positions_limit_and_nope_way_out():
     model = tiny_model("gpt2")  # 64 learned positions
     with pytest.raises(RetrofitError, match=r"64 tokens.*\[128\].*--nope"):
-        evaluate_models([model], tokens=_tokens(), lengths=[32, 128], progress=False)
+        evaluate_models([model], EvalSpec(tokens=_tokens(), lengths=[32, 128], progress=False))
     retrofit.patch(model, "softmax", nope=True)
-    results = evaluate_models([model], tokens=_tokens(), lengths=[32, 128], max_tokens=128, progress=False)
+    results = evaluate_models([model], EvalSpec(tokens=_tokens(), lengths=[32, 128], max_tokens=128, progress=False))
     assert results["models"][0]["max_learned_positions"] is None
     assert results["models"][0]["lengths"][1]["beyond_max_positions"]  # n_positions is still 64
 
 
 def test_bad_input_is_one_line_error(tmp_path):
     with pytest.raises(RetrofitError, match="longest has 100") as err:
-        evaluate_models([tiny_model("llama")], tokens=_tokens(100), lengths=[16, 128], progress=False)
+        evaluate_models([tiny_model("llama")], EvalSpec(tokens=_tokens(100), lengths=[16, 128], progress=False))
     assert "\n" not in str(err.value)
     (tmp_path / "junk").mkdir()
     with pytest.raises(RetrofitError, match="config.json"):
-        evaluate_models([str(tmp_path / "junk")], tokens=_tokens(), lengths=[16], progress=False)
+        evaluate_models([str(tmp_path / "junk")], EvalSpec(tokens=_tokens(), lengths=[16], progress=False))
     (tmp_path / "bad.json").write_text('{"not": "tokens"}')
     with pytest.raises(RetrofitError, match="token ids"):
-        evaluate_models([tiny_model("llama")], data=str(tmp_path / "bad.json"), lengths=[16], progress=False)
+        evaluate_models([tiny_model("llama")], EvalSpec(data=str(tmp_path / "bad.json"), lengths=[16], progress=False))
 
 
 def test_cli_writes_report_and_exits_2_without_traceback(tmp_path, capsys):
@@ -183,8 +183,8 @@ def test_passkey_accuracy_matches_full_logits_greedy_check():
         labels = batch["labels"][:, 1:]
         correct = ((logits.argmax(-1) == labels) | (labels == -100)).all(1)
         assert r["accuracy"] == correct.float().mean().item()
-    results = evaluate_models([model], tokenizer=tokenizer, lengths=[256], tasks=["passkey"],
-                              passkey={"depths": [0.5], "trials": 2}, progress=False)
+    results = evaluate_models([model], EvalSpec(tokenizer=tokenizer, lengths=[256], tasks=["passkey"],
+                                               passkey={"depths": [0.5], "trials": 2}, progress=False))
     assert results["models"][0]["passkey"][0]["trials"] == 2 and results["models"][0]["lengths"] == []
 
 
@@ -192,7 +192,8 @@ def test_counting_runs_are_evaluated_on_counting():
     from retrofit.data import counting_batch
     from retrofit.load import CountingModel
     model = CountingModel(tiny_model("llama")).eval()
-    results = evaluate_models([model], lengths=[16, 128], counting={"sequences": 3, "alphabet": 4}, progress=False)
+    results = evaluate_models([model], EvalSpec(lengths=[16, 128], counting={"sequences": 3, "alphabet": 4},
+                                               progress=False))
     row = results["models"][0]["counting"][1]
     batch = counting_batch(3, 128, alphabet=4, seed=0)
     with torch.no_grad():
@@ -201,6 +202,6 @@ def test_counting_runs_are_evaluated_on_counting():
     assert row["mse"] == pytest.approx(err.pow(2).mean().item(), rel=1e-6)
     assert row["by_position"][0]["start"] == 1 and row["by_position"][-1]["end"] == 128
     with pytest.raises(RetrofitError, match="--tasks counting"):
-        evaluate_models([model], tokens=_tokens(), lengths=[16], tasks=["lm"], progress=False)
+        evaluate_models([model], EvalSpec(tokens=_tokens(), lengths=[16], tasks=["lm"], progress=False))
     with pytest.raises(RetrofitError, match="language model"):
-        evaluate_models([tiny_model("llama")], lengths=[16], tasks=["counting"], progress=False)
+        evaluate_models([tiny_model("llama")], EvalSpec(lengths=[16], tasks=["counting"], progress=False))

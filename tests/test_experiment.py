@@ -58,11 +58,11 @@ def _count_evaluations(monkeypatch, fail_on=None) -> list:
     import retrofit.evaluate
     real, seen = retrofit.evaluate.evaluate_models, []
 
-    def counted(sources, **kwargs):
-        seen.extend(kwargs["names"])
-        if fail_on in kwargs["names"]:
+    def counted(sources, spec):
+        seen.extend(spec.names)
+        if fail_on in spec.names:
             raise RetrofitError(f"out of memory at the longest length ({fail_on})")
-        return real(sources, **kwargs)
+        return real(sources, spec)
 
     monkeypatch.setattr(experiment, "evaluate_models", counted)
     return seen

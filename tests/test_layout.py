@@ -1,10 +1,12 @@
 """The package's shape: no import cycle, imports only point down the data flow, no private name crosses a
-module, no module over 400 lines. Read from the source with `ast` (in-function imports count), so it fails
-on the commit that breaks the shape, not when someone notices."""
+module, no module over 400 lines, no function over 12 parameters, no module state changed at run time. Read
+from the source with `ast` (in-function imports count), so it fails on the commit that breaks the shape, not
+when someone notices."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -164,3 +166,235 @@ def test_the_checks_catch_what_they_are_for(bad, message, tmp_path, monkeypatch)
             test_imports_point_down_the_data_flow()
         else:
             test_no_private_name_crosses_a_module()
+
+
+# ---- signatures: no library function over 12 parameters ------------------------------------------------------------
+# Parameters counted: positional and keyword-only, not self/cls, not *args/**kwargs. A wider call takes a spec (a
+# dataclass: retrofit.evaluate.EvalSpec, retrofit.diagnose.DiagnoseSpec) or a named tuple (kernels' index lists).
+MAX_PARAMETERS = 12
+
+
+def _decorator(node: ast.expr) -> str:
+    return ast.unparse(node.func if isinstance(node, ast.Call) else node)
+
+
+def _signature_owned_elsewhere(fn: ast.FunctionDef) -> bool:
+    """Signatures a compiler dictates, not us: Triton kernels (flat pointers, strides, constexprs), and
+    torch.library custom ops with their fake implementations (the op schema is inferred from the signature and
+    takes only flat Tensor and scalar arguments; the fake must mirror it)."""
+    names = [_decorator(d) for d in fn.decorator_list]
+    return any(n.startswith("triton.") or n == "torch.library.custom_op" or n.endswith(".register_fake")
+               for n in names)
+
+
+def parameter_count(fn: ast.FunctionDef) -> int:
+    a = fn.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    return len(names) - (1 if names and names[0] in ("self", "cls") else 0)
+
+
+def wide_functions(source: str, where: str) -> list[str]:
+    """'where:line name takes N parameters' for every function in `source` over MAX_PARAMETERS."""
+    return [f"{where}:{node.lineno} {node.name} takes {parameter_count(node)} parameters"
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and not _signature_owned_elsewhere(node) and parameter_count(node) > MAX_PARAMETERS]
+
+
+def test_no_function_takes_more_than_12_parameters():
+    wide = [line for path in MODULES.values() for line in wide_functions(path.read_text(), _where(path))]
+    assert wide == []
+
+
+def test_the_parameter_check_catches_a_wide_function():
+    """13 parameters (keyword-only ones count) are reported; self, *args, **kwargs, a Triton kernel and a custom
+    op's schema are not."""
+    planted = (
+        "import triton\n"
+        "def wide(a, b, c, d, e, f, g, h, i, j, k, l, *, m=0):\n    pass\n"
+        "class Fine:\n    def method(self, a, b, c, d, e, f, g, h, i, j, k, l, *args, **kwargs):\n        pass\n"
+        "@triton.jit\ndef kernel(Q, K, V, Out, Norm, Mask, s0, s1, s2, s3, s4, s5, s6, BLOCK: tl.constexpr):\n"
+        "    pass\n"
+        "@torch.library.custom_op('x::op', mutates_args=())\ndef op(a, b, c, d, e, f, g, h, i, j, k, l, m):\n"
+        "    pass\n"
+        "@op.register_fake\ndef _fake(a, b, c, d, e, f, g, h, i, j, k, l, m):\n    pass\n"
+    )
+    assert wide_functions(planted, "planted.py") == ["planted.py:2 wide takes 13 parameters"]
+
+
+# ---- module state: no module-level container changed at run time ---------------------------------------------------
+# A module-level dict/list/set/... that a function body changes (item assignment, del, a mutating method) or a
+# module-level name a function rebinds with `global` is state shared by every model, call and thread in the
+# process. Registries filled while the package imports are the exception; each is named here with its reason.
+REGISTRIES = {
+    "retrofit.norms.NORMS": "the norm registry: each norm file registers itself (register_norm) when it is imported",
+    "retrofit.recipe.EXTRA_SECTIONS": "optional recipe sections (register_section), registered when retrofit.recipe "
+                                      "is imported (experiment, recovery)",
+    "retrofit.kernels.dispatch._triton": "Triton's module handle, imported on first use (importing retrofit never "
+                                         "needs Triton) and set once, never per call",
+}
+CONTAINER_CALLS = {"dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque", "bytearray",
+                   "WeakKeyDictionary", "WeakValueDictionary", "WeakSet"}
+MUTATORS = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add",
+            "discard", "sort", "reverse", "appendleft", "extendleft", "popleft", "rotate", "difference_update",
+            "intersection_update", "symmetric_difference_update", "__setitem__", "__delitem__"}
+SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def _is_container(value: ast.expr | None) -> bool:
+    if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)):
+        return True
+    return isinstance(value, ast.Call) and ast.unparse(value.func).rpartition(".")[2] in CONTAINER_CALLS
+
+
+def _containers(tree: ast.Module) -> set[str]:
+    """Names bound to a mutable container by a module-level statement (also inside a top-level if/try)."""
+    names, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.If, ast.Try)):
+            todo += node.body + node.orelse + getattr(node, "finalbody", []) + \
+                [s for h in getattr(node, "handlers", []) for s in h.body]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name) and _is_container(node.value):
+                    names.add(target.id)
+                elif isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    names |= {t.id for t, v in zip(target.elts, node.value.elts)
+                              if isinstance(t, ast.Name) and _is_container(v)}
+    return names
+
+
+def _own_nodes(scope: ast.AST):
+    """The nodes of one scope: nested functions and lambdas are yielded but not entered."""
+    todo = list(ast.iter_child_nodes(scope))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, SCOPES):
+            todo += ast.iter_child_nodes(node)
+
+
+def _root(node: ast.expr) -> ast.expr:
+    """CACHE for CACHE[a][b]: the container an item assignment or method call changes."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    return node
+
+
+def _bindings(name: str, tree: ast.Module, texts: dict[str, str], everywhere: dict) -> tuple[dict, dict]:
+    """(local name -> (module, container) imported from another retrofit module, alias -> retrofit module)."""
+    package = name.split(".") if any(m.startswith(name + ".") for m in texts) else name.split(".")[:-1]
+    imported, modules = {}, {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in texts:
+                    modules[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            target = ".".join(base + (node.module.split(".") if node.module else []))
+            for alias in node.names:
+                local = alias.asname or alias.name
+                if f"{target}.{alias.name}" in texts:
+                    modules[local] = f"{target}.{alias.name}"
+                elif alias.name in everywhere.get(target, ()):
+                    imported[local] = (target, alias.name)
+    return imported, modules
+
+
+def _changes_in(fn, where: _Module, outer: frozenset):
+    """(module.NAME, line, how) for every change of module state in one function, then in the ones it nests."""
+    nodes = list(_own_nodes(fn))
+    declared = {n for node in nodes if isinstance(node, ast.Global) for n in node.names}
+    params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs,
+                              *filter(None, (fn.args.vararg, fn.args.kwarg)))}
+    stored = {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del))}
+    local = (outer | params | stored) - declared
+
+    def container(node):  # (module, name) of the module-level container `node` refers to, or None
+        node = _root(node)
+        if isinstance(node, ast.Name) and node.id not in local:
+            return where.containers.get(node.id)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id not in local:
+            module = where.modules.get(node.value.id)
+            return (module, node.attr) if node.attr in where.everywhere.get(module, ()) else None
+        return None
+
+    for node in nodes:
+        changed, how = None, None
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            changed, how = container(node.value), "item assignment"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            changed, how = container(node.func.value), f".{node.func.attr}()"
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) \
+                and node.value.id in where.modules and node.value.id not in local:
+            changed, how = (where.modules[node.value.id], node.attr), "assignment from outside"
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id in declared:
+            changed, how = (where.name, node.id), "global rebinding"
+        if changed is not None:
+            yield f"{changed[0]}.{changed[1]}", node.lineno, how
+        if isinstance(node, SCOPES):
+            yield from _changes_in(node, where, frozenset(local))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Module:
+    """What names mean in one module: its containers and those it imports (local name -> (module, name)), the
+    retrofit modules it imports (alias -> module), and every module's containers (module -> names)."""
+
+    name: str
+    containers: dict
+    modules: dict
+    everywhere: dict
+
+
+def state_changes(texts: dict[str, str]) -> list[tuple[str, str]]:
+    """(module.NAME, 'module:line how') for each change of module state in a function body, over `texts`
+    (module name -> source)."""
+    trees = {name: ast.parse(text) for name, text in texts.items()}
+    everywhere = {name: _containers(tree) for name, tree in trees.items()}
+    found = set()
+    for name, tree in trees.items():
+        imported, modules = _bindings(name, tree, texts, everywhere)
+        where = _Module(name, {**imported, **{c: (name, c) for c in everywhere[name]}}, modules, everywhere)
+        for fn in _own_nodes(tree):
+            if isinstance(fn, SCOPES):
+                for key, line, how in _changes_in(fn, where, frozenset()):
+                    found.add((key, f"{name}:{line} {how}"))
+    return sorted(found)
+
+
+def test_no_module_state_changes_at_run_time():
+    changes = state_changes({name: path.read_text() for name, path in MODULES.items()})
+    found = {key for key, _ in changes}
+    assert [f"{key} ({at})" for key, at in changes if key not in REGISTRIES] == []
+    assert sorted(set(REGISTRIES) - found) == []  # an entry whose registry is gone goes too
+
+
+def test_the_state_check_catches_what_it_is_for():
+    """Item assignment, a mutating method, a `global` rebinding, a change through an import or a module alias,
+    and an assignment from outside are reported; a local of the same name and filling at import are not."""
+    planted = {
+        "retrofit.planted": (
+            "CACHE = {}\nSEEN: list = []\nREGISTRY = dict()\n_handle = None\n"
+            "def remember(key, value):\n    CACHE[key] = value\n"
+            "def note(x):\n    SEEN.append(x)\n"
+            "def shadowed():\n    CACHE = {}\n    CACHE['a'] = 1\n    return lambda SEEN: SEEN.append(1)\n"
+            "def load():\n    global _handle\n    _handle = object()\n"
+            "for name in ('a', 'b'):\n    REGISTRY[name] = name\n"),
+        "retrofit.other": (
+            "from . import planted\nfrom .planted import REGISTRY as R\n"
+            "def forget():\n    R.clear()\n"
+            "def nested():\n    def inner():\n        del planted.SEEN[0]\n    return inner\n"
+            "def swap():\n    planted._handle = 1\n"),
+    }
+    assert state_changes(planted) == [
+        ("retrofit.planted.CACHE", "retrofit.planted:6 item assignment"),
+        ("retrofit.planted.REGISTRY", "retrofit.other:4 .clear()"),
+        ("retrofit.planted.SEEN", "retrofit.other:7 item assignment"),
+        ("retrofit.planted.SEEN", "retrofit.planted:8 .append()"),
+        ("retrofit.planted._handle", "retrofit.other:10 assignment from outside"),
+        ("retrofit.planted._handle", "retrofit.planted:15 global rebinding"),
+    ]

@@ -135,8 +135,8 @@ def test_any_exception_in_an_arm_is_a_one_line_failure_and_the_others_run(tmp_pa
     monkeypatch.setattr(experiment, "run_arm", flaky)
     evaluated = []
     monkeypatch.setattr("retrofit.experiment.driver.evaluate_models",
-                        lambda sources, **kw: evaluated.extend(kw["names"]) or
-                        {"models": [{"name": n, "counting": []} for n in kw["names"]], "lengths": kw["lengths"]})
+                        lambda sources, spec: evaluated.extend(spec.names) or
+                        {"models": [{"name": n, "counting": []} for n in spec.names], "lengths": spec.lengths})
     monkeypatch.setattr("retrofit.experiment.driver.write_report", lambda evaluation, out: None)
     monkeypatch.setattr("retrofit.experiment.driver.write_experiment_report", lambda results, out: None)
     results = experiment.run_experiment(experiment.DEMO_RECIPE, tmp_path, [

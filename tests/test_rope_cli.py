@@ -21,7 +21,7 @@ import yaml
 import retrofit
 from retrofit.cli import main
 from retrofit.errors import RetrofitError
-from retrofit.evaluate import evaluate_lengths, evaluate_models, losses
+from retrofit.evaluate import EvalSpec, evaluate_lengths, evaluate_models, losses
 from retrofit.evaluate.report import length_marks, loss_table_markdown, validate
 from retrofit.hub.publish import patch_has_parameters
 from retrofit.load import apply_patch, load
@@ -166,7 +166,7 @@ def test_eval_cli_rope_equals_the_model_patched_in_python(llama_folder, token_fi
     (entry,) = results["models"]
     model = tiny_model("llama", max_position_embeddings=L)
     retrofit.patch(model, "avnorm", kind="rms", rope="yarn:4")
-    python = evaluate_models([model], tokens=_tokens(), lengths=[16, 32, 64], progress=False)["models"][0]
+    python = evaluate_models([model], EvalSpec(tokens=_tokens(), lengths=[16, 32, 64], progress=False))["models"][0]
     assert [r["loss"] for r in entry["lengths"]] == pytest.approx([r["loss"] for r in python["lengths"]], abs=1e-6)
     assert entry["rope"] == f"yarn x4 (orig {L})" and entry["original_positions"] == L
     assert entry["max_position_embeddings"] == 4 * L  # raised by the patch; the flag below follows the original
@@ -177,21 +177,22 @@ def test_eval_cli_rope_equals_the_model_patched_in_python(llama_folder, token_fi
 
 
 def test_eval_rope_alone_is_softmax_and_applies_to_every_model(llama_folder, token_file):
-    results = evaluate_models([str(llama_folder), str(llama_folder)], data=str(token_file), lengths=[32],
-                              rope="linear:2", progress=False)
+    results = evaluate_models([str(llama_folder), str(llama_folder)],
+                              EvalSpec(data=str(token_file), lengths=[32], rope="linear:2", progress=False))
     assert [m["rope"] for m in results["models"]] == [f"linear x2 (orig {L})"] * 2
     assert [m["retrofit"]["norm"] for m in results["models"]] == ["softmax", "softmax"]
-    plain = evaluate_models([str(llama_folder)], data=str(token_file), lengths=[32], progress=False)["models"][0]
+    plain = evaluate_models([str(llama_folder)], EvalSpec(data=str(token_file), lengths=[32], progress=False))
+    plain = plain["models"][0]
     assert plain["rope"] == "none" and plain["lengths"][0]["loss"] != results["models"][0]["lengths"][0]["loss"]
 
 
 def test_eval_keeps_a_model_with_the_same_rope_and_refuses_another(llama_folder, tmp_path, capsys):
     out = tmp_path / "yarn"
     assert main(["patch", str(llama_folder), "--norm", "softmax", "--rope", "yarn:4", "--out", str(out)]) == 0
-    same = evaluate_models([str(out)], tokens=_tokens(), lengths=[32], rope="yarn:4", progress=False)
+    same = evaluate_models([str(out)], EvalSpec(tokens=_tokens(), lengths=[32], rope="yarn:4", progress=False))
     assert same["models"][0]["rope"] == f"yarn x4 (orig {L})"
     with pytest.raises(RetrofitError, match="already patched with rope yarn x4"):
-        evaluate_models([str(out)], tokens=_tokens(), lengths=[32], rope="dynamic:4", progress=False)
+        evaluate_models([str(out)], EvalSpec(tokens=_tokens(), lengths=[32], rope="dynamic:4", progress=False))
     (tmp_path / "tokens.json").write_text(json.dumps(_tokens()))  # valid data: the rope is what is wrong
     assert main(["eval", str(out), "--data", str(tmp_path / "tokens.json"), "--rope", "yarm:4"]) == 2
     assert "did you mean 'yarn'" in capsys.readouterr().err
@@ -199,8 +200,8 @@ def test_eval_keeps_a_model_with_the_same_rope_and_refuses_another(llama_folder,
 
 def test_eval_bad_patch_fails_before_loading(tmp_path):
     with pytest.raises(RetrofitError, match="has no option 'kinf'"):
-        evaluate_models([str(tmp_path / "missing")], tokens=_tokens(), lengths=[16], patch={"norm": "avnorm",
-                                                                                             "kinf": "rms"})
+        evaluate_models([str(tmp_path / "missing")], EvalSpec(tokens=_tokens(), lengths=[16],
+                                                                      patch={"norm": "avnorm", "kinf": "rms"}))
 
 
 # ---- 3b. dynamic NTK: the loss at a length does not depend on the lengths before -----------------------------------

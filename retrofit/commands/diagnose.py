@@ -4,7 +4,7 @@
         --data books/persuasion.txt --lengths 32,64,...,1024 --out diag/
     retrofit diagnose ./smollm2.gguf --patch avnorm --calibrate-tokens 8192 --data book.txt --out diag/
 
-Parses the command line and calls `retrofit.diagnose.diagnose_sources`.
+Parses the command line into a `DiagnoseSpec` and calls `retrofit.diagnose.diagnose_sources`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import shlex
 import sys
 
-from ..diagnose import diagnose_sources
+from ..diagnose import DiagnoseSpec, diagnose_sources
 from ..lengths import parse_lengths
 from . import check_counts, check_eval_memory, check_out, check_text_files
 
@@ -45,8 +45,9 @@ def run(args) -> int:
     lengths = parse_lengths(args.lengths)
     check_eval_memory(args.sources, lengths, max(lengths), dtype=args.dtype)  # one window of the longest length
     command = " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["diagnose"] else "..."
-    diagnose_sources(args.sources, data=args.data, out=args.out, lengths=lengths,
-                     tokenizer=args.tokenizer, windows=args.windows, queries=args.queries, patches=args.patch,
-                     calibrate_tokens=args.calibrate_tokens, labels=args.label or None, dtype=args.dtype,
-                     seed=args.seed, progress=not args.quiet, command=command)
+    spec = DiagnoseSpec(data=args.data, out=args.out, lengths=lengths, tokenizer=args.tokenizer, windows=args.windows,
+                        queries=args.queries, patches=args.patch, calibrate_tokens=args.calibrate_tokens,
+                        labels=args.label or None, dtype=args.dtype, seed=args.seed, progress=not args.quiet,
+                        command=command)
+    diagnose_sources(args.sources, spec)
     return 0

@@ -11,7 +11,8 @@ evaluated (--rope alone keeps softmax attention); a model already patched is kep
     - {name: original}
     - {name: yarn4, rope: "yarn:4"}
     - {name: yarn4+avnorm, rope: "yarn:4", patch: {norm: avnorm}, calibrate: {data: emma.txt, tokens: 8192}}
-Parses the command line, calls `retrofit.evaluate.evaluate_models`, writes the report, prints the tables.
+Parses the command line into an `EvalSpec`, calls `retrofit.evaluate.evaluate_models`, writes the report, prints
+the tables.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import torch
 import yaml
 
 from ..atomic import output_folder
-from ..diagnose.sources import parse_patch
+from ..diagnose import parse_patch
 from ..errors import RetrofitError
-from ..evaluate import check_variants, evaluate_models
+from ..evaluate import EvalSpec, check_variants, evaluate_models
 from ..evaluate.report import cost_table_markdown, loss_table_markdown, write_report
 from ..lengths import parse_lengths
 from . import check_counts, check_eval_memory, check_out, check_text_files
@@ -80,22 +81,23 @@ def run(args: argparse.Namespace) -> int:
         patch = {"norm": norm, **options}
     variants = _read_variants(args.variants) if args.variants else None
     counting = {"sequences": args.trials, **({"alphabet": args.alphabet} if args.alphabet else {})}
-    with output_folder(args.out, "--out"):  # one `eval --out X` at a time: a second is refused, not overwritten
-        paths = _evaluate(args, depths, patch, variants, counting)
-    print("wrote " + ", ".join(str(p) for p in paths))
-    return 0
-
-
-def _evaluate(args, depths, patch, variants, counting) -> list[Path]:
-    """evaluate_models with the command line's settings, then the report into --out (printing the tables)."""
-    results = evaluate_models(
-        args.models, data=args.data, lengths=args.lengths, train_len=args.train_len,
+    spec = EvalSpec(
+        data=args.data, lengths=args.lengths, train_len=args.train_len,
         tasks=args.tasks.split(",") if args.tasks else None, max_tokens=args.max_tokens, tokenizer=args.tokenizer,
         names=args.names.split(",") if args.names else None, batch_tokens=args.batch_tokens,
         chunk_tokens=args.chunk_tokens, dtype=args.dtype, device=args.device,
         passkey={"depths": depths, "trials": args.trials}, counting=counting, progress=not args.no_progress,
-        patch=patch, rope=args.rope, variants=variants)
-    paths = write_report(results, args.out)
+        patch=patch, rope=args.rope, variants=variants)  # checked now: a bad setting fails before --out is made
+    with output_folder(args.out, "--out"):  # one `eval --out X` at a time: a second is refused, not overwritten
+        paths = _evaluate(args.models, spec, args.out)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _evaluate(models: list[str], spec: EvalSpec, out) -> list[Path]:
+    """evaluate_models with the command line's settings, then the report into --out (printing the tables)."""
+    results = evaluate_models(models, spec)
+    paths = write_report(results, out)
     if any(m["lengths"] for m in results["models"]):
         print(loss_table_markdown(results) + "\n\n" + cost_table_markdown(results))
     return paths

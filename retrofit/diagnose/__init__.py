@@ -17,14 +17,16 @@ Per model, per layer and head, as diagnose.json, report.md and PNG figures:
 
 Layout: measures.py (pure tensor math, equation numbers in docstrings) <- capture.py (the patcher's
 attention seam) <- collect.py (one forward, per-head reductions) <- summary.py (JSON) <- report.py
-(plots) + markdown.py (report.md) <- sources.py (sources, text, patched variants, `diagnose`).
+(plots) + markdown.py (report.md) <- sources.py (sources, text, patched variants, `diagnose`), whose settings
+are spec.py (DiagnoseSpec, checked before any model loads).
 The CLI is retrofit/commands/diagnose.py.
 """
 
 from __future__ import annotations
 
 from .collect import Plan, diagnose_model
-from .sources import diagnose, diagnose_sources, parse_patch
+from .sources import diagnose, diagnose_sources
+from .spec import DiagnoseSpec, parse_patch
 from .summary import summarize
 
-__all__ = ["Plan", "diagnose", "diagnose_model", "diagnose_sources", "parse_patch", "summarize"]
+__all__ = ["DiagnoseSpec", "Plan", "diagnose", "diagnose_model", "diagnose_sources", "parse_patch", "summarize"]

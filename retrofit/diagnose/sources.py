@@ -1,7 +1,7 @@
 """Diagnose sources: load each model (and, on request, a patched variant), read the text, run the measures.
 
-    diagnose_sources(["runs/demo/base", "./smollm2.gguf"], data="book.txt", out="diag/",
-                     lengths=[32, 64, 128], patches=["avnorm"])
+    diagnose_sources(["runs/demo/base", "./smollm2.gguf"],
+                     DiagnoseSpec(data="book.txt", out="diag/", lengths=[32, 64, 128], patches=["avnorm"]))
 
 The CLI over it is retrofit/commands/diagnose.py (`retrofit diagnose`).
 """
@@ -17,33 +17,20 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from tqdm.auto import tqdm
 
 from ..atomic import atomic_write_text, check_output, make_output
 from ..calibrate import calibrate
 from ..errors import RetrofitError, read_utf8
 from ..load import load_model, load_tokenizer
-from ..norms import get_norm
 from ..patch import patch, patch_record
 from ..positions import position_limit
 from .collect import Plan, diagnose_model
 from .report import write_report
+from .spec import DiagnoseSpec, parse_patch
 from .summary import summarize
 
 SCHEMA = "retrofit.diagnose/1"  # diagnose.json: {schema, header, models: [summary.summarize results]}
-
-
-def parse_patch(text: str) -> tuple[str, dict]:
-    """'avnorm' or 'psoftmax:p=2' or 'avnorm:kind=layer,affine=true' -> (norm, options)."""
-    name, _, rest = text.partition(":")
-    options = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise RetrofitError(f"--patch {text!r}: options are key=value, e.g. avnorm:kind=layer")
-        options[key.strip()] = yaml.safe_load(value)
-    return name.strip(), options
 
 
 def _label(source: str) -> str:
@@ -92,64 +79,58 @@ def _variants(patches, source, label, model):
         yield f"{label}+{name}", variant, name, report.as_dict(), True
 
 
-def _diagnose_source(opts: dict, source: str, label: str, text: str, plan, calibrate_tokens: int, tokenizer):
+def _diagnose_source(spec: DiagnoseSpec, source: str, label: str, text: str, plan, calibrate_tokens: int,
+                     tokenizer):
     """Every result for one source: the model as it is, then each --patch variant. Returns (results, tokens)."""
     tokenizer = tokenizer or load_tokenizer(source)
     if tokenizer is None:
         raise RetrofitError(f"{source} has no tokenizer; pass --tokenizer (e.g. a folder with tokenizer.json)")
     tokens = _tokens(tokenizer, text)
     Lmax = plan.lengths[-1]
-    windows, calib = _windows(tokens, opts["windows"], Lmax, calibrate_tokens, opts["data"])
-    model = load_model(source, dtype=opts["dtype"])
+    windows, calib = _windows(tokens, spec.windows, Lmax, calibrate_tokens, spec.data)
+    model = load_model(source, dtype=spec.dtype)
     limit = position_limit(model)
     if limit is not None and Lmax > limit:
         raise RetrofitError(f"{source} has learned positions for {limit} tokens only; use --lengths up to {limit}")
     if windows.max() >= model.get_input_embeddings().num_embeddings:
         raise RetrofitError(f"the tokenizer makes ids beyond {source}'s vocabulary: pass the model's own --tokenizer")
     results = []
-    for name, variant, norm, info, fresh in _variants(opts["patches"], source, label, model):
+    for name, variant, norm, info, fresh in _variants(spec.patches, source, label, model):
         if fresh and norm == "avnorm" and calibrate_tokens:  # a fresh AVNorm starts from calibrated gains
             chunk = min(Lmax, 512)
             batches = [calib[j:j + chunk][None] for j in range(0, len(calib) - chunk + 1, chunk)]
-            info = {**info, "calibration": calibrate_with_progress(variant, batches, progress=opts["progress"])}
-        result = diagnose(variant, windows, plan, label=name, progress=opts["progress"],
+            info = {**info, "calibration": calibrate_with_progress(variant, batches, progress=spec.progress)}
+        result = diagnose(variant, windows, plan, label=name, progress=spec.progress,
                           meta={"source": source, "norm": norm, "patch": _brief(info)})
         print(_headline(result), file=sys.stderr)
         results.append(result)
     return results, len(tokens)
 
 
-def diagnose_sources(sources: list[str], *, data: str, out, lengths: list[int], tokenizer: str | None = None,
-                     windows: int = 2, queries: int = 8, patches=(), calibrate_tokens: int = 8192, labels=None,
-                     dtype: str = "float32", seed: int = 0, progress: bool = True, command: str = "...") -> Path:
-    """Diagnose every source (and each patched variant) on `data`; writes diagnose.json, report.md and the
-    figures into `out` and returns it. `patches`: specs like 'avnorm' or 'psoftmax:p=2'."""
-    if windows < 1 or queries < 1:
-        raise RetrofitError("--windows and --queries must be >= 1")
-    out = check_output(out, "--out")  # new, empty or made by retrofit: refused before any model loads
+def diagnose_sources(sources: list[str], spec: DiagnoseSpec) -> Path:
+    """Diagnose every source (and each patched variant of `spec.patches`) on `spec.data`; writes diagnose.json,
+    report.md and the figures into `spec.out` and returns that folder."""
+    out = check_output(spec.out, "--out")  # new, empty or made by retrofit: refused before any model loads
+    labels = spec.labels
     if labels and len(labels) != len(sources):
         raise RetrofitError(f"--label was given {len(labels)} time(s) for {len(sources)} source(s)")
-    names = [parse_patch(spec)[0] for spec in patches]
-    for name in names:
-        get_norm(name)  # an unknown norm fails now, not after loading a model
-    text = read_utf8(data, "--data")  # the one text rule (retrofit.errors): UTF-8 or a one-line error
-    plan = Plan(lengths=list(lengths), queries=queries, seed=seed)
-    calibrate_tokens = calibrate_tokens if "avnorm" in names else 0
-    shared_tokenizer = load_tokenizer(tokenizer) if tokenizer else None
-    if tokenizer and shared_tokenizer is None:
-        raise RetrofitError(f"--tokenizer {tokenizer}: no tokenizer found there")
-    opts = {"windows": windows, "data": data, "dtype": dtype, "patches": list(patches), "progress": progress}
+    text = read_utf8(spec.data, "--data")  # the one text rule (retrofit.errors): UTF-8 or a one-line error
+    plan = Plan(lengths=list(spec.lengths), queries=spec.queries, seed=spec.seed)
+    calibrate_tokens = spec.calibrate_tokens if "avnorm" in spec.norms else 0
+    shared_tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer else None
+    if spec.tokenizer and shared_tokenizer is None:
+        raise RetrofitError(f"--tokenizer {spec.tokenizer}: no tokenizer found there")
 
     results, token_counts, started = [], {}, time.time()
     for i, source in enumerate(sources):
         label = labels[i] if labels else _label(source)
-        found, token_counts[label] = _diagnose_source(opts, source, label, text, plan, calibrate_tokens,
+        found, token_counts[label] = _diagnose_source(spec, source, label, text, plan, calibrate_tokens,
                                                       shared_tokenizer)
         results += found
     results = json.loads(json.dumps(results))  # keys become strings, as in the file
     out = make_output(out, "--out")
-    header = {"command": f"retrofit diagnose {command}", "data": str(data),
-              "tokens": ", ".join(f"{k}: {v}" for k, v in token_counts.items()), "windows": windows,
+    header = {"command": f"retrofit diagnose {spec.command}", "data": str(spec.data),
+              "tokens": ", ".join(f"{k}: {v}" for k, v in token_counts.items()), "windows": spec.windows,
               "lengths": plan.lengths, "seconds": round(time.time() - started, 1), "torch": torch.__version__,
               "threads": torch.get_num_threads()}
     atomic_write_text(out / "diagnose.json", dump_json({"schema": SCHEMA, "header": header, "models": results}))

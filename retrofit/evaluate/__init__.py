@@ -3,18 +3,19 @@
     retrofit eval runs/base runs/avnorm --data persuasion.txt --lengths 256,512,...,65536 \
         --train-len 1024 --max-tokens 65536 --out eval/
 
-    results = evaluate_models(["runs/base", "runs/avnorm"], data=["persuasion.txt"], lengths="256,...,65536")
-    results = evaluate_models(["HuggingFaceTB/SmolLM2-135M"], data=["persuasion.txt"], lengths="512,...,32768",
-                              rope="yarn:4")      # patched on the fly: softmax + YaRN, the training-free baseline
+    results = evaluate_models(["runs/base", "runs/avnorm"], EvalSpec(data=["persuasion.txt"], lengths="256,...,65536"))
+    results = evaluate_models(["HuggingFaceTB/SmolLM2-135M"],
+                              EvalSpec(data=["persuasion.txt"], lengths="512,...,32768", rope="yarn:4"))
+                              # patched on the fly: softmax + YaRN, the training-free baseline
 
 Modules: windows (data, windows, position buckets) <- losses (chunked scoring, passkey, counting)
+<- spec (EvalSpec: the settings, checked before any model loads)
 <- this file (every model at every length -> the results dict, schema in docs/results-schema.md)
 <- report (tables, CSV, plots, report.md). The CLI is retrofit/commands/eval.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -30,11 +31,10 @@ from ..load import CountingModel, language_model, load, load_tokenizer
 from ..load.runs import same_rope
 from ..load.task_model import TASK_FILE
 from ..memory import PeakMemory
-from ..norms import make_options
 from ..patch import patch as patch_model
 from ..patch import patch_record
 from ..positions import position_limit
-from ..rope import describe_rope, normalize_rope
+from ..rope import describe_rope
 from .losses import (
     LOGIT_TRANSFORMS,
     check_head,
@@ -48,6 +48,7 @@ from .losses import (
     original_positions,
     token_losses,
 )
+from .spec import EvalSpec, check_variants
 from .windows import cut_windows, position_buckets, read_token_file, tokenize_files, tokenizer_fingerprint
 
 
@@ -66,48 +67,32 @@ def model_name(source) -> str:
     return path.stem if path.suffix == ".gguf" else path.name or str(source)
 
 
-def evaluate_models(sources: list, *, data=None, tokens=None, lengths, train_len=None, tasks=None, max_tokens=None,
-                    tokenizer=None, names=None, batch_tokens=16384, chunk_tokens=1024, dtype=None, device="cpu",
-                    passkey=None, counting=None, progress=True, patch=None, rope=None, variants=None) -> dict:
+def evaluate_models(sources: list, spec: EvalSpec) -> dict:
     """Evaluate every model (any source `retrofit.load.load` takes, or a loaded model) -> results dict.
 
-    tasks: some of "lm", "passkey", "counting"; None = "counting" for counting runs, "lm" otherwise.
-    The lm data: `tokens` (token ids, or a list of documents), or `data` paths (.json token files, or
-    text tokenized by `tokenizer`, else each model's own). passkey/counting: keyword dicts for
-    evaluate_passkey/evaluate_counting. Schema of the result: docs/results-schema.md.
-    patch ({"norm": NAME, **options}) and rope ('yarn:4' or a dict, see retrofit.rope): patch each unpatched
-    model before evaluating it (rope alone: norm softmax, i.e. attention unchanged); a model that is already
-    patched is evaluated as it is if it carries that same patch (rope alone: that same rope), else refused.
-    variants: [{"name", "patch", "rope"}, ...] evaluates every source once per variant, each patched that way
-    (training-free settings side by side in one report); names become SOURCE+VARIANT with several sources.
+    `spec` (EvalSpec, checked when it is made) says at which lengths, on what data, which tasks, and which patch
+    or variants to apply on the fly; its fields are documented there. Schema of the result:
+    docs/results-schema.md. A model that is already patched is evaluated as it is if it carries the asked patch
+    (rope alone: that same rope), else refused; with several variants every source runs once per variant.
     """
-    lengths = parse_lengths(lengths) if isinstance(lengths, str) else sorted(set(lengths))
-    names = list(names) if names else _unique([model_name(s) for s in sources])
+    names = list(spec.names) if spec.names else _unique([model_name(s) for s in sources])
     if len(names) != len(sources):
         raise RetrofitError(f"{len(names)} names for {len(sources)} models: give one name per model")
-    unknown = set(tasks or ()) - {"lm", "passkey", "counting"}
-    if unknown:
-        raise RetrofitError(f"unknown tasks {sorted(unknown)}: choose from lm, passkey, counting")
-    if variants and (patch is not None or rope is not None):
-        raise RetrofitError("give either variants or one patch/rope for every model, not both")
-    # a bad norm, option or rope fails before any model loads
-    settings = [(v["name"], _eval_patch(v.get("patch"), v.get("rope"), v.get("calibrate")))
-                for v in check_variants(variants)] if variants else [(None, _eval_patch(patch, rope))]
-    data = [data] if isinstance(data, (str, Path)) else list(data or [])
-    prepared = _prepare_data(sources, data, tokens, tokenizer, lengths, tasks)
+    tasks, lengths, data = spec.tasks, spec.lengths, spec.data
+    prepared = _prepare_data(sources, data, spec.tokens, spec.tokenizer, lengths, tasks)
     jobs = [(source, name if variant is None else variant if len(sources) == 1 else f"{name}+{variant}", prep, ep)
-            for source, name, prep in zip(sources, names, prepared) for variant, ep in settings]
-    results = {"schema": "retrofit.eval/1", "train_len": train_len, "lengths": lengths,
+            for source, name, prep in zip(sources, names, prepared) for variant, ep in spec.patches]
+    results = {"schema": "retrofit.eval/1", "train_len": spec.train_len, "lengths": lengths,
                "data": {"files": [str(p) for p in data],
                         "documents": [len(d) for d in next((d for _, d, _ in prepared if d), [])]},
-               "settings": {"tasks": tasks, "max_tokens": max_tokens, "batch_tokens": batch_tokens,
-                            "chunk_tokens": chunk_tokens, "device": str(device), "passkey": passkey,
-                            "counting": counting, "window": "L + 1 tokens: read L, predict tokens 1..L"},
+               "settings": {"tasks": tasks, "max_tokens": spec.max_tokens, "batch_tokens": spec.batch_tokens,
+                            "chunk_tokens": spec.chunk_tokens, "device": str(spec.device), "passkey": spec.passkey,
+                            "counting": spec.counting, "window": "L + 1 tokens: read L, predict tokens 1..L"},
                "models": []}
     for source, name, (key, documents, tok), eval_patch in jobs:
         _check_vocabulary(_saved_vocab_size(source), documents if tasks is None or "lm" in tasks else None,
                           tok if tasks and "passkey" in tasks else None, name)  # before the load prints anything
-        model = _load(source, dtype, device)
+        model = _load(source, spec.dtype, spec.device)
         lm, counting_model = _language_model(model)
         if eval_patch is not None:
             _patch_on_the_fly(lm, eval_patch, name)
@@ -129,16 +114,17 @@ def evaluate_models(sources: list, *, data=None, tokens=None, lengths, train_len
                  "retrofit": getattr(lm.config, "retrofit", None), "max_learned_positions": position_limit(lm),
                  "max_position_embeddings": config_value(lm.config, "max_position_embeddings"),
                  "rope": describe_rope(patch_record(lm)), "original_positions": original_positions(lm),
-                 "eval_patch": eval_patch, "memory_kind": PeakMemory(device).kind, "lengths": []}
+                 "eval_patch": eval_patch, "memory_kind": PeakMemory(spec.device).kind, "lengths": []}
         if "lm" in wanted_tasks:
-            entry["lengths"] = evaluate_lengths(lm, documents, lengths, max_tokens=max_tokens,
-                                                batch_tokens=batch_tokens, chunk_tokens=chunk_tokens, name=name,
-                                                progress=progress)
+            entry["lengths"] = evaluate_lengths(lm, documents, lengths, max_tokens=spec.max_tokens,
+                                                batch_tokens=spec.batch_tokens, chunk_tokens=spec.chunk_tokens,
+                                                name=name, progress=spec.progress)
         if "passkey" in wanted_tasks:
-            entry["passkey"] = evaluate_passkey(lm, tok, lengths, batch_tokens=batch_tokens, **(passkey or {}))
+            entry["passkey"] = evaluate_passkey(lm, tok, lengths, batch_tokens=spec.batch_tokens,
+                                                **(spec.passkey or {}))
         if "counting" in wanted_tasks:
-            options = {"alphabet": _run_alphabet(source), **(counting or {})}
-            entry["counting"] = evaluate_counting(model, lengths, batch_tokens=batch_tokens, **options)
+            options = {"alphabet": _run_alphabet(source), **(spec.counting or {})}
+            entry["counting"] = evaluate_counting(model, lengths, batch_tokens=spec.batch_tokens, **options)
         results["models"].append(entry)
         del model, lm
         gc.collect()
@@ -167,48 +153,6 @@ def _check_vocabulary(rows: int | None, documents, tok, name: str) -> None:
         check_token_ids(int(max((max(d) for d in documents if len(d)), default=-1)), rows, "the evaluation data", name)
     if tok is not None:
         check_token_ids(max(tok.get_vocab().values()), rows, "the tokenizer", name)
-
-
-def check_variants(variants) -> list[dict]:
-    """Variants as `retrofit eval --variants FILE` reads them: a list of {name, patch, rope}, names unique.
-    patch: {"norm": NAME, **options} (or null: the model's own attention); rope: 'yarn:4' or a mapping."""
-    if not isinstance(variants, list) or not variants:
-        raise RetrofitError("variants must be a non-empty list of {name, patch, rope} mappings")
-    seen = set()
-    for i, v in enumerate(variants):
-        if not isinstance(v, dict) or not isinstance(v.get("name"), str) or not v["name"]:
-            raise RetrofitError(f"variant {i + 1} needs a name, e.g. {{name: yarn4, rope: 'yarn:4'}}; got {v!r}")
-        unknown = set(v) - {"name", "patch", "rope", "calibrate"}
-        if unknown:
-            raise RetrofitError(f"variant {v['name']!r} has unknown keys {sorted(unknown)}; use name, patch, rope, "
-                                "calibrate")
-        cal = v.get("calibrate")
-        if cal is not None and not (isinstance(cal, dict) and isinstance(cal.get("data"), str)
-                                    and isinstance(cal.get("tokens", 8192), int) and cal.get("tokens", 8192) > 0
-                                    and Path(cal["data"]).is_file()):
-            raise RetrofitError(f"variant {v['name']!r}: calibrate must be {{data: TEXT_FILE, tokens: N > 0}} with an "
-                                f"existing file (AVNorm gains from text that is not the evaluation text); got {cal!r}")
-        if v["name"] in seen:
-            raise RetrofitError(f"two variants are named {v['name']!r}: give each its own name")
-        if v.get("patch") is not None and not isinstance(v["patch"], dict):
-            raise RetrofitError(f"variant {v['name']!r}: patch must be a mapping like {{norm: avnorm, kind: rms}}")
-        seen.add(v["name"])
-    return variants
-
-
-def _eval_patch(patch, rope, calibration=None) -> dict | None:
-    """{"norm", "options", "rope"} to apply at evaluation (None: nothing), checked without loading a model.
-    norm None = --rope alone: softmax on an unpatched model, any norm on a patched one."""
-    if patch is None and rope is None:
-        return None
-    options = dict(patch or {})
-    norm = options.pop("norm", None)
-    if patch is not None and not norm:
-        raise RetrofitError("the evaluation patch needs a norm, e.g. --patch avnorm:kind=rms (see `retrofit norms`)")
-    if norm is not None:
-        options = dataclasses.asdict(make_options(norm, **options))
-    return {"norm": norm, "options": options, "rope": normalize_rope(rope) if rope is not None else None,
-            **({"calibrate": calibration} if calibration else {})}
 
 
 def _calibrate_on_the_fly(lm, spec: dict, tokenizer, name: str) -> dict:
@@ -294,7 +238,8 @@ def _unique(names: list[str]) -> list[str]:
 
 __all__ = [
     "LOGIT_TRANSFORMS", "check_head", "check_lengths", "cut_windows", "evaluate_counting", "evaluate_lengths",
-    "check_variants", "evaluate_models", "evaluate_passkey", "fresh_dynamic_rope", "head_logits", "original_positions",
+    "EvalSpec", "check_variants", "evaluate_models", "evaluate_passkey", "fresh_dynamic_rope", "head_logits",
+    "original_positions",
     "parse_lengths", "position_buckets", "read_token_file",
     "token_losses", "tokenize_files", "tokenizer_fingerprint",
 ]

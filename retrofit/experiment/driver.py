@@ -29,7 +29,7 @@ import torch
 
 from ..atomic import atomic_write_text, make_output, owned_folder, remove_owned
 from ..errors import RetrofitError, shown
-from ..evaluate import evaluate_models
+from ..evaluate import EvalSpec, evaluate_models
 from ..evaluate.report import write_report
 from ..load import load, load_config, training_dtype
 from ..positions import learned_position_limit
@@ -272,10 +272,11 @@ def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: Expe
             reused.append(name)
         else:
             t0 = time.perf_counter()
-            one = evaluate_models([source], names=[name], data=exp.eval_data, lengths=allowed,
-                                  train_len=exp.train_len or recipe.data.seq_len, max_tokens=exp.eval_max_tokens,
-                                  tokenizer=recipe.model.tokenizer, progress=progress,
-                                  dtype=training_dtype(recipe.model.dtype))  # the base as the arms: same dtype
+            spec = EvalSpec(names=[name], data=exp.eval_data, lengths=allowed,
+                            train_len=exp.train_len or recipe.data.seq_len, max_tokens=exp.eval_max_tokens,
+                            tokenizer=recipe.model.tokenizer, progress=progress,
+                            dtype=training_dtype(recipe.model.dtype))  # the base as the arms: same dtype
+            one = evaluate_models([source], spec)
             one["models"][0] |= {"checkpoint": _within(source, out), "evaluated_at": time.time(),
                                  "eval_s": round(time.perf_counter() - t0, 1)}
         merged = one if merged is None else dict(merged, models=merged["models"] + one["models"])

@@ -44,10 +44,11 @@ import dataclasses
 import functools
 import math
 import threading
+from typing import NamedTuple
 
 import torch
 
-from .masks import as_4d, block_bias, key_end
+from .masks import Rows, as_4d, block_bias, key_end
 from .softcap import cap_, capped_minus_norm, chain_
 
 # Scores in all blocks in flight (heads x rows x keys, split among the threads); 2M fp32 = 8 MB, and two
@@ -63,6 +64,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+class Block(NamedTuple):
+    """One block of the loop: batch row b, kv heads h0:h1 (their G query heads each), query rows r0:r1, keys :end."""
+
+    b: int
+    h0: int
+    h1: int
+    r0: int
+    r1: int
+    end: int
+
+
 @dataclasses.dataclass(frozen=True)
 class Dropout:
     """Attention-weight dropout for one kernel call: `rate` in (0, 1), `seed` drawn once per call."""
@@ -70,13 +82,13 @@ class Dropout:
     rate: float
     seed: int
 
-    def keep(self, b: int, h0: int, h1: int, G: int, r0: int, c: int, end: int, dtype, device) -> torch.Tensor:
-        """M / (1 - rate) for kv heads h0:h1 (their G query heads each), rows r0:r0+c, keys :end: (hc, G*c, end)."""
+    def keep(self, blk: Block, G: int, dtype, device) -> torch.Tensor:
+        """M / (1 - rate) for the block's kv heads (their G query heads each), rows and keys: (hc, G*c, end)."""
         parts = []
-        for h in range(h0, h1):
+        for h in range(blk.h0, blk.h1):
             gen = torch.Generator(device=device)
-            gen.manual_seed(hash((self.seed, b, h, r0)) & (2 ** 63 - 1))  # int tuples hash the same in every run
-            parts.append(torch.rand(G * c, end, generator=gen, dtype=dtype, device=device))
+            gen.manual_seed(hash((self.seed, blk.b, h, blk.r0)) & (2 ** 63 - 1))  # int tuples hash alike in every run
+            parts.append(torch.rand(G * (blk.r1 - blk.r0), blk.end, generator=gen, dtype=dtype, device=device))
         u = torch.stack(parts)
         return u.ge_(self.rate).to(dtype).mul_(1.0 / (1.0 - self.rate))
 
@@ -115,29 +127,30 @@ class _Plan:
         self._triangles = {}  # causal-only diagonal bias, identical for every full block
 
     def __iter__(self):
-        """(b, h0, h1, r0, r1, end): kv heads h0:h1 with their G query heads each, query rows r0:r1, keys :end."""
+        """Every Block: kv heads h0:h1 with their G query heads each, query rows r0:r1, keys :end."""
         for b in range(self.B):
             for h0 in range(0, self.Hkv, self.heads):
                 for r0 in range(0, self.Tq, self.rows):
                     r1 = min(r0 + self.rows, self.Tq)
-                    yield b, h0, min(h0 + self.heads, self.Hkv), r0, r1, key_end(self.causal, r1, self.Tq, self.Tk)
+                    end = key_end(self.causal, r1, self.Tq, self.Tk)
+                    yield Block(b, h0, min(h0 + self.heads, self.Hkv), r0, r1, end)
 
     def run(self, body, shared_rows: bool):
-        """body(*block) for every block that sees a key, in self.threads threads (see the module docstring).
+        """body(block) for every block that sees a key, in self.threads threads (see the module docstring).
 
         shared_rows: blocks of one (batch row, kv-head group) write the same rows (dk, dv) and must
         stay on one thread; otherwise blocks are dealt out one by one (causal blocks grow with r0).
         """
-        blocks = [blk for blk in self if blk[-1] > 0]  # end == 0: the rows see no key; outputs stay 0
+        blocks = [blk for blk in self if blk.end > 0]  # end == 0: the rows see no key; outputs stay 0
         if self.threads == 1 or len(blocks) < 2:
             for blk in blocks:
-                body(*blk)
+                body(blk)
             return
         if shared_rows:
             groups = list(dict.fromkeys(blk[:2] for blk in blocks))
             if len(groups) < 2:  # one kv head, one batch row: nothing to share out without races
                 for blk in blocks:
-                    body(*blk)
+                    body(blk)
                 return
             owner = {g: i % self.threads for i, g in enumerate(groups)}
             shares = [[blk for blk in blocks if owner[blk[:2]] == t] for t in range(self.threads)]
@@ -145,16 +158,16 @@ class _Plan:
             shares = [blocks[t::self.threads] for t in range(self.threads)]
         _in_threads(body, [share for share in shares if share])
 
-    def add_bias(self, s, b, h0, h1, r0, r1, end):
+    def add_bias(self, s, blk: Block):
         """s (hc, G*c, end) += the block's mask bias, broadcast over heads and rows without copying the mask."""
-        G, mask4 = self.G, self.mask4
+        (b, h0, h1, r0, r1, end), G, mask4 = blk, self.G, self.mask4
         if mask4 is None and self.causal:
             start, bias = self._triangle(s, r0, r1, end)
         else:
             if mask4 is not None:
                 mask4 = mask4[b:b + 1] if mask4.shape[0] > 1 else mask4
                 mask4 = mask4[:, h0 * G:h1 * G] if mask4.shape[1] > 1 else mask4
-            start, bias = block_bias(mask4, self.causal, r0, r1, self.Tq, self.Tk, end, s.device, s.dtype)
+            start, bias = block_bias(mask4, self.causal, Rows(r0, r1, self.Tq, self.Tk, end), s.device, s.dtype)
         if bias is None:
             return
         bias = bias[0]  # (H' in {1, hc*G}, c' in {1, c}, w' in {1, end - start})
@@ -165,15 +178,16 @@ class _Plan:
         """Causal-only bias: the triangle right of the diagonal, the same for every block of one size (cached)."""
         first_hidden = self.Tk - self.Tq + r0 + 1  # the first key that query r0 may not see
         if first_hidden < 0:  # more queries than keys: an irregular block, not worth caching
-            return block_bias(None, True, r0, r1, self.Tq, self.Tk, end, s.device, s.dtype)
+            return block_bias(None, True, Rows(r0, r1, self.Tq, self.Tk, end), s.device, s.dtype)
         key = (r1 - r0, end - first_hidden)
         if key not in self._triangles:
-            self._triangles[key] = block_bias(None, True, r0, r1, self.Tq, self.Tk, end, s.device, s.dtype)[1]
+            rows = Rows(r0, r1, self.Tq, self.Tk, end)
+            self._triangles[key] = block_bias(None, True, rows, s.device, s.dtype)[1]
         return first_hidden, self._triangles[key]
 
 
 def _in_threads(body, shares):
-    """Run body(*block) for each share of blocks in its own thread, whose torch ops use one thread each."""
+    """Run body(block) for each share of blocks in its own thread, whose torch ops use one thread each."""
     threads, errors = torch.get_num_threads(), []
     inference = torch.is_inference_mode_enabled()  # per thread too: outputs made under it need it to be written
 
@@ -185,7 +199,7 @@ def _in_threads(body, shares):
             mode = torch.inference_mode() if inference else torch.no_grad()  # inference_mode(False) enables grad
             with mode:
                 for blk in share:
-                    body(*blk)
+                    body(blk)
         except BaseException as err:  # re-raised in the calling thread
             errors.append(err)
         finally:
@@ -224,13 +238,14 @@ def forward(q, k, v, p: float, scale: float, causal: bool, mask, dropout: Dropou
     row_max = torch.zeros(B, Hkv, G, Tq, dtype=ct, device=q.device)  # m (0 on empty rows)
     row_norm = torch.ones(B, Hkv, G, Tq, dtype=ct, device=q.device)  # ||exp(s - m)||_p (1 on empty rows)
 
-    def block(b, h0, h1, r0, r1, end):
+    def block(blk: Block):
+        b, h0, h1, r0, r1, end = blk
         hc, c = h1 - h0, r1 - r0
         qb = qg[b, h0:h1, :, r0:r1].reshape(hc, G * c, D)
         s = torch.baddbmm(zero, qb, kc[b, h0:h1, :end].transpose(1, 2), beta=0.0, alpha=scale)  # (hc, G*c, end)
         if softcap is not None:
             cap_(s, softcap)  # c tanh(s / c), before the mask
-        plan.add_bias(s, b, h0, h1, r0, r1, end)
+        plan.add_bias(s, blk)
         m = s.amax(-1, keepdim=True)  # (hc, G*c, 1)
         if plan.may_be_empty:
             m.masked_fill_(m == float("-inf"), 0.0)  # empty row: exp(-inf - 0) = 0, not NaN
@@ -247,7 +262,7 @@ def forward(q, k, v, p: float, scale: float, causal: bool, mask, dropout: Dropou
         if plan.may_be_empty:
             den.masked_fill_(den == 0, 1.0)  # only empty rows have den = 0 (the max term is 1 otherwise)
         if dropout is not None:  # after the normalizer: N is that of the whole row
-            e.mul_(dropout.keep(b, h0, h1, G, r0, c, end, e.dtype, e.device))
+            e.mul_(dropout.keep(blk, G, e.dtype, e.device))
         out[b, h0:h1, :, r0:r1] = torch.bmm(e, vc[b, h0:h1, :end]).view(hc, G, c, Dv)  # sum_j exp(s - m) v_j
         row_max[b, h0:h1, :, r0:r1] = m.view(hc, G, c)
         row_norm[b, h0:h1, :, r0:r1] = den.view(hc, G, c)
@@ -271,7 +286,8 @@ def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mas
     dk = torch.zeros(B, Hkv, plan.Tk, D, dtype=ct, device=q.device)
     dv = torch.zeros(B, Hkv, plan.Tk, Dv, dtype=ct, device=q.device)
 
-    def block(b, h0, h1, r0, r1, end):
+    def block(blk: Block):
+        b, h0, h1, r0, r1, end = blk
         hc, c = h1 - h0, r1 - r0
         qb = qg[b, h0:h1, :, r0:r1].reshape(hc, G * c, D)
         dob = do[b, h0:h1, :, r0:r1].reshape(hc, G * c, Dv)
@@ -282,13 +298,13 @@ def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mas
         else:  # s = c tanh(scale q.k / c); keep the tanh for the chain rule
             raw = torch.bmm(qb, kc[b, h0:h1, :end].transpose(1, 2)).mul_(scale / softcap)
             s, tanh = capped_minus_norm(nn_b, raw, softcap)
-        plan.add_bias(s, b, h0, h1, r0, r1, end)
+        plan.add_bias(s, blk)
         a = s.exp_() if p in (1.0, 2.0) else torch.exp(s)  # A (hc, G*c, end); hidden keys: exp(-inf) = 0
         ds = torch.bmm(dob, vc[b, h0:h1, :end].transpose(1, 2))  # dA = dO v^T
         if dropout is None:
             dv[b, h0:h1, :end].baddbmm_(a.transpose(1, 2), dob)
         else:
-            keep = dropout.keep(b, h0, h1, G, r0, c, end, a.dtype, a.device)
+            keep = dropout.keep(blk, G, a.dtype, a.device)
             dv[b, h0:h1, :end].baddbmm_((a * keep).transpose(1, 2), dob)  # (A * M)^T dO
             ds.mul_(keep)  # dA = M * dO v^T
         if p == 1.0:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .masks import as_4d, block_bias, key_end
+from .masks import Rows, as_4d, block_bias, key_end
 
 # Mask elements built per call (rows x keys x mask batch/heads): 4M fp32 = 16 MB.
 MASK_ELEMS = 1 << 22
@@ -59,7 +59,7 @@ def _row_blocks(q, k, causal, mask):
         if end == 0:
             yield r0, r1, 0, None
             continue
-        start, bias = block_bias(mask4, causal, r0, r1, Tq, Tk, end, q.device, torch.float32)
+        start, bias = block_bias(mask4, causal, Rows(r0, r1, Tq, Tk, end), q.device, torch.float32)
         if bias is not None:  # the kernel wants the bias over all `end` keys and its rows explicit
             bias = F.pad(bias, (start, 0)) if start > 0 else bias
             bias = bias.expand(*bias.shape[:2], r1 - r0, end)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .blockwise import compute_dtype
-from .masks import as_4d, block_bias
+from .masks import Rows, as_4d, block_bias
 from .softcap import chain_
 
 MAX_ROWS = 16  # query rows per call: decode steps, speculative drafts, short chunks
@@ -51,7 +51,7 @@ def _scores(q, k, scale: float, causal: bool, mask, softcap):
     else:  # c tanh(scale q.k / c), before the mask (softcap.py); the backward needs the tanh
         tanh = s.mul_(scale / softcap).tanh_()
         s = tanh * softcap
-    start, bias = block_bias(as_4d(mask), causal, 0, Tq, Tq, Tk, Tk, q.device, ct)
+    start, bias = block_bias(as_4d(mask), causal, Rows(0, Tq, Tq, Tk, Tk), q.device, ct)
     if bias is not None:  # (B', H' in {1, H}, Tq' in {1, Tq}, Tk - start)
         bias = bias.unsqueeze(1) if bias.shape[1] == 1 else bias.view(bias.shape[0], Hkv, G, *bias.shape[2:])
         s.view(B, Hkv, G, Tq, Tk)[..., start:] += bias

@@ -13,6 +13,7 @@ they are for references and tests.
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -128,14 +129,25 @@ def key_end(causal: bool, row_end: int, q_len: int, kv_len: int) -> int:
     return max(0, min(kv_len, kv_len - q_len + row_end))
 
 
-def block_bias(mask: torch.Tensor | None, causal: bool, r0: int, r1: int, q_len: int, kv_len: int, end: int,
-               device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[int, torch.Tensor | None]:
+class Rows(NamedTuple):
+    """Query rows r0:r1 of q_len queries (aligned bottom-right on kv_len keys), looked at over keys [0, end)."""
+
+    r0: int
+    r1: int
+    q_len: int
+    kv_len: int
+    end: int
+
+
+def block_bias(mask: torch.Tensor | None, causal: bool, rows: Rows, device: torch.device,
+               dtype: torch.dtype = torch.float32) -> tuple[int, torch.Tensor | None]:
     """Additive bias for queries r0:r1 over keys [start, end): 0 = visible, -inf = hidden, plus a float mask's values.
 
     `mask` is 4-D (see `as_4d`). Returns (start, bias) with bias broadcastable to (B, H, r1 - r0, end - start),
     or (end, None) when nothing in the block is hidden. Causal-only blocks return just the triangle next to
     the diagonal (start > 0), so a kernel adds it to the last few columns only.
     """
+    r0, r1, q_len, kv_len, end = rows
     bias, start = None, end
     if mask is not None:
         m = mask[:, :, r0:r1] if mask.shape[2] > 1 else mask

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ..atomic import atomic_write_text, check_output, make_output
 from ..calibrate import calibrate
 from ..errors import RetrofitError, read_utf8
-from ..load import load_model, load_tokenizer
+from ..load import load, load_tokenizer
 from ..norms import get_norm
 from ..patch import patch, patch_record
 from ..positions import position_limit
@@ -100,7 +100,7 @@ def _diagnose_source(opts: dict, source: str, label: str, text: str, plan, calib
     tokens = _tokens(tokenizer, text)
     Lmax = plan.lengths[-1]
     windows, calib = _windows(tokens, opts["windows"], Lmax, calibrate_tokens, opts["data"])
-    model = load_model(source, dtype=opts["dtype"])
+    model = load(source, task_head=False, dtype=opts["dtype"])
     limit = position_limit(model)
     if limit is not None and Lmax > limit:
         raise RetrofitError(f"{source} has learned positions for {limit} tokens only; use --lengths up to {limit}")

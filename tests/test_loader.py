@@ -30,11 +30,11 @@ def spy(monkeypatch):
     return calls
 
 
-def _forwarded(calls, cache_dir):
+def _forwarded(calls, cache_dir, revision=HUB_ARGS["revision"]):
     """Each recorded call carried every loading argument unchanged, and trust_remote_code=False."""
     assert {name for name, _ in calls} == {"AutoConfig", "AutoModelForCausalLM"}, calls
     for name, kwargs in calls:
-        for key, value in {**HUB_ARGS, "cache_dir": cache_dir}.items():
+        for key, value in {**HUB_ARGS, "cache_dir": cache_dir, "revision": revision}.items():
             assert kwargs.get(key) == value, (name, key, kwargs.get(key))
         assert kwargs.get("trust_remote_code") is False, name
 
@@ -86,3 +86,22 @@ def test_the_other_entry_points_are_gone():
     for name in ("load_model", "load_run", "load_plain_model", "load_checkpoint"):
         assert name not in package.__all__ and not hasattr(package, name), name
     assert not hasattr(checkpoint, "load_model_or_checkpoint") and not hasattr(models, "load_plain_model")
+
+
+def test_an_adapter_forwards_them_to_its_base(tmp_path, spy):
+    """An adapter folder: the base it names is loaded through the same decision, with the same arguments."""
+    from retrofit.load import save_adapter
+    from tests.test_adapters import peft_on_patched
+
+    model, _, ids = peft_on_patched(tmp_path, "llama", "avnorm")
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    folder = save_adapter(model, tmp_path / "adapter")
+    spy.clear()
+    loaded = retrofit.from_pretrained(str(folder), attn_implementation="eager", cache_dir=str(tmp_path / "cache"),
+                                      **HUB_ARGS)
+    assert [k["attn_implementation"] for name, k in spy if name == "AutoModelForCausalLM"] == ["eager"]
+    _forwarded(spy, str(tmp_path / "cache"), revision=None)  # revision names the adapter's; the base's is recorded
+    assert loaded.get_base_model().config.retrofit["base_attn_implementation"] == "eager"
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, expected, atol=1e-4)

@@ -5,12 +5,13 @@
     retrofit.calibrate(model, batches)          # per-head gains from text: start near the original function
     with retrofit.patch_bypassed(model): ...   # the original model, same weights (a distillation teacher)
     retrofit.unpatch(model)
-    model = retrofit.from_pretrained(folder)    # rebuilds the patch recorded in config.retrofit
+    model = retrofit.from_pretrained(folder)    # rebuilds the patch recorded in config.retrofit (transformers' args)
+    model = retrofit.load.load(source)          # the one loader: Hub id, folder, .gguf, run, checkpoint, adapter
 """
 
 from .calibrate import calibrate
 from .errors import RetrofitError
-from .load import from_pretrained, load_model
+from .load import from_pretrained
 from .norms import available_norms, describe_norms
 from .patch import PatchReport, is_patched, observe, patch, patch_record, unpatch
 from .recovery import patch_bypassed
@@ -18,5 +19,5 @@ from .version import VERSION as __version__
 
 __all__ = [
     "PatchReport", "RetrofitError", "available_norms", "calibrate", "describe_norms", "from_pretrained",
-    "is_patched", "load_model", "observe", "patch", "patch_bypassed", "patch_record", "unpatch", "__version__",
+    "is_patched", "observe", "patch", "patch_bypassed", "patch_record", "unpatch", "__version__",
 ]

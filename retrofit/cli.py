@@ -92,13 +92,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name != command:
             continue
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name and err.name.startswith("retrofit"):
-                p.set_defaults(_missing=f"`retrofit {name}` is not available in this build")
-                continue
-            raise
+        module = importlib.import_module(module_name)  # every verb's module ships (test_bench imports each)
         # a module serving several commands names them in CLI_COMMANDS: {command: (add_arguments, run)}
         add, run = getattr(module, "CLI_COMMANDS", {}).get(name, (module.add_arguments, module.run))
         add(p)
@@ -116,9 +110,6 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides or []) + rest
     elif rest:
         parser.parse_args(argv)  # reports the unrecognized arguments as usual (one line, exit 2)
-    if getattr(args, "_missing", None):
-        print(f"retrofit: error: {args._missing}", file=sys.stderr)
-        return 2
     try:
         return int(args._run(args) or 0)
     except RetrofitError as err:

@@ -31,7 +31,7 @@ def peft_on_patched(tmp_path, family="llama", norm="avnorm", nope=False, train_p
     """A LoRA model on a patched base loaded from a folder, as after training: LoRA B and gains moved."""
     from peft import LoraConfig, get_peft_model
     tiny_model(family).save_pretrained(tmp_path / "base")
-    base = retrofit.load_model(str(tmp_path / "base"))
+    base = retrofit.load.load(str(tmp_path / "base"))
     retrofit.patch(base, norm, nope=nope, **options)
     _randomize(base, ".retrofit.", seed=1)  # "calibrated" gains: not the norm's defaults
     ids = random_ids(2, 12)
@@ -73,7 +73,7 @@ def test_untrained_calibrated_patch_survives_where_peft_alone_loses_it(tmp_path)
     folder = save_adapter(model, tmp_path / "adapter")
     with torch.no_grad():
         assert torch.equal(load_adapter(folder)(input_ids=ids).logits, expected)
-        fresh = retrofit.load_model(str(tmp_path / "base"))
+        fresh = retrofit.load.load(str(tmp_path / "base"))
         retrofit.patch(fresh, "avnorm")  # what rebuilding from the record alone gives: unit gains
         assert not torch.allclose(PeftModel.from_pretrained(fresh, str(folder))(input_ids=ids).logits, expected)
 

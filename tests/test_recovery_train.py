@@ -17,7 +17,7 @@ import yaml
 
 import retrofit
 from retrofit.cli import main
-from retrofit.load import load_run
+from retrofit.load import load
 from retrofit.recipe import PatchSection, load_recipe, recipe_from_dict
 from retrofit.recovery.distill import teacher_mode
 from retrofit.train import checkpoint, read_log, train
@@ -103,7 +103,7 @@ def test_kill_mid_schedule_then_resume_is_bitwise_the_uninterrupted_run_and_a_re
     # the final knob is in config.retrofit, so a reload is exactly what was trained
     assert reference.model.config.retrofit["options"]["floor"] == 0.25
     ids = random_ids(2, 24)
-    reloaded = load_run(tmp_path / "full")
+    reloaded = load(tmp_path / "full")
     assert all(n.floor == 0.25 for n in reloaded.modules() if hasattr(n, "floor"))
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids).logits, reference.model.eval()(input_ids=ids).logits)
@@ -115,7 +115,7 @@ def test_lora_teacher_is_the_original_model_and_psoftmax_gain_calibrates_from_th
         train={"steps": 2, "peft": {"r": 4, "save": "adapter"}},
         recovery={"kl_weight": 1.0, "lm_weight": 0.0, "schedule": {"steps": 2}, "calibrate": 512})))
     assert result.model.config.retrofit["calibration"]["tokens"] == 512
-    original = retrofit.load_model(str(base / "base"))
+    original = retrofit.load.load(str(base / "base"))
     ids = random_ids(2, 24)
     model = result.model
     with torch.no_grad(), teacher_mode(model):

@@ -22,7 +22,7 @@ import retrofit
 from retrofit.atomic import MARKER
 from retrofit.errors import RetrofitError, shown
 from retrofit.experiment.driver import DEMO_RECIPE, run_experiment
-from retrofit.load import load_run
+from retrofit.load import load
 from retrofit.recipe import load_recipe, recipe_from_dict
 from retrofit.recipe.schema import MAX_VALUES, load_yaml
 from retrofit.recovery import record_knob, set_knob_position
@@ -197,7 +197,7 @@ def test_a_trained_psoftmax_gain_schedule_reloads_bitwise(tmp_path):
     raw["patch"] = {"norm": "psoftmax", "p": 2.0, "gain": 0.8}
     raw["recovery"] = {"schedule": {"steps": 2, "end": 1.5}}
     result = train(recipe_from_dict(raw))
-    reloaded = load_run(tmp_path / "run").eval()
+    reloaded = load(tmp_path / "run").eval()
     ids = IDS % 16
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids), result.model.eval()(input_ids=ids))

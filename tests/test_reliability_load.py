@@ -107,22 +107,23 @@ def test_patch_eval_and_a_tokenizer_answered_yes_run_nothing(tmp_path):
 
 
 def test_every_loader_refuses_before_transformers_and_passes_trust_remote_code_false(tmp_path, monkeypatch):
-    """In process: load_config/load_model/from_pretrained/load_tokenizer refuse the folder; with the refusal taken
+    """In process: load_config/load/from_pretrained/load_tokenizer refuse the folder; with the refusal taken
     out, transformers itself (told trust_remote_code=False) still refuses in one line, and nothing runs."""
     import retrofit
-    from retrofit.load import load_config, load_model, load_tokenizer, models, sources
+    from retrofit.load import load as load_any
+    from retrofit.load import load_config, load_tokenizer, models, sources
 
     canary = tmp_path / "canary"
     model = plant(tmp_path / "model", canary, "config.json")
     tok = tokenizer_only(tmp_path / "tok", plant(tmp_path / "tokmodel", canary, "tokenizer_config.json"))
-    for load, source in ((load_config, model), (load_model, model), (retrofit.from_pretrained, model),
+    for load, source in ((load_config, model), (load_any, model), (retrofit.from_pretrained, model),
                          (load_tokenizer, model), (load_tokenizer, tok)):
         with pytest.raises(RetrofitError, match="auto_map") as err:
             load(str(source))
         assert "\n" not in str(err.value)
     monkeypatch.setattr(sources, "refuse_custom_code", lambda *a, **k: None)
     monkeypatch.setattr(models, "refuse_custom_code", lambda *a, **k: None)
-    for load in (load_config, load_model):
+    for load in (load_config, load_any):
         with pytest.raises(RetrofitError, match="ships custom code") as err:
             load(str(model))
         assert "\n" not in str(err.value)
@@ -420,11 +421,11 @@ def test_plain_loads_keep_the_saved_dtype_and_eval_reports_it(tmp_path, capsys):
     import torch
 
     from retrofit.cli import main
-    from retrofit.load import load_model
+    from retrofit.load import load
 
     source = bf16_folder(tmp_path / "bf16")
-    assert load_model(str(source)).dtype == torch.bfloat16
-    assert load_model(str(source), dtype="float32").dtype == torch.float32
+    assert load(str(source)).dtype == torch.bfloat16
+    assert load(str(source), dtype="float32").dtype == torch.float32
     text = tmp_path / "text.txt"
     text.write_text("the cat sat on a mat and the dog ran far. " * 20)
     for dtype, expected in (("auto", "bfloat16"), ("float32", "float32")):

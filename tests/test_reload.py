@@ -83,8 +83,8 @@ def test_from_pretrained_refuses_missing_patch_tensors(tmp_path):
         retrofit.from_pretrained(str(tmp_path))
 
 
-def test_load_model_rebuilds_a_patched_folder(tmp_path):
+def test_load_rebuilds_a_patched_folder(tmp_path):
     _, model = patched_pair("qwen2", "psoftmax-p2", nope=False)
     model.save_pretrained(tmp_path)
-    loaded = retrofit.load_model(str(tmp_path))
+    loaded = retrofit.load.load(str(tmp_path))
     assert retrofit.is_patched(loaded) and loaded.config.retrofit["norm"] == "psoftmax"

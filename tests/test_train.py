@@ -18,7 +18,7 @@ import retrofit
 from retrofit.cli import main
 from retrofit.data import counting_batch
 from retrofit.errors import RetrofitError
-from retrofit.load import load_run
+from retrofit.load import load
 from retrofit.recipe import load_recipe, recipe_from_dict
 from retrofit.train import build, checkpoint, read_log, train
 from tests.test_data import char_tokenizer
@@ -83,7 +83,7 @@ def test_patched_tiny_gpt2_learns_counting(tmp_path):
     assert len(losses) == 20 and sum(losses[-4:]) / 4 < 0.7 * sum(losses[:4]) / 4, losses
     assert set(result.evals[20]) == {"eval/l1@32", "eval/mse@32", "eval/l1@64", "eval/mse@64"}
     assert (tmp_path / "run" / "model.safetensors").is_file() and (tmp_path / "run" / "task_head.safetensors").is_file()
-    back = load_run(tmp_path / "run")  # CountingModel: backbone (patched, from config.retrofit) + head
+    back = load(tmp_path / "run")  # CountingModel: backbone (patched, from config.retrofit) + head
     batch = counting_batch(2, 48, alphabet=8, seed=5)
     assert torch.allclose(back(batch["input_ids"]), result.model.eval()(batch["input_ids"]), atol=1e-5)
 
@@ -221,10 +221,10 @@ def test_lora_trains_adapters_and_patch_parameters_and_reloads_to_identical_logi
     assert seen["lora_b"] and all(p.abs().sum() > 0 for p in seen["lora_b"])  # LoRA B starts at zero
     assert seen["gains"] and all(not torch.equal(new, old) for new, old in seen["gains"])
     assert all("lora_" in n or ".retrofit." in n for n in seen["trainable"])  # base weights frozen
-    merged = load_run(tmp_path / "run")
+    merged = load(tmp_path / "run")
     assert merged.config.retrofit["norm"] == "avnorm" and merged.config.retrofit["calibration"]
     assert torch.allclose(merged(input_ids=ids).logits, seen["logits"], atol=1e-5)
-    adapter = load_run(tmp_path / "run", adapter=True)
+    adapter = load(tmp_path / "run", adapter=True)
     assert torch.allclose(adapter(input_ids=ids).logits, seen["logits"], atol=1e-5)
 
 
@@ -272,7 +272,7 @@ def test_cli_trains_the_shipped_tiny_recipe(tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     assert "done: 4 steps" in capsys.readouterr().out
     assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["steps"] == 4
-    model = load_run(out)
+    model = load(out)
     pred = model(counting_batch(2, 1024, alphabet=8)["input_ids"])  # evaluation at any length
     assert pred.shape == (2, 1024) and torch.isfinite(pred).all()
     assert retrofit.from_pretrained(str(out)).config.retrofit["norm"] == "psoftmax"
@@ -287,7 +287,7 @@ def test_cli_trains_the_shipped_tiny_recipe(tmp_path, capsys):
         "eval.at_steps=[0, 1]", "eval.lengths=[64]", "output.save_every=0", f"output.dir={tmp_path / 'ft'}"])
     train(finetune, callbacks=[lambda event, step, info: events.append(step) if event == "eval" else None])
     assert events == [0, 1, 2]
-    tuned = load_run(tmp_path / "ft")
+    tuned = load(tmp_path / "ft")
     assert tuned.lm.config.retrofit["norm"] == "avnorm" and tuned.lm.config.retrofit["calibration"]["tokens"] >= 256
 
 

@@ -75,10 +75,10 @@ def _positions(config) -> int | None:
 def _load(args):
     import torch
 
-    from ..load import load_model
+    from ..load import load
     from ..patch import is_patched, unpatch
 
-    model = load_model(args.model, dtype=torch.float32)
+    model = load(args.model, task_head=False, dtype=torch.float32)
     note = None
     if is_patched(model):
         note = f"{args.model} is patched with {model.config.retrofit['norm']}: its base model is the baseline"

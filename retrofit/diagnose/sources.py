@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from ..atomic import atomic_write_text, check_output, make_output
 from ..calibrate import calibrate
 from ..errors import RetrofitError, read_utf8
-from ..load import load_model, load_tokenizer
+from ..load import load, load_tokenizer
 from ..patch import patch, patch_record
 from ..positions import position_limit
 from .collect import Plan, diagnose_model
@@ -88,7 +88,7 @@ def _diagnose_source(spec: DiagnoseSpec, source: str, label: str, text: str, pla
     tokens = _tokens(tokenizer, text)
     Lmax = plan.lengths[-1]
     windows, calib = _windows(tokens, spec.windows, Lmax, calibrate_tokens, spec.data)
-    model = load_model(source, dtype=spec.dtype)
+    model = load(source, task_head=False, dtype=spec.dtype)
     limit = position_limit(model)
     if limit is not None and Lmax > limit:
         raise RetrofitError(f"{source} has learned positions for {limit} tokens only; use --lengths up to {limit}")

@@ -222,7 +222,7 @@ def _language_model(model):
 
 
 def _run_alphabet(source) -> int:
-    """The counting alphabet a run trained with (its recipe.yaml), else data.py's default of 8."""
+    """The counting alphabet a run trained with (its recipe.yaml), else data/tasks.py's default of 8."""
     recipe = Path(str(source)) / "recipe.yaml"
     if isinstance(source, (str, Path)) and recipe.is_file():
         return int(((yaml.safe_load(recipe.read_text()) or {}).get("data", {}).get("counting") or {})

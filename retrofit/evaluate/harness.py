@@ -13,7 +13,7 @@
 (lm_eval finds model types only in its registry, and has no plugin entry point for them).
 
 Model arguments besides the harness's own (batch_size, device, ...):
-  pretrained   any source `retrofit.load.load_model` takes: a retrofit checkpoint, a `retrofit train` run
+  pretrained   any source `retrofit.load.load` takes: a retrofit checkpoint, a `retrofit train` run
                folder, a PEFT adapter folder, a plain HF folder or Hub id, a .gguf file, pkg:NAME/FILE
   norm, rope   patch the loaded (unpatched) model on the fly for a training-free comparison: norm=avnorm,
   nope         rope=yarn:4 (TYPE:FACTOR), nope=true; the norm's own options by name (p=2, kind=layer, ...)
@@ -32,7 +32,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from ..errors import RetrofitError
-from ..load import load_model, load_tokenizer
+from ..load import load, load_tokenizer
 from ..norms import get_norm
 from ..patch import is_patched, patch
 from ..positions import position_limit
@@ -65,7 +65,7 @@ class RetrofitLM(HFLM):
             raise RetrofitError("trust_remote_code: retrofit never runs a model's own code; use a model whose "
                                 "architecture transformers ships")
         options = _split_options(norm, kwargs)
-        model = load_model(str(pretrained), dtype=None if dtype in (None, "auto") else dtype)
+        model = load(str(pretrained), task_head=False, dtype=None if dtype in (None, "auto") else dtype)
         if norm is not None or rope is not None or nope:
             if is_patched(model):
                 raise RetrofitError(f"{pretrained} is already patched ({model.config.retrofit['norm']}); "

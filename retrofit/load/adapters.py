@@ -33,7 +33,7 @@ from transformers.utils import cached_file
 from ..atomic import atomic_folder
 from ..errors import RetrofitError
 from ..patch import patch_from_record, patch_record
-from .checkpoint import listed, load_model_or_checkpoint
+from .checkpoint import checkpoint_or_plain, listed
 from .sources import hub_error, hub_reachable
 
 RECORD, TENSORS = "retrofit.json", "retrofit.safetensors"
@@ -110,40 +110,43 @@ def read_record(folder) -> dict:
             "patch": patch}
 
 
-def _download(repo: str, revision: str | None) -> Path:
+def _download(repo: str, revision: str | None, *, token=None, cache_dir=None, local_files_only=False) -> Path:
     """The adapter files of a Hub repository, from the cache when offline."""
     try:
-        return Path(snapshot_download(repo, revision=revision, allow_patterns=ADAPTER_FILES,
-                                      local_files_only=not hub_reachable()))
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=ADAPTER_FILES, token=token,
+                                      cache_dir=cache_dir, local_files_only=local_files_only or not hub_reachable()))
     except Exception as err:  # offline and not cached, no such repo, gated, HTTP errors
         raise hub_error(repo, err) from None
 
 
-def is_adapter(source, revision: str | None = None) -> bool:
+def is_adapter(source, revision: str | None = None, *, token=None, cache_dir=None, local_files_only=False) -> bool:
     """Whether `source` (folder or Hub id) is a PEFT adapter, i.e. holds adapter_config.json."""
     path = Path(os.path.expanduser(str(source)))
     if path.is_dir():
         return (path / ADAPTER_CONFIG).is_file()
     try:
-        return cached_file(str(source), ADAPTER_CONFIG, revision=revision, local_files_only=not hub_reachable(),
+        return cached_file(str(source), ADAPTER_CONFIG, revision=revision, token=token, cache_dir=cache_dir,
+                           local_files_only=local_files_only or not hub_reachable(),
                            _raise_exceptions_for_missing_entries=False) is not None
     except Exception:
         return False
 
 
-def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=None, is_trainable: bool = False):
+def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=None,
+                 attn_implementation: str | None = None, is_trainable: bool = False, **hub):
     """A PeftModel: the base from the record, patched as recorded, the patch tensors, then the adapter.
 
     source: an adapter folder or a Hub repository holding one (revision applies to that repository;
-    the base's own revision is recorded in retrofit.json)."""
+    the base's own revision is recorded in retrofit.json). dtype, device_map, attn_implementation and hub
+    (token, cache_dir, local_files_only) apply to the base as `retrofit.load.load` forwards them."""
     path = Path(os.path.expanduser(str(source)))
-    folder = path if path.is_dir() else _download(str(source), revision)
+    folder = path if path.is_dir() else _download(str(source), revision, **hub)
     meta = read_record(folder)
     if not meta.get("base_model"):
         raise RetrofitError(f"{source} does not name its base model (base_model_name_or_path is empty); "
                             f"set it in {ADAPTER_CONFIG}")
-    base = load_model_or_checkpoint(meta["base_model"], dtype=dtype, device_map=device_map,
-                                    revision=meta.get("base_revision"))
+    base = checkpoint_or_plain(meta["base_model"], revision=meta.get("base_revision"), dtype=dtype,
+                               device_map=device_map, attn_implementation=attn_implementation, **hub)
     record, existing = meta["patch"], patch_record(base)
     if existing is None:
         patch_from_record(base, record)

@@ -1,6 +1,9 @@
 """A retrofit checkpoint: a model folder (or Hub repository) whose config.json carries a `retrofit` section.
 
     model = load_checkpoint("runs/avnorm")   # the base model, then the patch from config.retrofit, then its tensors
+    model = checkpoint_or_plain("gpt2")      # a checkpoint as above, anything else as transformers loads it
+
+Both are helpers of `retrofit.load.load` (runs.py), the one loader; callers outside load/ use that.
 
 Plain transformers would silently drop the norm's tensors and run the original attention, so the
 patch is rebuilt here: load the base with the recorded attention implementation, re-apply the patch
@@ -23,8 +26,8 @@ from transformers.utils import logging as hf_logging
 from ..errors import RetrofitError
 from ..families import family_of
 from ..patch import CHILD, patch_from_record
-from .models import as_dtype, load_config, load_plain_model
-from .sources import call_loader, check_safetensors, hub_reachable, location, source_kind
+from .models import as_dtype, load_config, plain_model
+from .sources import HUB_ARGS, call_loader, check_safetensors, hub_reachable, location, source_kind
 
 
 def patch_record_of(config, source) -> dict | None:
@@ -42,26 +45,31 @@ def patch_record_of(config, source) -> dict | None:
     return record
 
 
-def is_checkpoint(source, revision: str | None = None) -> bool:
+def is_checkpoint(source, revision: str | None = None, **hub) -> bool:
     """Whether `source` (not a .gguf file) is a retrofit checkpoint."""
-    return source_kind(source) != "gguf" and patch_record_of(load_config(source, revision), source) is not None
+    return source_kind(source) != "gguf" and patch_record_of(load_config(source, revision, **hub), source) is not None
 
 
-def load_model_or_checkpoint(source, *, revision=None, dtype=None, device_map=None, attn_implementation="sdpa"):
-    """A retrofit checkpoint patched as recorded, or any other model as transformers loads it."""
-    if is_checkpoint(source, revision):
-        return load_checkpoint(source, revision=revision, dtype=dtype, device_map=device_map)
-    return load_plain_model(source, dtype=dtype, attn_implementation=attn_implementation, revision=revision,
-                            device_map=device_map)
+def checkpoint_or_plain(source, *, plain: bool = True, **loading):
+    """A retrofit checkpoint patched as recorded, else (plain=True) the model as transformers loads it; with
+    plain=False anything without a patch record is refused (what `retrofit.from_pretrained` wants). The one place
+    that tells a checkpoint from a plain model: `retrofit.load.load` calls it, and so does load_adapter for its
+    base. loading: dtype, attn_implementation, device_map and the HUB_ARGS, forwarded."""
+    hub = {k: loading[k] for k in HUB_ARGS if k in loading}
+    if not plain or is_checkpoint(source, **hub):
+        return load_checkpoint(source, **loading)
+    return plain_model(source, **loading)
 
 
-def patch_tensors(source: str, kind: str, revision: str | None,
-                  local_files_only: bool = False) -> dict[str, torch.Tensor]:
+def patch_tensors(source: str, kind: str, revision: str | None, local_files_only: bool = False, *,
+                  token=None, cache_dir=None) -> dict[str, torch.Tensor]:
     """Every saved tensor of the norm modules (keys containing '.retrofit.'), from all safetensors shards."""
     if kind == "folder":
         files = sorted(glob.glob(os.path.join(os.path.expanduser(source), "*.safetensors")))
     else:
-        local = {"local_files_only": True} if local_files_only or not hub_reachable() else {}
+        local = {"token": token, "cache_dir": cache_dir}
+        if local_files_only or not hub_reachable():
+            local["local_files_only"] = True
         index = cached_file(source, "model.safetensors.index.json", revision=revision,
                             _raise_exceptions_for_missing_entries=False, **local)
         if index:
@@ -93,29 +101,35 @@ def quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, device_map=None, **kwargs):
+def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, device_map=None,
+                    attn_implementation: str | None = None, **hub):
     """Load a retrofit checkpoint: the base model, then the patch from config.retrofit, then its weights.
-    dtype: "auto" (default, also None) keeps the dtype it was saved in; a name or torch dtype converts."""
+    dtype: "auto" (default, also None) keeps the dtype it was saved in; a name or torch dtype converts.
+    attn_implementation: the kernel the patch wraps; default the recorded one (base_attn_implementation).
+    hub: token, cache_dir, local_files_only, as transformers takes them."""
     kind = source_kind(source)
     if kind == "gguf":
-        raise RetrofitError(f"{source} is a GGUF file, not a retrofit checkpoint; use retrofit.load_model")
+        raise RetrofitError(f"{source} is a GGUF file, not a retrofit checkpoint; load it with retrofit.load.load")
     where, _ = location(source, kind)
-    config = load_config(source, revision)
+    config = load_config(source, revision, **hub)
     record = patch_record_of(config, source)
     if record is None:
         raise RetrofitError(f"{source} is not a retrofit checkpoint (its config.json has no 'retrofit' section); "
-                            "load it with retrofit.load_model or transformers")
+                            "load it with retrofit.load.load or transformers")
     del config.retrofit
     # transformers' loading report calls our patch tensors "unexpected" and a NoPE-removed table "missing": it is
     # kept quiet, and checked here instead (check_base_keys): anything else missing or unexpected is an error.
     with quiet_transformers():
         model, info = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, config=config,
                                   revision=revision, dtype=as_dtype(dtype), device_map=device_map,
-                                  attn_implementation=record.get("base_attn_implementation", "sdpa"),
-                                  trust_remote_code=False, output_loading_info=True, **kwargs)
+                                  attn_implementation=attn_implementation or record.get("base_attn_implementation",
+                                                                                        "sdpa"),
+                                  trust_remote_code=False, output_loading_info=True, **hub)
     check_base_keys(source, model, record, info)
     patch_from_record(model, record)
-    saved = call_loader(source, kind, patch_tensors, source, kind, revision)
+    saved = call_loader(source, kind, patch_tensors, source, kind, revision,
+                        local_files_only=bool(hub.get("local_files_only")), token=hub.get("token"),
+                        cache_dir=hub.get("cache_dir"))
     load_patch_tensors(model, saved, source)
     return model.eval()
 

@@ -1,11 +1,13 @@
 """Plain Hugging Face loading: config, model, tokenizer from a source; a fresh model from a config.
 
-    model = load_plain_model("gpt2")                          # in its saved dtype (dtype="auto", transformers 5's)
-    model = load_plain_model("./smollm2/SmolLM2.Q4_1.gguf")   # GGUF, dequantized to fp32 by transformers
-    tokenizer = load_tokenizer("gpt2")                        # None when the source ships none
+    model = plain_model("gpt2")                          # in its saved dtype (dtype="auto", transformers 5's)
+    model = plain_model("./smollm2/SmolLM2.Q4_1.gguf")   # GGUF, dequantized to fp32 by transformers
+    tokenizer = load_tokenizer("gpt2")                   # None when the source ships none
     model = model_from_config("llama", hidden_size=64, num_hidden_layers=2)
 
-These know nothing about retrofit's patch; `retrofit.load` (load/dispatch.py) decides what a source is.
+These know nothing about retrofit's patch; `retrofit.load.load` (load/runs.py) decides what a source is and
+calls `plain_model` for a model that carries none. Every function forwards transformers' loading arguments
+(revision, token, cache_dir, local_files_only: sources.HUB_ARGS) to transformers unchanged.
 """
 
 from __future__ import annotations
@@ -43,24 +45,26 @@ def training_dtype(dtype) -> torch.dtype:
     return torch.float32 if dtype == AUTO else dtype
 
 
-def load_config(source: str, revision: str | None = None):
+def load_config(source: str, revision: str | None = None, **hub):
+    """The model config behind `source`; hub: token, cache_dir, local_files_only, as transformers takes them."""
     kind = source_kind(source)
     where, extra = location(source, kind)
     return call_loader(source, kind, AutoConfig.from_pretrained, where, revision=revision,
-                       trust_remote_code=False, **extra)
+                       trust_remote_code=False, **extra, **hub)
 
 
-def load_plain_model(source: str, *, dtype=None, attn_implementation: str = "sdpa", revision: str | None = None,
-                     device_map=None, **kwargs):
-    """A causal LM from a Hub id, folder or .gguf file, exactly as transformers loads it: in the dtype it was saved
-    in by default (dtype "auto"); a .gguf file dequantized to float32 unless a dtype is named."""
+def plain_model(source: str, *, dtype=None, attn_implementation: str | None = None, revision: str | None = None,
+                device_map=None, **hub):
+    """A causal LM from a Hub id, folder or .gguf file, exactly as transformers loads it (the patch-free branch of
+    `retrofit.load.load`): in the dtype it was saved in by default (dtype "auto"); a .gguf file dequantized to
+    float32 unless a dtype is named; attention sdpa unless named. hub: token, cache_dir, local_files_only."""
     kind = source_kind(source)
     where, extra = location(source, kind)
     dtype = as_dtype(dtype)
     model = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, revision=revision,
                         dtype=torch.float32 if kind == "gguf" and dtype == AUTO else dtype,
-                        attn_implementation=attn_implementation, device_map=device_map, trust_remote_code=False,
-                        **extra, **kwargs)
+                        attn_implementation=attn_implementation or "sdpa", device_map=device_map,
+                        trust_remote_code=False, **extra, **hub)
     if kind == "gguf":
         forget_gguf_quantizer(model)
     return model.eval()
@@ -80,9 +84,10 @@ def forget_gguf_quantizer(model) -> None:
         model.is_quantized = False
 
 
-def load_tokenizer(source: str, revision: str | None = None):
+def load_tokenizer(source: str, revision: str | None = None, **hub):
     """The tokenizer that ships with `source` (Hub id, model folder, .gguf), or None when it has none.
-    A folder of tokenizer files only also works; a bare vocab.json + merges.txt is read as GPT-2's BPE."""
+    A folder of tokenizer files only also works; a bare vocab.json + merges.txt is read as GPT-2's BPE.
+    hub: token, cache_dir, local_files_only, as transformers takes them."""
     path = Path(resolve_source(source)).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():  # tokenizer files only (else: not a model folder)
         refuse_custom_code(path, source)
@@ -94,7 +99,7 @@ def load_tokenizer(source: str, revision: str | None = None):
     where, extra = location(source, kind)
     try:
         return call_loader(source, kind, AutoTokenizer.from_pretrained, where, revision=revision,
-                           trust_remote_code=False, **extra)
+                           trust_remote_code=False, **extra, **hub)
     except RetrofitError:
         if kind == "hub":
             raise

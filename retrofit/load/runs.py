@@ -1,18 +1,25 @@
-"""Run folders, and the one dispatcher from what the user typed to a model.
+"""Run folders, and THE loader: what the user typed -> a model (`load`), with `from_pretrained` as its face.
 
-    model = load("runs/counting")          # CountingModel when the run trained a counting head
+    model = load("runs/counting")            # CountingModel when the run trained a counting head
     model = load("runs/lora", adapter=True)  # a LoRA run rebuilt on its base from recipe.yaml + adapter/
-    model = load("./smollm2.gguf")         # anything else: Hub id, folder, retrofit checkpoint, adapter, pkg:
+    model = load("./smollm2.gguf")           # anything else: Hub id, folder, retrofit checkpoint, adapter, pkg:
+    model = from_pretrained("runs/avnorm", dtype="bfloat16")   # transformers-shaped: a patched model, else refused
     save_model(model, "runs/x", tokenizer=tok)
-    model, tokenizer = load_base(recipe)   # what a recipe's model section says, before any patch
+    model, tokenizer = load_base(recipe)     # what a recipe's model section says (a source or a config), unpatched
 
-Every loader in retrofit (eval, diagnose, push, train, the Python API) goes through `load`:
+Every loader in retrofit (eval, diagnose, patch, push, train, bench, the harness, the Python API) goes through
+`load`, which decides what a source is here and in checkpoint.checkpoint_or_plain, once:
 
-    .gguf / plain folder / Hub id  -> models.load_plain_model
-    config.json with `retrofit`    -> checkpoint.load_checkpoint (base -> patch -> patch tensors)
-    adapter_config.json            -> adapters.load_adapter (base -> patch -> adapter)
-    run folder with adapter/ only  -> the base from recipe.yaml, patched, plus adapter/
-    task.json next to the model    -> CountingModel(model) with its head (task_model.py)
+    run folder without result.json   -> refused: resume it (check_finished)
+    run folder with adapter/ only    -> the base from recipe.yaml, patched, plus adapter/ (_load_adapter_run)
+    adapter_config.json (folder/Hub) -> adapters.load_adapter (base -> patch -> adapter)
+    config.json with `retrofit`      -> checkpoint.load_checkpoint (base -> patch -> patch tensors)
+    .gguf / plain folder / Hub id    -> models.plain_model (refused by from_pretrained: nothing to rebuild)
+    task.json next to the model      -> CountingModel(model) with its head (task_model.py)
+
+Both take transformers' loading arguments and forward them to every transformers call: revision, token,
+cache_dir, local_files_only, attn_implementation, device_map, dtype ("auto", the default: as saved).
+trust_remote_code is always False (issue 26): True is refused in one line.
 """
 
 from __future__ import annotations
@@ -32,25 +39,47 @@ from ..patch import is_patched, patch, patch_record, unpatch
 from ..recipe import PatchSection, Recipe, load_recipe
 from ..rope import normalize_rope
 from .adapters import ADAPTER_CONFIG, is_adapter, load_adapter
-from .checkpoint import is_checkpoint, load_checkpoint
-from .models import load_plain_model, load_tokenizer, model_from_config, training_dtype
-from .sources import check_model_files, location, source_kind
+from .checkpoint import checkpoint_or_plain
+from .models import load_tokenizer, model_from_config, training_dtype
+from .sources import HUB_ARGS, check_model_files, location, refuse_remote_code, source_kind
 from .task_model import HEAD_FILE, TASK_FILE, CountingModel, language_model
 
 ADAPTER_DIR = "adapter"
 
 
-def load(source, *, adapter: bool = False, task_head: bool = True, dtype=None, attn_implementation: str = "sdpa",
-         revision=None, device_map=None):
+def load(source, *, task_head: bool = True, adapter: bool = False, dtype=None, attn_implementation=None,
+         device_map=None, revision=None, token=None, cache_dir=None, local_files_only: bool = False,
+         trust_remote_code: bool = False):
     """The model behind any source (see the module docstring), in eval mode. `task_head=False` returns the
-    language model of a counting run; `adapter=True` rebuilds a LoRA run from its base and adapter/."""
+    language model of a counting run; `adapter=True` rebuilds a LoRA run from its base and adapter/.
+    attn_implementation: sdpa for a plain model unless named; for a checkpoint the recorded kernel unless named."""
+    refuse_remote_code(trust_remote_code)
+    loading = {"dtype": dtype, "attn_implementation": attn_implementation, "device_map": device_map,
+               "revision": revision, "token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
+    return _load_source(source, loading, task_head=task_head, adapter=adapter, plain=True)
+
+
+def from_pretrained(pretrained_model_name_or_path, *, revision=None, token=None, cache_dir=None,
+                    local_files_only: bool = False, attn_implementation=None, device_map=None, dtype="auto",
+                    trust_remote_code: bool = False):
+    """transformers' from_pretrained for retrofit's models: a retrofit checkpoint or adapter (folder or Hub id), or
+    a finished run folder, patched as recorded, in eval mode, taking transformers' loading arguments (forwarded).
+    dtype: "auto" keeps the dtype it was saved in (transformers 5's default); float32, bfloat16, float16 convert.
+    A model without a patch record (or a .gguf file) is refused: load it with `retrofit.load.load` or transformers."""
+    refuse_remote_code(trust_remote_code)
+    loading = {"dtype": dtype, "attn_implementation": attn_implementation, "device_map": device_map,
+               "revision": revision, "token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
+    return _load_source(pretrained_model_name_or_path, loading, task_head=False, adapter=False, plain=False)
+
+
+def _load_source(source, loading: dict, *, task_head: bool, adapter: bool, plain: bool):
+    """What `source` is -> its loader (the module docstring's table); plain=False refuses a model without a patch."""
     run = Path(str(source)).expanduser()
     check_finished(run)
     if adapter or (run.is_dir() and not (run / "config.json").is_file() and (run / ADAPTER_DIR).is_dir()):
         lm = _load_adapter_run(run)
     else:
-        lm = _load_model(str(source), dtype=dtype, attn_implementation=attn_implementation, revision=revision,
-                         device_map=device_map)
+        lm = _model_at(str(source), loading, plain=plain)
     if not task_head or not (run / TASK_FILE).is_file():
         return lm.eval()
     task = json.loads((run / TASK_FILE).read_text())
@@ -75,37 +104,17 @@ def check_finished(run) -> None:
                             f"resume it with `{resume}`, or give a finished run")
 
 
-def _load_model(source: str, *, dtype, attn_implementation, revision, device_map):
+def _model_at(source: str, loading: dict, *, plain: bool):
+    """An adapter (folder or Hub repository) -> load_adapter; anything else -> checkpoint_or_plain."""
     kind = source_kind(source)
     where, _ = location(source, kind)
     if kind == "folder":
         check_model_files(where)
+    hub = {k: loading[k] for k in HUB_ARGS}
     if (kind == "folder" and (Path(where) / ADAPTER_CONFIG).is_file()) or (kind == "hub" and is_adapter(source,
-                                                                                                          revision)):
-        return load_adapter(where, revision=revision, dtype=dtype, device_map=device_map)
-    if is_checkpoint(source, revision):
-        return load_checkpoint(source, revision=revision, dtype=dtype, device_map=device_map)
-    return load_plain_model(source, dtype=dtype, attn_implementation=attn_implementation, revision=revision,
-                            device_map=device_map)
-
-
-def load_model(source, *, dtype=None, attn_implementation: str = "sdpa", revision=None, device_map=None):
-    """The causal LM behind `source` (a retrofit checkpoint or adapter comes back patched)."""
-    return load(source, task_head=False, dtype=dtype, attn_implementation=attn_implementation, revision=revision,
-                device_map=device_map)
-
-
-def from_pretrained(source, *, revision=None, dtype="auto", device_map=None):
-    """A retrofit checkpoint or adapter, patched as recorded; anything unpatched is refused.
-    dtype: "auto" keeps the dtype it was saved in (transformers 5's default); float32, bfloat16, float16 convert."""
-    kind = source_kind(source)
-    if kind == "gguf":
-        raise RetrofitError(f"{source} is a GGUF file, not a retrofit checkpoint; use retrofit.load_model")
-    where, _ = location(source, kind)
-    if (kind == "folder" and (Path(where) / ADAPTER_CONFIG).is_file()) or (kind == "hub" and is_adapter(source,
-                                                                                                          revision)):
-        return load_adapter(where, revision=revision, dtype=dtype, device_map=device_map)
-    return load_checkpoint(source, revision=revision, dtype=dtype, device_map=device_map)
+                                                                                                          **hub)):
+        return load_adapter(where, **loading)
+    return checkpoint_or_plain(source, plain=plain, **loading)
 
 
 # ---- a recipe's model ----------------------------------------------------------------------------------------------

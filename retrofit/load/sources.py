@@ -26,6 +26,8 @@ from ..errors import RetrofitError
 
 # Files whose `auto_map` makes transformers import a model folder's own Python (refused: refuse_custom_code).
 CUSTOM_CODE_FILES = ("config.json", "tokenizer_config.json")
+# transformers' arguments for where a model's files come from; every loader forwards them to every Hub call.
+HUB_ARGS = ("revision", "token", "cache_dir", "local_files_only")
 
 
 def resolve_source(source) -> str:
@@ -91,6 +93,13 @@ def refuse_custom_code(folder: Path, shown=None) -> None:
                                 "model folder's code — use a model whose architecture transformers ships")
 
 
+def refuse_remote_code(trust_remote_code) -> None:
+    """retrofit never runs a model's own code (issue 26): trust_remote_code=True is refused in one line."""
+    if trust_remote_code:
+        raise RetrofitError("trust_remote_code=True: retrofit never runs a model's own code — leave it False and use "
+                            "a model whose architecture transformers ships")
+
+
 def custom_code_error(source: str, err: Exception) -> RetrofitError | None:
     """transformers' refusal (trust_remote_code=False) of a Hub repository that ships code, as one line."""
     if "trust_remote_code" not in str(err) and "custom code" not in str(err):
@@ -124,8 +133,9 @@ def call_loader(source: str, kind: str, fn, *args, **kwargs):
     passes trust_remote_code=False to transformers' loaders (without it transformers asks on stdin, and a `y` runs
     the model folder's Python); a Hub repository that ships code is then refused here in one line.
 
-    Offline, a Hub id is still loaded from the local cache when it is there (local_files_only)."""
-    if kind == "hub" and not hub_reachable():
+    Offline, a Hub id is still loaded from the local cache when it is there (local_files_only); a caller's
+    local_files_only=True skips the reachability check."""
+    if kind == "hub" and not kwargs.get("local_files_only") and not hub_reachable():
         kwargs["local_files_only"] = True
     try:
         return fn(*args, **kwargs)

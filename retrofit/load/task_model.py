@@ -4,7 +4,7 @@
     lm = language_model(model)         # the Hugging Face (or PEFT) causal LM inside any task model
 
 A counting run (`retrofit train` with data.task counting) saves the head next to the model
-(task.json + task_head.safetensors); `retrofit.load.load_run` rebuilds this wrapper from them.
+(task.json + task_head.safetensors); `retrofit.load.load` rebuilds this wrapper from them.
 """
 
 from __future__ import annotations

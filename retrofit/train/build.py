@@ -50,7 +50,7 @@ def make_accelerator(train: TrainSection, run_dir, trackers=()):
     """An Accelerator that cannot silently run N independent copies.
 
     Under torchrun / `accelerate launch --multi_gpu` on a machine without CUDA, a plain Accelerator()
-    ignores WORLD_SIZE and every process trains alone (see DESIGN.md's accelerate facts); so cpu=True is forced
+    ignores WORLD_SIZE and every process trains alone (measured with torchrun --nproc_per_node 2); so cpu=True is forced
     there (gloo), and the process count accelerate sees must equal WORLD_SIZE.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))

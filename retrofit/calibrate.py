@@ -21,6 +21,7 @@ from .errors import RetrofitError
 from .norms.avnorm import AVNorm
 from .norms.psoftmax import PSoftmax
 from .patch import check_unsharded
+from .record import read_record, write_record
 
 
 def calibrated_norms(model: nn.Module) -> list[nn.Module]:
@@ -85,7 +86,6 @@ def calibrate(model: nn.Module, batches, *, max_batches: int | None = None) -> d
     g = torch.cat(gains).float()
     summary = {"tokens": tokens, "batches": used, "gain_mean": round(float(g.mean()), 6),
                "gain_min": round(float(g.min()), 6), "gain_max": round(float(g.max()), 6)}
-    record = getattr(model.config, "retrofit", None)
-    if isinstance(record, dict):
-        record["calibration"] = summary
+    if read_record(model) is not None:
+        write_record(model, calibration=summary)
     return summary

@@ -70,7 +70,7 @@ def _checked_path(path, what: str) -> tuple[Path, str]:
 def read_utf8(path, what: str = "") -> str:
     """The text of a file, which must be UTF-8 (every verb reads text this way: train, eval, patch, diagnose).
 
-    `what` names the flag or key in the error ("--calibrate", "data.files")."""
+    `what` names the flag or key in the error ("--calibration-text", "data.files")."""
     p, label = _checked_path(path, what)
     try:
         data = p.read_bytes()

@@ -1,7 +1,7 @@
 """Patch a Hugging Face causal LM's attention through transformers' own seam.
 
     import retrofit
-    report = retrofit.patch(model, "avnorm", kind="rms")   # prints what was patched
+    report = retrofit.patch(model, "avnorm", kind="rms")   # a PatchReport: print(report) shows what was patched
     retrofit.patch(model, "softmax", rope="yarn:4")         # RoPE extension composes with every norm (rope.py)
     retrofit.unpatch(model)                                  # exactly the original model again
 
@@ -24,7 +24,7 @@ import copy
 import dataclasses
 import sys
 import types
-from dataclasses import dataclass, field
+import warnings
 
 from torch import nn
 from transformers import AttentionInterface
@@ -40,13 +40,15 @@ from .families import (
     output_projection,
     position_query_scaling,
 )
-from .norms import AttentionShape, get_norm, make_options
+from .norms import AttentionShape, available_norms, get_norm, make_options
 from .norms.base import CHILD, is_output_hook
 from .positions import already_without_positions, has_positions_removed, remove_positions, restore_positions
+from .record import FORMAT, PatchReport, drop_record, read_record, write_record
 from .rope import apply_rope, describe_rope, plan_rope, reset_to_original, restore_rope
-from .version import VERSION
 
-FORMAT = 1          # version of the config.retrofit record
+# While `observe` is active, each observed attention module holds its observer under this attribute (removed on
+# exit): the model carries its own observers, so two models (or threads on two models) never see each other's.
+OBSERVER = "_retrofit_observer"
 
 
 def eager_attention_of(module: nn.Module):
@@ -58,7 +60,7 @@ def eager_attention_of(module: nn.Module):
 
 
 def _dispatch(base, module, query, key, value, attention_mask, **kwargs):
-    observer = _OBSERVERS.get(id(module))
+    observer = module.__dict__.get(OBSERVER)
     norm = module._modules.get(CHILD)
     if observer is not None:
         observer(module, query, key, value, attention_mask, kwargs.get("scaling"), norm)
@@ -85,44 +87,6 @@ BASE_OF = {name: base for base, (name, _, _) in IMPLEMENTATIONS.items()}
 for _name, _fn, _mask in IMPLEMENTATIONS.values():
     AttentionInterface.register(_name, _fn)
     AttentionMaskInterface.register(_name, _mask)
-
-_OBSERVERS: dict[int, object] = {}
-
-
-@dataclass
-class PatchReport:
-    """What `patch` did. Printable; `as_dict()` for JSON."""
-
-    model_type: str
-    norm: str
-    options: dict
-    nope: bool
-    modules: list[str]
-    params_added: int
-    base_attn_implementation: str
-    positions: str | None = None
-    family: str = "table"
-    calibration: dict | None = None
-    notes: list[str] = field(default_factory=list)
-    rope: str | None = None  # describe_rope of the RoPE extension, e.g. "yarn x4 (orig 8192)"
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def __str__(self) -> str:
-        shown = {k: v for k, v in self.options.items() if not (self.norm == "avnorm" and k == "gain")}
-        opts = ", ".join(f"{k}={v}" for k, v in shown.items()) or "no options"
-        if self.norm == "avnorm":
-            opts += ", gain " + (f"calibrated on {self.calibration['tokens']} tokens" if self.calibration
-                                 else f"{self.options.get('gain', 1.0)} (not calibrated)")
-        lines = [
-            f"model type        {self.model_type} ({'in retrofit table' if self.family == 'table' else 'generic'})",
-            f"norm              {self.norm} ({opts})",
-            f"attention modules {len(self.modules)} patched over {self.base_attn_implementation}",
-            f"parameters added  {self.params_added:,}",
-            f"positions         {self.positions if self.nope else 'kept'}",
-        ] + ([f"rope              {self.rope}"] if self.rope else [])
-        return "\n".join(lines + [f"note              {n}" for n in self.notes])
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -176,14 +140,19 @@ def _implementations(model: nn.Module, acts_on_output: bool) -> tuple[str, str |
 
 def _guarded_switch(model: nn.Module, attn_implementation, *args, **kwargs):
     """set_attn_implementation of a model patched with a kernel norm: a switch to sdpa or eager keeps the patch
-    (it moves to our function over the new base); anything else would silently drop it, so it is refused."""
+    (it moves to our function over the new base); anything else would silently drop it, so it is refused.
+
+    Bound on the instance because transformers 5.23 offers no seam for it: PreTrainedModel.set_attn_implementation
+    writes config._attn_implementation_internal directly (past the config's property setter) after
+    _check_and_adjust_attn_implementation, which validates the name only; no hook, callback or per-instance
+    validator is consulted. unpatch removes the binding."""
     cls_switch = type(model).set_attn_implementation
     if isinstance(attn_implementation, str) and attn_implementation in IMPLEMENTATIONS:
-        model.config.retrofit["base_attn_implementation"] = attn_implementation
+        write_record(model, base_attn_implementation=attn_implementation)
         return cls_switch(model, IMPLEMENTATIONS[attn_implementation][0], *args, **kwargs)
     if isinstance(attn_implementation, str) and attn_implementation in BASE_OF:
         return cls_switch(model, attn_implementation, *args, **kwargs)
-    raise RetrofitError(f"this model is patched with {model.config.retrofit['norm']}, which runs retrofit's "
+    raise RetrofitError(f"this model is patched with {read_record(model)['norm']}, which runs retrofit's "
                         f"kernels; switching to {attn_implementation!r} would drop the patch: use sdpa or eager, or "
                         "retrofit.unpatch(model) first")
 
@@ -219,8 +188,7 @@ def _detach_config(model: nn.Module) -> str | None:
     for module in model.modules():  # every module holding the config (or one of its sub-configs) gets the copy's
         if id(getattr(module, "config", None)) in memo:
             module.config = memo[id(module.config)]
-    if hasattr(config, "retrofit"):
-        del config.retrofit  # the other model's record
+    drop_record(config)  # the other model's record
     model.config = config
     return "config copied: it was shared with a patched model (built from its config)"
 
@@ -252,9 +220,13 @@ def _check_query_scaling(norm: str, norm_cls, opts, config) -> str | None:
     return f"{norm} stacked on the model's own {already}"
 
 
-def patch(model: nn.Module, norm: str = "avnorm", *, nope: bool = False, rope=None, **options) -> PatchReport:
+def patch(model: nn.Module, norm: str | None = None, *, nope: bool = False, rope=None, **options) -> PatchReport:
     """Attach `norm` to every self-attention module of `model` (in place) and return a PatchReport.
+    norm is required (no default: uncalibrated AVNorm ruins a pretrained model, 3.91 -> 14.29 on SmolLM2).
     rope: extend RoPE, as 'yarn:4' or {'rope_type': 'yarn', 'factor': 4, ...} (see retrofit.rope)."""
+    if norm is None:
+        raise RetrofitError(f"retrofit.patch needs a norm: one of {', '.join(available_norms())} (e.g. "
+                            "retrofit.patch(model, 'softmax', rope='yarn:4'), or 'avnorm' then retrofit.calibrate)")
     norm_cls = get_norm(norm)
     opts = make_options(norm, **options)
     base, wrap = _check_patchable(model, nope, norm_cls.acts_on_output)
@@ -293,11 +265,11 @@ def patch(model: nn.Module, norm: str = "avnorm", *, nope: bool = False, rope=No
             notes.append(f"{base} replaced by retrofit's kernels over {wrap} while patched (unpatch restores it)")
     elif model.config._attn_implementation != base:  # ours, from a shared config object: the model's own base
         model.set_attn_implementation(base)
-    config.retrofit = {
-        "format": FORMAT, "retrofit_version": VERSION, "norm": norm,
-        "options": dataclasses.asdict(opts), "nope": bool(nope),
-        "base_attn_implementation": base, "calibration": None, "rope": rope_plan,
-    }
+    if hasattr(type(model), "push_to_hub"):  # transformers' push: warned in one line (see PushWarning)
+        model.push_to_hub = PushWarning(model)
+    drop_record(model)  # a fresh record (a stale one may ride in a config loaded from a checkpoint)
+    write_record(model, norm=norm, options=dataclasses.asdict(opts), nope=bool(nope), base_attn_implementation=base,
+                 calibration=None, rope=rope_plan)
     return PatchReport(
         model_type=config.model_type, norm=norm, options=dataclasses.asdict(opts), nope=bool(nope),
         modules=[name for name, _ in modules], base_attn_implementation=base, positions=positions,
@@ -317,19 +289,19 @@ def unpatch(model: nn.Module) -> None:
             if is_output_hook(hook):
                 del module._forward_pre_hooks[key]
     model.__dict__.pop("set_attn_implementation", None)  # the class's own again (see _guarded_switch)
+    model.__dict__.pop("push_to_hub", None)  # PushWarning
     restore_positions(model)
-    record = getattr(model.config, "retrofit", None) or {}
+    record = read_record(model) or {}
     restore_rope(model, record.get("rope"))
     base = record.get("base_attn_implementation") or BASE_OF.get(model.config._attn_implementation, "sdpa")
     model.set_attn_implementation(base)
-    if hasattr(model.config, "retrofit"):
-        del model.config.retrofit
+    drop_record(model)
 
 
 def patch_record(model: nn.Module) -> dict | None:
     """The recorded patch (config.retrofit) of a patched model, else None."""
-    record = getattr(getattr(model, "config", None), "retrofit", None)
-    return record if isinstance(record, dict) and is_patched(model) else None
+    record = read_record(model) if hasattr(model, "config") else None
+    return record if record is not None and is_patched(model) else None
 
 
 def patch_from_record(model: nn.Module, record: dict) -> PatchReport:
@@ -344,9 +316,29 @@ def patch_from_record(model: nn.Module, record: dict) -> PatchReport:
         reset_to_original(model, rope)
     report = patch(model, record["norm"], nope=bool(record.get("nope")), rope=rope and rope["parameters"],
                    **(record.get("options") or {}))
-    model.config.retrofit["calibration"] = record.get("calibration")
+    write_record(model, calibration=record.get("calibration"))
     report.calibration = record.get("calibration")
     return report
+
+
+PUSH_WARNING = ("this model is patched by retrofit: transformers' push_to_hub publishes it without retrofit's checks "
+                "and model card; save_pretrained it and run `retrofit push FOLDER --repo ID` instead")
+
+
+class PushWarning:
+    """`model.push_to_hub` of a patched model: warns (one line, PUSH_WARNING), then runs transformers' own push.
+
+    An instance attribute set by patch and removed by unpatch: the class is never touched, so other models are
+    unaffected. Warned, not routed to retrofit's publish: that works from a saved folder or run (hub/, above patch
+    in the data flow), and a plain push of a model the user holds is still theirs to make. A small class rather
+    than a bound function, so a patched model still pickles and deep-copies (the copy's push warns for the copy)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        warnings.warn(PUSH_WARNING, UserWarning, stacklevel=2)
+        return type(self.model).push_to_hub(self.model, *args, **kwargs)
 
 
 def check_unsharded(modules, what: str) -> None:
@@ -377,15 +369,15 @@ def observe(model: nn.Module, fn):
             raise RetrofitError(f"cannot observe attention implementation {switched!r}; load with sdpa or eager")
         model.set_attn_implementation(IMPLEMENTATIONS[switched][0])
     for m in modules:
-        _OBSERVERS[id(m)] = fn
+        m.__dict__[OBSERVER] = fn  # plain instance attribute: not a parameter, buffer or child
     try:
         yield
     finally:
         for m in modules:
-            _OBSERVERS.pop(id(m), None)
+            m.__dict__.pop(OBSERVER, None)
         if switched is not None:
             model.set_attn_implementation(switched)
 
 
-__all__ = ["CHILD", "PatchReport", "attention_modules", "check_unsharded", "is_patched", "observe",
-           "output_projection", "patch", "patch_from_record", "patch_record", "unpatch"]
+__all__ = ["CHILD", "FORMAT", "PatchReport", "PushWarning", "attention_modules", "check_unsharded", "is_patched",
+           "observe", "output_projection", "patch", "patch_from_record", "patch_record", "unpatch"]

@@ -336,9 +336,5 @@ def reset_to_original(model: nn.Module, record: dict) -> None:
     _rebuild(model, config, keep_original=False)
 
 
-def has_rope_extension(model: nn.Module) -> bool:
-    return any(getattr(m, ORIGINAL_ATTR, None) for m in model.modules())
-
-
-__all__ = ["ROPE_KEYS", "apply_rope", "describe_rope", "has_rope_extension", "normalize_rope", "original_rope",
+__all__ = ["ROPE_KEYS", "apply_rope", "describe_rope", "normalize_rope", "original_rope",
            "parse_rope", "plan_rope", "reset_to_original", "restore_rope", "rotary_modules"]

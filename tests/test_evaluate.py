@@ -40,7 +40,7 @@ def test_chunked_loss_equals_full_logits_loss(model_type, overrides, chunk_token
 
 def test_unknown_logit_transform_is_refused(monkeypatch):
     model = tiny_model("gemma2", final_logit_softcapping=3.0)
-    monkeypatch.setattr(evaluate.losses, "LOGIT_TRANSFORMS", {})
+    monkeypatch.setattr(retrofit.logit_head, "LOGIT_TRANSFORMS", {})  # the head evaluate and distill share
     with pytest.raises(RetrofitError, match="LOGIT_TRANSFORMS"):
         evaluate.check_head(model, torch.tensor([_tokens(16)]))
 

@@ -49,7 +49,7 @@ def test_every_field_is_documented():
     undocumented = [key for key, _, doc in documentation() if not doc.strip()]
     assert not undocumented
     keys = {key for key, _, _ in documentation()}
-    assert {"patch.p", "patch.calibrate", "train.peft.r", "data.counting.alphabet", "eval.at_steps"} <= keys
+    assert {"patch.p", "patch.calibrate_tokens", "train.peft.r", "data.counting.alphabet", "eval.at_steps"} <= keys
 
 
 @pytest.mark.parametrize("sections, message", [
@@ -63,7 +63,7 @@ def test_every_field_is_documented():
     ({"patch": {"norm": "psoftmax", "kind": "rms"}}, "norm 'psoftmax' has no option 'kind'"),
     ({"patch": {"norm": "avnorm", "kind": "rsm"}}, "avnorm kind must be one of"),
     ({"patch": {"p": 2.0}}, "p given but patch.norm is null"),
-    ({"patch": {"norm": "psoftmax", "calibrate": 128}}, "patch.calibrate sets AVNorm gains"),
+    ({"patch": {"norm": "psoftmax", "calibrate_tokens": 128}}, "patch.calibrate_tokens sets AVNorm gains"),
     ({"model": {"source": None, "config": {"model_type": "llama", "hiden_size": 8}, "tokenizer": "t"}},
      "llama has no config key 'hiden_size' (did you mean 'hidden_size'?)"),
     ({"model": {"source": None, "config": {"model_type": "lama"}, "tokenizer": "t"}}, "did you mean 'llama'?"),

@@ -127,7 +127,7 @@ def test_lora_teacher_is_the_original_model_and_psoftmax_gain_calibrates_from_th
 
 def test_cli_probe_prints_losses_along_the_schedule_and_the_head_spread(base, capsys):
     text = str(base / "text.txt")
-    assert main(["patch", str(base / "base"), "--norm", "avnorm", "--calibrate", text, "--check-text", text,
+    assert main(["patch", str(base / "base"), "--norm", "avnorm", "--calibration-text", text, "--check-text", text,
                  "--check-tokens", "128", "--schedule-values", "0,0.5,1"]) == 0
     out = capsys.readouterr().out
     rows = re.findall(r"schedule position (\S+) \(avnorm knob (\S+)\): loss (\S+)", out)

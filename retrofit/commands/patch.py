@@ -1,7 +1,7 @@
 """`retrofit patch SOURCE --norm NAME [options] --out DIR`: patch a model and save it.
 
     retrofit patch gpt2 --norm avnorm --out gpt2-avnorm
-    retrofit patch ./smollm2.gguf --norm avnorm --calibrate book.txt --check-text para.txt --out smol-avnorm
+    retrofit patch ./smollm2.gguf --norm avnorm --calibration-text book.txt --check-text para.txt --out smol-avnorm
     retrofit patch ./smollm2.gguf --norm softmax --rope yarn:4 --out smol-yarn     # RoPE 8192 -> 32768 positions
 
 SOURCE is a Hub id, a local folder or a .gguf file. Prints the PatchReport; with --check-text, the
@@ -10,6 +10,7 @@ model's loss on that text before and after patching.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -65,8 +66,11 @@ def add_arguments(parser):
             parser.add_argument(name, dest=flag, action="store_const", const=True, default=None, help=about)
         else:
             parser.add_argument(name, dest=flag, type=spec["type"], default=None, help=about)
-    parser.add_argument("--calibrate", metavar="FILE", help="text file to calibrate AVNorm gains on")
-    parser.add_argument("--calibrate-tokens", type=int, default=8192, help="tokens of FILE to use (default 8192)")
+    parser.add_argument("--calibration-text", metavar="FILE",
+                        help="text file to calibrate per-head gains on (AVNorm; psoftmax with --gain)")
+    parser.add_argument("--calibrate", dest="calibration_text", help=argparse.SUPPRESS)  # its name before issue 27
+    parser.add_argument("--calibrate-tokens", type=int, default=8192,
+                        help="tokens of --calibration-text to use (default 8192)")
     parser.add_argument("--check-text", metavar="FILE", help="print the loss on this text before and after patching")
     parser.add_argument("--check-tokens", type=int, default=512, help="tokens of --check-text to use (default 512)")
     parser.add_argument("--schedule-values", metavar="T,T,...", default=None,
@@ -118,7 +122,7 @@ def save_atomically(model, tokenizer, out: str) -> None:
 def run(args) -> int:
     check_counts(args, positive=("calibrate_tokens", "check_tokens"))
     args.out = check_out(args.out, "--out")  # new or empty; `~` expanded, once
-    check_text_files([args.calibrate] if args.calibrate else [], "--calibrate")
+    check_text_files([args.calibration_text] if args.calibration_text else [], "--calibration-text")
     check_text_files([args.check_text] if args.check_text else [], "--check-text")
     options = {k: getattr(args, k) for k in NORM_FLAGS if getattr(args, k) is not None}
     make_options(args.norm, **options)  # fail on a bad norm, option or rope before loading anything
@@ -127,8 +131,10 @@ def run(args) -> int:
         if args.nope:
             raise RetrofitError("--rope and --nope together make no sense: --nope removes the rotary embedding; "
                                 "choose one")
-    if args.calibrate and args.norm != "avnorm" and not (args.norm == "psoftmax" and options.get("gain") is not None):
-        raise RetrofitError("--calibrate sets per-head gains; it needs --norm avnorm (or psoftmax with --gain 1)")
+    if args.calibration_text and args.norm != "avnorm" and not (args.norm == "psoftmax"
+                                                                and options.get("gain") is not None):
+        raise RetrofitError("--calibration-text sets per-head gains; it needs --norm avnorm (or psoftmax with "
+                            "--gain 1)")
     positions = _positions(args.schedule_values) if args.schedule_values else None
     if positions and not args.check_text:
         raise RetrofitError("--schedule-values measures a loss: give the text with --check-text FILE")
@@ -136,13 +142,13 @@ def run(args) -> int:
         check_repo(args.push_to_hub)
         find_token()
     model = load(args.source, task_head=False, dtype=args.dtype)
-    needs_tokens = args.calibrate or args.check_text
+    needs_tokens = args.calibration_text or args.check_text
     tokenizer = load_tokenizer(args.source) if (needs_tokens or args.out or args.push_to_hub) else None
     check = _read_tokens(tokenizer, args.check_text, args.check_tokens) if args.check_text else None
     before = text_loss(model, check) if check is not None else None
     report = patch(model, args.norm, nope=args.nope, rope=args.rope, **options)
-    if args.calibrate:
-        ids = _read_tokens(tokenizer, args.calibrate, args.calibrate_tokens)
+    if args.calibration_text:
+        ids = _read_tokens(tokenizer, args.calibration_text, args.calibrate_tokens)
         report.calibration = calibrate(model, (c[None] for c in ids.split(512)))
     print(report)
     if check is not None:
@@ -168,7 +174,7 @@ def _push(model, tokenizer, args) -> None:
     command = " ".join(["retrofit patch", Path(args.source).name if not is_hub_id(args.source) else args.source,
                         f"--norm {args.norm}", *(["--nope"] if args.nope else []),
                         *([f"--rope {args.rope}"] if args.rope else []), *flags,
-                        *(["--calibrate FILE"] if args.calibrate else [])])
+                        *(["--calibration-text FILE"] if args.calibration_text else [])])
     with tempfile.TemporaryDirectory(prefix="retrofit-patch-") as tmp:
         folder = args.out or os.path.join(tmp, "model")
         if not args.out:

@@ -15,24 +15,13 @@ from tqdm.auto import tqdm
 
 from ..data import counting_batch, passkey_batch
 from ..errors import RetrofitError
+from ..logit_head import LOGIT_TRANSFORMS, chunk_slices, config_value, head_logits
 from ..memory import PeakMemory
 from ..positions import position_limit
 from .windows import bucket_rows, cut_windows
 
-# Families whose CausalLM head transforms logits after the output projection, keyed by the config
-# attribute that turns it on. `check_head` catches any family missing from this table.
-LOGIT_TRANSFORMS = {
-    "final_logit_softcapping": lambda x, cap: torch.tanh(x / cap) * cap,  # gemma2/3/4
-    "logit_scale": lambda x, scale: x * scale,  # cohere
-    "logits_scaling": lambda x, scale: x / scale,  # granite
-}
-
-
-def config_value(config, name):
-    value = getattr(config, name, None)
-    if value is None and getattr(config, "text_config", None) is not None:
-        value = getattr(config.text_config, name, None)
-    return value
+__all__ = ["LOGIT_TRANSFORMS", "check_head", "check_lengths", "config_value", "evaluate_counting", "evaluate_lengths",
+           "evaluate_passkey", "fresh_dynamic_rope", "head_logits", "original_positions", "token_losses"]
 
 
 def original_positions(model) -> int | None:
@@ -66,16 +55,6 @@ def fresh_dynamic_rope(model) -> int:
     return reset
 
 
-def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """(B, T, d) final hidden states -> (B, T, V) float32 logits, as the model's own forward makes them."""
-    logits = model.get_output_embeddings()(hidden).float()
-    for name, transform in LOGIT_TRANSFORMS.items():
-        value = config_value(model.config, name)
-        if value is not None and not isinstance(value, bool):
-            logits = transform(logits, float(value))
-    return logits
-
-
 @torch.inference_mode()
 def token_losses(model, windows: torch.Tensor, chunk_tokens: int = 1024) -> torch.Tensor:
     """(B, L + 1) windows -> (B, L) float32 next-token losses, running the head chunk by chunk."""
@@ -83,11 +62,10 @@ def token_losses(model, windows: torch.Tensor, chunk_tokens: int = 1024) -> torc
     hidden = model.base_model(input_ids=inputs, use_cache=False)[0]  # (B, L, d)
     B, L = targets.shape
     losses = torch.empty(B, L, dtype=torch.float32, device=windows.device)
-    step = max(1, chunk_tokens // B)
-    for s in range(0, L, step):
-        logits = head_logits(model, hidden[:, s:s + step])  # (B, c, V): the only vocab-sized tensor
-        losses[:, s:s + step] = F.cross_entropy(logits.flatten(0, 1), targets[:, s:s + step].flatten(),
-                                                reduction="none").view(B, -1)
+    for part in chunk_slices(B, L, chunk_tokens):
+        logits = head_logits(model, hidden[:, part])  # (B, c, V): the only vocab-sized tensor
+        losses[:, part] = F.cross_entropy(logits.flatten(0, 1), targets[:, part].flatten(),
+                                          reduction="none").view(B, -1)
     return losses
 
 
@@ -100,7 +78,7 @@ def check_head(model, ids: torch.Tensor) -> None:
     tol = 1e-3 if ours.dtype == torch.float32 and model.dtype == torch.float32 else 5e-2
     if ours.shape != theirs.shape or not torch.allclose(ours, theirs, atol=tol * (1 + theirs.abs().max().item())):
         raise RetrofitError(f"{type(model).__name__} makes its logits in a way `retrofit eval` does not know "
-                            "(see LOGIT_TRANSFORMS in retrofit/evaluate/losses.py): add its transform there")
+                            "(see LOGIT_TRANSFORMS in retrofit/logit_head.py): add its transform there")
 
 
 def check_lengths(model, lengths, name="model") -> None:

@@ -153,11 +153,12 @@ def _stage_model(model_dir: Path, stage: Path, link: bool) -> dict:
 
 def patch_has_parameters(record: dict) -> bool:
     """Whether a recorded patch adds parameters: a norm built with the record's options, on a small shape, has
-    any. The class flag is not enough: ssmax has parameters with scale=learned and none with beyond/llama4."""
+    any (Norm.has_parameters: ssmax has parameters with scale=learned and none with beyond/llama4, psoftmax only
+    with a gain)."""
     norm = record["norm"]
     options = make_options(norm, **(record.get("options") or {}))
     built = get_norm(norm)(options, AttentionShape(num_heads=2, num_kv_heads=2, head_dim=4, max_positions=16))
-    return any(True for _ in built.parameters())
+    return built.has_parameters
 
 
 def _stage_adapter(adapter_dir: Path, model_dir: Path | None, run: Path | None, stage: Path, link: bool,

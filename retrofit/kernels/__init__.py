@@ -59,7 +59,7 @@ from . import blockwise, cpu_fused, decode, dispatch, ops  # noqa: F401  (the ba
 from .dispatch import autocast_on, force_backend, triton_backend
 from .dispatch import choose as _choose
 from .dispatch import compute_dtype as _compute_dtype
-from .masks import causal_mask, combine_causal, visible_counts
+from .masks import causal_mask, visible_counts
 from .softcap import check_softcap
 
 
@@ -159,4 +159,4 @@ def softmax1_attention(q, k, v, sink, *, scale=None, causal=True, attn_mask=None
 
 
 __all__ = ["psoftmax_attention", "ssmax_attention", "softmax1_attention", "visible_counts", "causal_mask",
-           "combine_causal", "triton_backend", "force_backend"]
+           "triton_backend", "force_backend"]

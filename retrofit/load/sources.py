@@ -10,13 +10,13 @@ unless it is already in the local cache.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import os
 import re
 import socket
 import struct
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -115,8 +115,7 @@ def hub_error(source: str, err: Exception) -> RetrofitError:
                          "pass a local model folder or a .gguf file instead")
 
 
-@functools.lru_cache(maxsize=1)
-def hub_reachable(timeout: float = 3.0) -> bool:
+def connect_to_hub(timeout: float = 3.0) -> bool:
     """One quick TCP connect to the Hub endpoint, so an offline machine fails in seconds, not after retries."""
     if constants.HF_HUB_OFFLINE:
         return False
@@ -126,6 +125,25 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return True
     except OSError:
         return False
+
+
+class TimedAnswer:
+    """A question answered at most once per `ttl_s` seconds: the answer is kept with the time it was asked, so a
+    process that goes offline or back online sees it within ttl_s (an lru_cache froze the first answer for the whole
+    process). One load asks several times (config, weights, tokenizer): a blackholed connect costs `timeout` each."""
+
+    def __init__(self, ask, ttl_s: float, clock=time.monotonic):
+        self.ask, self.ttl_s, self.clock = ask, ttl_s, clock
+        self.answer, self.asked_at = None, None
+
+    def __call__(self):
+        now = self.clock()
+        if self.asked_at is None or now - self.asked_at >= self.ttl_s:
+            self.answer, self.asked_at = self.ask(), now
+        return self.answer
+
+
+hub_reachable = TimedAnswer(connect_to_hub, ttl_s=60.0)  # hub_reachable() -> bool, re-asked after a minute
 
 
 def call_loader(source: str, kind: str, fn, *args, **kwargs):

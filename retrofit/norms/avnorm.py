@@ -40,7 +40,6 @@ class AVNorm(Norm):
     name = "avnorm"
     summary = "per-head RMS/LayerNorm of each head's attention output (retrofittable)"
     formula = "y_h = g_h * norm_d(A_h V_h), norm = rms | layer (per head) | global (all heads)"
-    has_parameters = True
     acts_on_output = True  # a pre-hook on the output projection: any attention implementation (retrofit.patch)
     knob, knob_identity = "floor", 8.0  # f = 8: within ~0.01 nats of the original on SmolLM2 (f = inf is exact)
 

@@ -49,7 +49,6 @@ class Norm(nn.Module):
     summary: ClassVar[str]
     formula: ClassVar[str]
     Options: ClassVar[type]
-    has_parameters: ClassVar[bool] = False
     scales_queries_by_position: ClassVar[bool] = False  # True: refused on models that already do (families.py)
     # True: the norm acts on each head's output, i.e. on the attention output projection's input (B, T, H*D),
     # as a forward pre-hook there: it then works over any attention implementation (flash, flex, Hub kernels,
@@ -64,6 +63,12 @@ class Norm(nn.Module):
         super().__init__()
         self.options = options
         self.shape = shape
+
+    @property
+    def has_parameters(self) -> bool:
+        """Whether this norm, as built with its options, has parameters (p-softmax: only with a gain; SSMax: only
+        learned): what an adapter or a push must carry besides the base model."""
+        return any(True for _ in self.parameters())
 
     def forward(self, module: nn.Module, query, key, value, attention_mask, *, base: Callable, **kwargs):
         raise NotImplementedError

@@ -40,7 +40,6 @@ class PSoftmax(Norm):
     name = "psoftmax"
     summary = "exp(s) normalized by its Lp norm (p=2: variance-preserving L2 softmax)"
     formula = "a = exp(s) / ||exp(s)||_p"
-    has_parameters = False  # only with gain set (hub/publish.py reads this for the default options)
     knob, knob_identity = "p", 1.0
 
     @dataclass

@@ -31,7 +31,6 @@ class Softmax1(Norm):
     name = "softmax1"
     summary = "softmax+1: a (optionally learned) sink logit in the denominator"
     formula = "a = exp(s) / (exp(b_h) + sum_j exp(s_j)), b_h = 0 or learned"
-    has_parameters = True
     knob, knob_identity = "sink", -30.0
 
     @dataclass

@@ -52,7 +52,6 @@ class SSMax(Norm):
     name = "ssmax"
     summary = "Scalable-Softmax: logits times a function of n = visible keys (learned s*log n, or 1 inside L)"
     formula = "a = softmax(f(n) * q.k / sqrt(d)); f = s_h*log n | max(1, log n/log L) | 1 + beta*log(1+floor((n-1)/L))"
-    has_parameters = True  # in the default (learned) mode
     scales_queries_by_position = True
     knob, knob_identity = "blend", 0.0
 

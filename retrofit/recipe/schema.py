@@ -172,7 +172,10 @@ def _coerce(value, tp, path: str):
 
 
 def build(cls, data: dict, path: str):
-    """Build dataclass `cls` from a mapping; unknown keys name the closest valid key."""
+    """Build dataclass `cls` from a mapping; unknown keys name the closest valid key. A key the class lists in its
+    `renamed` (old name -> new) is read under its new name, so recipes and saved runs written before still load."""
+    renamed = getattr(cls, "renamed", {})
+    data = {renamed.get(key, key): value for key, value in data.items()}
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     rest = getattr(cls, "pass_through", None)  # a dict field collecting keys the class validates itself

@@ -82,13 +82,15 @@ class PatchSection:
     # Keys that are no field of this section are the norm's own options (patch.p: 2, patch.kind: layer), collected
     # into `options` and validated by the norm's Options dataclass: each option is declared once, in its norm's file.
     pass_through: ClassVar[str] = "options"
+    renamed: ClassVar[dict] = {"calibrate": "calibrate_tokens"}  # old key -> its name now (saved runs still load)
 
     norm: str | None = knob(None, "attention normalization (see `retrofit norms`): avnorm, psoftmax, ssmax, softmax1, "
                                   "softmax; null = leave the model's attention as loaded (the L1 baseline arm)")
     nope: bool = knob(False, "remove positional information (NoPE); required to train GPT-2 beyond its 1024 learned "
                              "positions")
-    calibrate: int | None = knob(None, "tokens of training data used to calibrate AVNorm's per-head gains; 0 = off "
-                                       "(unit gain); null = 8192 when norm is avnorm on a pretrained model")
+    calibrate_tokens: int | None = knob(None, "tokens of training data used to calibrate AVNorm's per-head gains; "
+                                              "0 = off (unit gain); null = 8192 when norm is avnorm on a pretrained "
+                                              "model")
     rope: str | dict | None = knob(None, "extend RoPE (retrofit.rope): 'yarn:4', 'dynamic:4', 'linear:4', 'llama3:8,"
                                          "low_freq_factor=1,high_freq_factor=4' or a mapping {rope_type: yarn, factor: "
                                          "4}; with norm softmax, the training-free baseline; null = RoPE as loaded")
@@ -103,9 +105,9 @@ class PatchSection:
         self.options = {k: v for k, v in self.options.items() if v is not None}  # null = the norm's default
         if self.norm is None:
             given = list(self.options)
-            need(not given and not self.nope and not self.calibrate and self.rope is None,
-                 f"patch: {', '.join(given) or 'nope/calibrate/rope'} given but patch.norm is null; set patch.norm "
-                 "(softmax keeps attention unchanged)")
+            need(not given and not self.nope and not self.calibrate_tokens and self.rope is None,
+                 f"patch: {', '.join(given) or 'nope/calibrate_tokens/rope'} given but patch.norm is null; set "
+                 "patch.norm (softmax keeps attention unchanged)")
             return
         if self.rope is not None:
             normalize_rope(self.rope)  # unknown type (closest match), bad factor or key -> a one-line error
@@ -113,14 +115,16 @@ class PatchSection:
                                 "choose one")
         made = make_options(self.norm, **self.options)  # unknown norm / option of another norm / bad value -> error
         self.options = {k: getattr(made, k) for k in self.options}  # as the norm reads them (p: 2 -> 2.0)
-        need(self.calibrate is None or self.calibrate >= 0,
-             f"patch.calibrate must be >= 0 tokens, got {self.calibrate}")
-        need(not self.calibrate or self.norm == "avnorm",
-             f"patch.calibrate sets AVNorm gains, but patch.norm is {self.norm!r}; set patch.calibrate: 0")
+        need(self.calibrate_tokens is None or self.calibrate_tokens >= 0,
+             f"patch.calibrate_tokens must be >= 0 tokens, got {self.calibrate_tokens}")
+        need(not self.calibrate_tokens or self.norm == "avnorm",
+             f"patch.calibrate_tokens sets AVNorm gains, but patch.norm is {self.norm!r}; set "
+             "patch.calibrate_tokens: 0")
 
-    def calibration_tokens(self, pretrained: bool) -> int:
-        if self.calibrate is not None:
-            return self.calibrate
+    def tokens_to_calibrate(self, pretrained: bool) -> int:
+        """patch.calibrate_tokens, or its default: 8192 for AVNorm (no gain given) on a pretrained model, else 0."""
+        if self.calibrate_tokens is not None:
+            return self.calibrate_tokens
         return 8192 if self.norm == "avnorm" and pretrained and self.options.get("gain") is None else 0
 
     @staticmethod
@@ -319,6 +323,7 @@ class ScheduleSection:
 class RecoverySection:
     """How a retrofit recovers the original model's function (issue #14); every key defaults to off."""
 
+    renamed: ClassVar[dict] = {"calibrate": "calibrate_tokens"}  # old key -> its name now (saved runs still load)
     schedule: ScheduleSection | None = knob(None, "identity-start schedule of the norm's knob (avnorm floor, "
                                                   "psoftmax p, softmax1 sink, ssmax blend); null = the full norm "
                                                   "from step 0")
@@ -338,8 +343,9 @@ class RecoverySection:
     patch_warmup_steps: int | None = knob(None, "warmup of patch_lr; null = train.warmup_steps")
     freeze_base: bool = knob(False, "train only the patch's parameters (cheap, keeps the model; limited recovery); "
                                     "patch + LoRA: train.peft with train_patch: true instead")
-    calibrate: int | None = knob(None, "tokens to calibrate psoftmax's per-head gain (patch.gain set) on; null = "
-                                       "8192 on a pretrained model; 0 = off (avnorm uses patch.calibrate)")
+    calibrate_tokens: int | None = knob(None, "tokens to calibrate psoftmax's per-head gain (patch.gain set) on; "
+                                              "null = 8192 on a pretrained model; 0 = off (avnorm uses "
+                                              "patch.calibrate_tokens)")
 
     def __post_init__(self):
         for key in ("lm_weight", "kl_weight"):
@@ -353,7 +359,8 @@ class RecoverySection:
              f"recovery.patch_lr must be >= 0, got {self.patch_lr}")
         need(self.patch_warmup_steps is None or self.patch_warmup_steps >= 0,
              f"recovery.patch_warmup_steps must be >= 0, got {self.patch_warmup_steps}")
-        need(self.calibrate is None or self.calibrate >= 0, f"recovery.calibrate must be >= 0, got {self.calibrate}")
+        need(self.calibrate_tokens is None or self.calibrate_tokens >= 0,
+             f"recovery.calibrate_tokens must be >= 0, got {self.calibrate_tokens}")
 
     def distills(self) -> bool:
         return self.kl_weight > 0 or self.match_steps > 0

@@ -19,12 +19,13 @@ from torch import nn
 
 from ..errors import RetrofitError
 from ..patch import CHILD
+from ..record import read_record
 from ..rope import original_rope
 
 
 def _records(model: nn.Module) -> list[dict]:
-    return [m.config.retrofit for m in model.modules()
-            if isinstance(getattr(getattr(m, "config", None), "retrofit", None), dict)]
+    records = [read_record(m.config) for m in model.modules() if hasattr(m, "config")]
+    return [record for record in records if record is not None]
 
 
 @contextlib.contextmanager

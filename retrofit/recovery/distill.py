@@ -18,30 +18,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import RetrofitError
+from ..logit_head import chunk_slices, head_logits
 from ..patch import attention_modules, output_projection
 from .bypass import patch_bypassed
-
-# Families whose head transforms logits after the output projection (the same table as evaluate/losses.py).
-LOGIT_TRANSFORMS = {
-    "final_logit_softcapping": lambda x, cap: torch.tanh(x / cap) * cap,
-    "logit_scale": lambda x, scale: x * scale,
-    "logits_scaling": lambda x, scale: x / scale,
-}
 
 
 def _inner(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)  # DDP / accelerate wrappers
-
-
-def _head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """(B, c, d) -> (B, c, V) float32 logits as the model's own forward makes them."""
-    inner = _inner(model)
-    logits = inner.get_output_embeddings()(hidden).float()
-    for name, transform in LOGIT_TRANSFORMS.items():
-        value = getattr(inner.config, name, None)
-        if value is not None and not isinstance(value, bool):
-            logits = transform(logits, float(value))
-    return logits
 
 
 def final_hidden(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -76,7 +59,7 @@ def kl_per_position(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tenso
 
 def _chunk_terms(model, student_h, teacher_h, labels, lm_weight: float, kl_weight: float, temperature: float):
     """One chunk's summed loss: (B, c, d) hidden states and (B, c) labels (-100 = not scored)."""
-    logits = _head(model, student_h)  # (B, c, V)
+    logits = head_logits(_inner(model), student_h)  # (B, c, V)
     valid = labels != -100
     total = logits.new_zeros(())
     if lm_weight:
@@ -84,7 +67,7 @@ def _chunk_terms(model, student_h, teacher_h, labels, lm_weight: float, kl_weigh
                                                     reduction="sum")
     if kl_weight:
         with torch.no_grad():
-            teacher = torch.log_softmax(_head(model, teacher_h) / temperature, -1)  # (B, c, V)
+            teacher = torch.log_softmax(head_logits(_inner(model), teacher_h) / temperature, -1)  # (B, c, V)
         kl = kl_per_position(teacher, torch.log_softmax(logits / temperature, -1))  # (B, c)
         total = total + kl_weight * temperature ** 2 * (kl * valid).sum()
     return total
@@ -96,11 +79,10 @@ def chunked_kl_sum(model, student_h: torch.Tensor, teacher_h: torch.Tensor | Non
     """Sum over scored positions of lm_weight * CE + kl_weight * KL(teacher || student), head run in chunks.
     labels: (B, T) already shifted (position t scored on token t+1), -100 = not scored."""
     B, T = labels.shape
-    step = max(1, chunk_tokens // B)
     total = student_h.new_zeros((), dtype=torch.float32)
-    for s in range(0, T, step):
-        t_h = teacher_h[:, s:s + step] if teacher_h is not None else student_h.new_zeros(())
-        args = (model, student_h[:, s:s + step], t_h, labels[:, s:s + step], lm_weight, kl_weight, temperature)
+    for part in chunk_slices(B, T, chunk_tokens):
+        t_h = teacher_h[:, part] if teacher_h is not None else student_h.new_zeros(())
+        args = (model, student_h[:, part], t_h, labels[:, part], lm_weight, kl_weight, temperature)
         if torch.is_grad_enabled() and student_h.requires_grad:  # recomputed in backward: no L x V saved
             total = total + checkpoint(_chunk_terms, *args, use_reentrant=False)
         else:

@@ -24,6 +24,7 @@ from torch import nn
 from ..errors import RetrofitError
 from ..norms import NORMS, Norm
 from ..patch import CHILD
+from ..record import read_record, set_option
 
 SHAPES = ("linear", "cosine")
 
@@ -102,9 +103,9 @@ def record_knob(model: nn.Module) -> None:
             settle()
     norm = norms[0]
     for m in model.modules():
-        record = getattr(getattr(m, "config", None), "retrofit", None)
-        if isinstance(record, dict) and "options" in record:
-            record["options"][norm.knob] = values[0]
+        record = read_record(m.config) if hasattr(m, "config") else None
+        if record is not None and "options" in record:
+            set_option(m.config, norm.knob, values[0])
 
 
 def is_patch_parameter(name: str) -> bool:

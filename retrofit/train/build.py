@@ -50,8 +50,8 @@ def make_accelerator(train: TrainSection, run_dir, trackers=()):
     """An Accelerator that cannot silently run N independent copies.
 
     Under torchrun / `accelerate launch --multi_gpu` on a machine without CUDA, a plain Accelerator()
-    ignores WORLD_SIZE and every process trains alone (measured with torchrun --nproc_per_node 2); so cpu=True is forced
-    there (gloo), and the process count accelerate sees must equal WORLD_SIZE.
+    ignores WORLD_SIZE and every process trains alone (measured; tests/test_fsdp.py trains 2 CPU processes through
+    here); so cpu=True is forced there (gloo), and the process count accelerate sees must equal WORLD_SIZE.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cpu = train.cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or (
@@ -110,12 +110,13 @@ def wrap_task(model: nn.Module, task: str) -> nn.Module:
 
 def calibrate_patch(model: nn.Module, data, recipe: Recipe) -> dict | None:
     """Calibrated per-head gains from the recipe's own data (see retrofit/calibrate.py for why): AVNorm's
-    (patch.calibrate), p-softmax's when patch.gain is set (recovery.calibrate)."""
+    (patch.calibrate_tokens), p-softmax's when patch.gain is set (recovery.calibrate_tokens)."""
     pretrained = recipe.model.source is not None
-    tokens = recipe.patch.calibration_tokens(pretrained=pretrained)
+    tokens = recipe.patch.tokens_to_calibrate(pretrained=pretrained)
     if recipe.patch.norm == "psoftmax" and recipe.patch.options.get("gain") is not None:
         recovery = recipe.section("recovery")
-        tokens = recovery.calibrate if recovery is not None and recovery.calibrate is not None else 8192 * pretrained
+        given = recovery.calibrate_tokens if recovery is not None else None
+        tokens = given if given is not None else 8192 * pretrained
     elif recipe.patch.norm != "avnorm":
         return None
     if not tokens:

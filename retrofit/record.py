@@ -1,0 +1,115 @@
+"""The patch's two records: `config.retrofit` (plain JSON that rebuilds the patch) and `PatchReport` (what one
+`retrofit.patch` call did, for a person).
+
+    write_record(model, norm="avnorm", options={...}, nope=False, base_attn_implementation="sdpa", rope=None)
+    write_record(model, calibration=summary)          # one field of an existing record
+    read_record(model)                                # the dict, or None when the config has none
+    drop_record(model)                                # unpatch: the config is plain again
+
+This module is the only writer of `config.retrofit` (patch, calibrate and the recovery schedule call it), so the
+record's schema lives here: FIELDS, filled by `write_record` when it creates a record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .errors import RetrofitError
+from .version import VERSION
+
+FORMAT = 1          # version of the config.retrofit record
+# The record's schema: field -> value of a new record until a caller sets it.
+FIELDS = {"format": FORMAT, "retrofit_version": VERSION, "norm": None, "options": {}, "nope": False,
+          "base_attn_implementation": None, "calibration": None, "rope": None}
+
+
+def _config(target):
+    """A model's config, or the config itself (records live on configs; a model's sub-modules may hold its own)."""
+    return getattr(target, "config", target)
+
+
+def read_record(target) -> dict | None:
+    """config.retrofit of a model (or a config) when it is a dict, else None. Not a copy: read, do not write."""
+    record = getattr(_config(target), "retrofit", None)
+    return record if isinstance(record, dict) else None
+
+
+def write_record(target, **changes) -> dict:
+    """Set `changes` in the record of a model (or a config), creating it from FIELDS when there is none.
+    Unknown field names are refused: the schema is FIELDS."""
+    unknown = sorted(set(changes) - set(FIELDS))
+    if unknown:
+        raise RetrofitError(f"config.retrofit has no field {', '.join(unknown)}; its fields: {', '.join(FIELDS)}")
+    config = _config(target)
+    record = read_record(config)
+    if record is None:
+        record = {name: (dict(value) if isinstance(value, dict) else value) for name, value in FIELDS.items()}
+        config.retrofit = record
+    record.update(changes)
+    return record
+
+
+def set_option(target, name: str, value) -> None:
+    """One option of the recorded norm (a recovery schedule's final knob value)."""
+    record = read_record(target)
+    if record is None or not isinstance(record.get("options"), dict):
+        raise RetrofitError("this config has no patch record with options to set")
+    write_record(target, options={**record["options"], name: value})
+
+
+def drop_record(target) -> None:
+    """Remove config.retrofit (unpatch; a config copied from a patched model's)."""
+    config = _config(target)
+    if hasattr(config, "retrofit"):
+        del config.retrofit
+
+
+@dataclass
+class PatchReport:
+    """What `patch` did. `str()` is the table `retrofit patch` prints, `repr()` one line, `as_dict()` for JSON;
+    a notebook shows `_repr_markdown_`."""
+
+    model_type: str
+    norm: str
+    options: dict
+    nope: bool
+    modules: list[str]
+    params_added: int
+    base_attn_implementation: str
+    positions: str | None = None
+    family: str = "table"
+    calibration: dict | None = None
+    notes: list[str] = field(default_factory=list)
+    rope: str | None = None  # describe_rope of the RoPE extension, e.g. "yarn x4 (orig 8192)"
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def _rows(self) -> list[tuple[str, str]]:
+        shown = {k: v for k, v in self.options.items() if not (self.norm == "avnorm" and k == "gain")}
+        opts = ", ".join(f"{k}={v}" for k, v in shown.items()) or "no options"
+        if self.norm == "avnorm":
+            opts += ", gain " + (f"calibrated on {self.calibration['tokens']} tokens" if self.calibration
+                                 else f"{self.options.get('gain', 1.0)} (not calibrated)")
+        rows = [
+            ("model type", f"{self.model_type} ({'in retrofit table' if self.family == 'table' else 'generic'})"),
+            ("norm", f"{self.norm} ({opts})"),
+            ("attention modules", f"{len(self.modules)} patched over {self.base_attn_implementation}"),
+            ("parameters added", f"{self.params_added:,}"),
+            ("positions", f"{self.positions if self.nope else 'kept'}"),
+        ] + ([("rope", self.rope)] if self.rope else [])
+        return rows + [("note", n) for n in self.notes]
+
+    def __str__(self) -> str:
+        return "\n".join(f"{name:<17} {value}" for name, value in self._rows())
+
+    def __repr__(self) -> str:
+        extras = "".join(f", {what}" for what in ("nope" if self.nope else "", self.rope and f"rope {self.rope}",
+                                                   self.calibration and "calibrated") if what)
+        return (f"<PatchReport {self.norm} on {self.model_type}: {len(self.modules)} attention modules over "
+                f"{self.base_attn_implementation}, {self.params_added:,} parameters added{extras}>")
+
+    def _repr_markdown_(self) -> str:
+        lines = ["| retrofit patch | |", "|---|---|"]
+        return "\n".join(lines + [f"| {name} | {str(value).replace('|', '&#124;')} |" for name, value in self._rows()])

@@ -26,6 +26,7 @@ from transformers.utils import logging as hf_logging
 from ..errors import RetrofitError
 from ..families import family_of
 from ..patch import CHILD, patch_from_record
+from ..record import drop_record
 from .models import as_dtype, load_config, plain_model
 from .sources import HUB_ARGS, call_loader, check_safetensors, hub_reachable, location, source_kind
 
@@ -116,7 +117,7 @@ def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, dev
     if record is None:
         raise RetrofitError(f"{source} is not a retrofit checkpoint (its config.json has no 'retrofit' section); "
                             "load it with retrofit.load.load or transformers")
-    del config.retrofit
+    drop_record(config)  # the base loads plain; the patch is rebuilt from `record`
     # transformers' loading report calls our patch tensors "unexpected" and a NoPE-removed table "missing": it is
     # kept quiet, and checked here instead (check_base_keys): anything else missing or unexpected is an error.
     with quiet_transformers():

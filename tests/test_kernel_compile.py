@@ -20,12 +20,7 @@ from tests.tiny import random_ids, tiny_model
 NORM_OPTIONS = {"psoftmax": {"p": 2.0}, "softmax1": {"learnable": True}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _tensors(seed=0):

@@ -77,11 +77,12 @@ def _load(args):
 
     from ..load import load
     from ..patch import is_patched, unpatch
+    from ..record import read_record
 
     model = load(args.model, task_head=False, dtype=torch.float32)
     note = None
     if is_patched(model):
-        note = f"{args.model} is patched with {model.config.retrofit['norm']}: its base model is the baseline"
+        note = f"{args.model} is patched with {read_record(model)['norm']}: its base model is the baseline"
         unpatch(model)
     check_length(model.config, args)
     return model.to(args.device).eval(), note

@@ -78,13 +78,9 @@ def evaluate_models(sources: list, spec: EvalSpec) -> dict:
     docs/results-schema.md. A model that is already patched is evaluated as it is if it carries the asked patch
     (rope alone: that same rope), else refused; with several variants every source runs once per variant.
     """
-    names = list(spec.names) if spec.names else _unique([model_name(s) for s in sources])
-    if len(names) != len(sources):
-        raise RetrofitError(f"{len(names)} names for {len(sources)} models: give one name per model")
     tasks, lengths, data = spec.tasks, spec.lengths, spec.data
-    job_names = [name if variant is None else variant if len(sources) == 1 else f"{name}+{variant}"
-                 for name in names for variant, _ in spec.patches]
-    reference = check_reference(spec.reference, job_names)  # before any tokenizer or model loads
+    job_names = evaluation_names(sources, spec)  # checks the names and the reference before anything loads
+    reference = check_reference(spec.reference, job_names)
     prepared = _prepare_data(sources, data, spec.tokens, spec.tokenizer, lengths, tasks)
     jobs = [(source, prep, ep) for source, prep in zip(sources, prepared) for _, ep in spec.patches]
     jobs = [(source, name, prep, ep) for (source, prep, ep), name in zip(jobs, job_names)]
@@ -139,6 +135,18 @@ def evaluate_models(sources: list, spec: EvalSpec) -> dict:
     if comparisons is not None:
         results["comparisons"] = comparisons
     return results
+
+
+def evaluation_names(sources: list, spec: EvalSpec) -> list[str]:
+    """The name of each evaluation, in order (SOURCE, or SOURCE+VARIANT / VARIANT with variants), checked: one
+    name per source, and `spec.reference` one of them. Loads nothing, so the CLI calls it before --out is made."""
+    names = list(spec.names) if spec.names else _unique([model_name(s) for s in sources])
+    if len(names) != len(sources):
+        raise RetrofitError(f"{len(names)} names for {len(sources)} models: give one name per model")
+    jobs = [name if variant is None else variant if len(sources) == 1 else f"{name}+{variant}"
+            for name in names for variant, _ in spec.patches]
+    check_reference(spec.reference, jobs)
+    return jobs
 
 
 def _saved_vocab_size(source) -> int | None:
@@ -248,7 +256,8 @@ def _unique(names: list[str]) -> list[str]:
 
 __all__ = [
     "LOGIT_TRANSFORMS", "check_head", "check_lengths", "cut_windows", "evaluate_counting", "evaluate_lengths",
-    "EvalSpec", "check_variants", "evaluate_models", "paired_comparisons", "evaluate_passkey", "fresh_dynamic_rope",
+    "EvalSpec", "check_variants", "evaluate_models", "evaluation_names", "paired_comparisons", "evaluate_passkey",
+    "fresh_dynamic_rope",
     "head_logits",
     "original_positions",
     "parse_lengths", "position_buckets", "read_token_file",

@@ -110,6 +110,27 @@ def test_reference_is_chosen_or_refused_before_anything_loads():
     assert [r["model"] for r in results["comparisons"]["rows"]] == ["a"]
 
 
+def test_experiment_report_prints_intervals_and_the_paired_gap_to_the_control(tmp_path):
+    from retrofit.experiment.driver import _with_comparisons
+    from retrofit.experiment.report import write_experiment_report
+    model = tiny_model("llama", seed=0)
+    spec = EvalSpec(tokens=[_tokens(400, seed=k) for k in range(2)], lengths=[16], max_tokens=96,
+                    names=["base", "softmax", "avnorm"], progress=False)
+    evaluation = evaluate_models([model, model, tiny_model("llama", seed=1)], spec)
+    evaluation = _with_comparisons(dict(evaluation, comparisons={"reference": "stale", "rows": []}), "softmax")
+    assert evaluation["comparisons"]["reference"] == "softmax"
+    assert [r["model"] for r in evaluation["comparisons"]["rows"]] == ["base", "avnorm"]
+    results = {"recipe": "r.yaml", "hardware": {}, "wall_time_s": {}, "base": "base", "control": "softmax",
+               "arms": {"softmax": {"patch": {"norm": "softmax"}}, "avnorm": {"patch": {"norm": "avnorm"}}},
+               "evaluation": evaluation, "reference": None}
+    report = write_experiment_report(results, tmp_path).read_text()
+    base = evaluation["models"][0]["lengths"][0]
+    assert f"| base | norm=softmax (base) | {plus_minus(base['loss'], base['ci95'])} |" in report
+    assert "### Gap to `softmax` by length (paired, same windows)" in report
+    assert "| base | +0.000 ± 0.000 ≈ |" in report and "≈: the interval covers 0" in report
+    assert _with_comparisons(dict(evaluation, models=evaluation["models"][:1]), "softmax").get("comparisons") is None
+
+
 def _row(loss, sha, window_losses=None):
     row = {"length": 16, "loss": loss, "windows": 3, "windows_sha1": sha}
     return row | ({"window_losses": window_losses} if window_losses else {})

@@ -233,14 +233,17 @@ def _reusable(previous: dict | None, source: str, name: str, lengths: list[int],
 
 
 def _previous_evaluation(path: Path, recipe: Recipe, exp: ExperimentSection) -> dict | None:
-    """DIR/eval/results.json of an earlier run, if it used the same data, token cap and trained length.
+    """DIR/eval/results.json of an earlier run, if it used the same data, token cap and trained length, and was
+    written with intervals (the same windows and per-window losses as a new evaluation).
     Each model entry carries `evaluated_at` (entries written without it date from the file)."""
     if not path.is_file():
         return None
     previous = json.loads(path.read_text())
     same = (previous.get("data", {}).get("files") == [str(p) for p in exp.eval_data or []]
             and previous.get("settings", {}).get("max_tokens") == exp.eval_max_tokens
-            and previous.get("train_len") == (exp.train_len or recipe.data.seq_len))
+            and previous.get("train_len") == (exp.train_len or recipe.data.seq_len)
+            # written before #28 (no intervals): capped windows were chosen another way, per-window losses absent
+            and "intervals" in previous.get("settings", {}))
     if not same:
         return None
     for entry in previous["models"]:

@@ -169,3 +169,15 @@ def test_every_committed_results_json_validates_and_renders(tmp_path):
             write_report(results, out)
             text = (out / "results.md").read_text()
             assert "No intervals" in text and "±" not in text.split("## Loss by context length")[1][:2000], path
+
+
+def test_loss_plot_draws_a_band_only_where_there_are_intervals():
+    from matplotlib.figure import Figure
+
+    from retrofit.evaluate.report import draw_lines
+    ax = Figure().subplots()
+    series = {"a": ([16, 32], [3.0, 3.1]), "b": ([16, 32], [3.2, 3.3])}
+    draw_lines(ax, series, xlabel="x", ylabel="y", bands={"a": ([16, 32], [2.9, 3.0], [3.1, 3.2]), "b": ([], [], [])})
+    (band,) = ax.collections  # one band: a's; b has no interval
+    vertices = band.get_paths()[0].vertices
+    assert vertices[:, 1].min() == pytest.approx(2.9) and vertices[:, 1].max() == pytest.approx(3.2)

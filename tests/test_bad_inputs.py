@@ -352,6 +352,10 @@ CASES = [
     # round 3 (house): --calibrate is --calibration-text's old name, still read and checked under the new one
     ("patch-calibrate-old-name", "patch {model} --norm avnorm --calibrate {missing}",
      r"--calibration-text .*no-such-thing: no such file"),
+    # round 4 (intervals): the paired-differences reference must name one of the evaluated models
+    ("eval-reference-unknown",
+     "eval {model} {model} --names a,b --reference nope --data {text} --lengths 8 --out {out}",
+     r"^retrofit eval: error: --reference nope is not one of the models: a, b$"),
 ]
 
 

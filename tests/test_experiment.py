@@ -47,6 +47,8 @@ def test_demo_writes_the_report(demo_run):
     report = (out / "report.md").read_text()
     for name in ["base"] + arms:
         assert f"| {name} |" in report
+    l1 = results["evaluation"]["models"][0]["counting"][0]
+    assert f"{l1['l1']:.3f} ± {(l1['ci95'][1] - l1['ci95'][0]) / 2:.3f}" in report  # the interval over sequences
     assert "64*" in report and "recovery.png" in report and (out / "recovery.png").is_file()
     assert (out / "eval" / "counting.png").is_file()
     assert "Hardware" in report and "Wall time" in report

@@ -26,8 +26,14 @@ import yaml
 from ..atomic import output_folder
 from ..diagnose import parse_patch
 from ..errors import RetrofitError
-from ..evaluate import EvalSpec, check_variants, evaluate_models
-from ..evaluate.report import cost_table_markdown, loss_table_markdown, write_report
+from ..evaluate import EvalSpec, check_variants, evaluate_models, evaluation_names
+from ..evaluate.report import (
+    APPROX_LEGEND,
+    comparison_table_markdown,
+    cost_table_markdown,
+    loss_table_markdown,
+    write_report,
+)
 from ..lengths import parse_lengths
 from . import check_counts, check_eval_memory, check_out, check_text_files
 
@@ -45,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="cap on scored tokens per length and model (default: every window)")
     parser.add_argument("--names", default=None, help="comma-separated names for the models, in order")
+    parser.add_argument("--reference", metavar="NAME", default=None,
+                        help="the model the others are compared with on the same windows (paired differences with "
+                             "95%% intervals); default the first model")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (or model) to use for every model")
     parser.add_argument("--batch-tokens", type=int, default=16384,
                         help="tokens per forward (windows batched up to this)")
@@ -84,10 +93,12 @@ def run(args: argparse.Namespace) -> int:
     spec = EvalSpec(
         data=args.data, lengths=args.lengths, train_len=args.train_len,
         tasks=args.tasks.split(",") if args.tasks else None, max_tokens=args.max_tokens, tokenizer=args.tokenizer,
-        names=args.names.split(",") if args.names else None, batch_tokens=args.batch_tokens,
+        names=args.names.split(",") if args.names else None, reference=args.reference,
+        batch_tokens=args.batch_tokens,
         chunk_tokens=args.chunk_tokens, dtype=args.dtype, device=args.device,
         passkey={"depths": depths, "trials": args.trials}, counting=counting, progress=not args.no_progress,
         patch=patch, rope=args.rope, variants=variants)  # checked now: a bad setting fails before --out is made
+    evaluation_names(args.models, spec)  # a wrong --names count or --reference fails before --out is made too
     with output_folder(args.out, "--out"):  # one `eval --out X` at a time: a second is refused, not overwritten
         paths = _evaluate(args.models, spec, args.out)
     print("wrote " + ", ".join(str(p) for p in paths))
@@ -100,6 +111,9 @@ def _evaluate(models: list[str], spec: EvalSpec, out) -> list[Path]:
     paths = write_report(results, out)
     if any(m["lengths"] for m in results["models"]):
         print(loss_table_markdown(results) + "\n\n" + cost_table_markdown(results))
+    if comparison_table_markdown(results):
+        print(f"\nPaired differences to {results['comparisons']['reference']}\n"
+              + comparison_table_markdown(results) + "\n" + APPROX_LEGEND)
     return paths
 
 

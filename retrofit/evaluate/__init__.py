@@ -9,7 +9,8 @@
                               # patched on the fly: softmax + YaRN, the training-free baseline
 
 Modules: windows (data, windows, position buckets) <- losses (chunked scoring, passkey, counting)
-<- spec (EvalSpec: the settings, checked before any model loads)
+<- spec (EvalSpec: the settings, checked before any model loads), intervals + compare (95% intervals, paired
+differences to a reference model)
 <- this file (every model at every length -> the results dict, schema in docs/results-schema.md)
 <- report (tables, CSV, plots, report.md). The CLI is retrofit/commands/eval.py.
 """
@@ -35,6 +36,8 @@ from ..patch import patch as patch_model
 from ..patch import patch_record
 from ..positions import position_limit
 from ..rope import describe_rope
+from .compare import check_reference, paired_comparisons
+from .intervals import METHOD
 from .losses import (
     LOGIT_TRANSFORMS,
     check_head,
@@ -75,19 +78,19 @@ def evaluate_models(sources: list, spec: EvalSpec) -> dict:
     docs/results-schema.md. A model that is already patched is evaluated as it is if it carries the asked patch
     (rope alone: that same rope), else refused; with several variants every source runs once per variant.
     """
-    names = list(spec.names) if spec.names else _unique([model_name(s) for s in sources])
-    if len(names) != len(sources):
-        raise RetrofitError(f"{len(names)} names for {len(sources)} models: give one name per model")
     tasks, lengths, data = spec.tasks, spec.lengths, spec.data
+    job_names = evaluation_names(sources, spec)  # checks the names and the reference before anything loads
+    reference = check_reference(spec.reference, job_names)
     prepared = _prepare_data(sources, data, spec.tokens, spec.tokenizer, lengths, tasks)
-    jobs = [(source, name if variant is None else variant if len(sources) == 1 else f"{name}+{variant}", prep, ep)
-            for source, name, prep in zip(sources, names, prepared) for variant, ep in spec.patches]
-    results = {"schema": "retrofit.eval/1", "train_len": spec.train_len, "lengths": lengths,
+    jobs = [(source, prep, ep) for source, prep in zip(sources, prepared) for _, ep in spec.patches]
+    jobs = [(source, name, prep, ep) for (source, prep, ep), name in zip(jobs, job_names)]
+    results = {"schema": "retrofit.eval/2", "train_len": spec.train_len, "lengths": lengths,
                "data": {"files": [str(p) for p in data],
                         "documents": [len(d) for d in next((d for _, d, _ in prepared if d), [])]},
                "settings": {"tasks": tasks, "max_tokens": spec.max_tokens, "batch_tokens": spec.batch_tokens,
                             "chunk_tokens": spec.chunk_tokens, "device": str(spec.device), "passkey": spec.passkey,
-                            "counting": spec.counting, "window": "L + 1 tokens: read L, predict tokens 1..L"},
+                            "counting": spec.counting, "window": "L + 1 tokens: read L, predict tokens 1..L",
+                            "intervals": METHOD},
                "models": []}
     for source, name, (key, documents, tok), eval_patch in jobs:
         _check_vocabulary(_saved_vocab_size(source), documents if tasks is None or "lm" in tasks else None,
@@ -128,7 +131,22 @@ def evaluate_models(sources: list, spec: EvalSpec) -> dict:
         results["models"].append(entry)
         del model, lm
         gc.collect()
+    comparisons = paired_comparisons(results, reference)
+    if comparisons is not None:
+        results["comparisons"] = comparisons
     return results
+
+
+def evaluation_names(sources: list, spec: EvalSpec) -> list[str]:
+    """The name of each evaluation, in order (SOURCE, or SOURCE+VARIANT / VARIANT with variants), checked: one
+    name per source, and `spec.reference` one of them. Loads nothing, so the CLI calls it before --out is made."""
+    names = list(spec.names) if spec.names else _unique([model_name(s) for s in sources])
+    if len(names) != len(sources):
+        raise RetrofitError(f"{len(names)} names for {len(sources)} models: give one name per model")
+    jobs = [name if variant is None else variant if len(sources) == 1 else f"{name}+{variant}"
+            for name in names for variant, _ in spec.patches]
+    check_reference(spec.reference, jobs)
+    return jobs
 
 
 def _saved_vocab_size(source) -> int | None:
@@ -238,7 +256,9 @@ def _unique(names: list[str]) -> list[str]:
 
 __all__ = [
     "LOGIT_TRANSFORMS", "check_head", "check_lengths", "cut_windows", "evaluate_counting", "evaluate_lengths",
-    "EvalSpec", "check_variants", "evaluate_models", "evaluate_passkey", "fresh_dynamic_rope", "head_logits",
+    "EvalSpec", "check_variants", "evaluate_models", "evaluation_names", "paired_comparisons", "evaluate_passkey",
+    "fresh_dynamic_rope",
+    "head_logits",
     "original_positions",
     "parse_lengths", "position_buckets", "read_token_file",
     "token_losses", "tokenize_files", "tokenizer_fingerprint",

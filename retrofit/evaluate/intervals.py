@@ -55,7 +55,9 @@ def wilson(successes: int, trials: int, level: float = LEVEL) -> list[float] | N
     p = successes / trials
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
     half = z / (1 + z * z / trials) * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
-    return [max(0.0, centre - half), min(1.0, centre + half)]
+    lo, hi = max(0.0, centre - half), min(1.0, centre + half)
+    # at p = 0 or 1 the bound is exactly 0 or 1 (rounding would give 1e-17 or 0.9999999999999999)
+    return [0.0 if successes == 0 else lo, 1.0 if successes == trials else hi]
 
 
 def covers_zero(interval) -> bool | None:

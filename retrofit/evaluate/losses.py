@@ -18,7 +18,8 @@ from ..errors import RetrofitError
 from ..logit_head import LOGIT_TRANSFORMS, chunk_slices, config_value, head_logits
 from ..memory import PeakMemory
 from ..positions import position_limit
-from .windows import bucket_rows, cut_windows
+from .intervals import bootstrap_mean, wilson
+from .windows import bucket_rows, cut_windows, stack_windows, window_starts
 
 __all__ = ["LOGIT_TRANSFORMS", "check_head", "check_lengths", "config_value", "evaluate_counting", "evaluate_lengths",
            "evaluate_passkey", "fresh_dynamic_rope", "head_logits", "original_positions", "token_losses"]
@@ -108,30 +109,42 @@ def evaluate_lengths(model, documents: list, lengths: list[int], *, max_tokens=N
     rows = []
     for length in lengths:
         fresh_dynamic_rope(model)
-        windows = cut_windows(documents, length, max_tokens)  # (N, L + 1)
-        batch = max(1, batch_tokens // length)
-        position_sum = torch.zeros(length, dtype=torch.float64)  # summed over windows
-        bar = tqdm(total=windows.shape[0] * length, unit="tok", unit_scale=True, desc=f"{name} L={length}",
-                   disable=not progress, leave=True, dynamic_ncols=True)
-        started = time.perf_counter()
-        with PeakMemory(device) as memory:
-            for i in range(0, windows.shape[0], batch):
-                losses = token_losses(model, windows[i:i + batch].to(device), chunk_tokens)  # (b, L)
-                position_sum += losses.double().sum(0).cpu()
-                bar.update(losses.numel())
-                bar.set_postfix(loss=f"{position_sum.sum().item() / (bar.n or 1):.3f}")
-        seconds = time.perf_counter() - started
-        bar.close()
-        n = windows.shape[0]
-        rows.append({
-            "length": length, "loss": position_sum.sum().item() / (n * length), "windows": n,
+        starts = window_starts(documents, length, max_tokens)
+        windows = stack_windows(documents, starts, length)  # (N, L + 1)
+        row = _length_row(model, windows, length, batch_tokens, chunk_tokens, name, progress, device)
+        window_documents = [d for d, _ in starts]
+        row |= {"beyond_max_positions": bool(max_positions and length > max_positions),
+                "window_documents": window_documents,
+                "windows_by_document": [window_documents.count(d) for d in range(len(documents))],
+                "ci95": bootstrap_mean(row["window_losses"])}
+        rows.append(row)
+    return rows
+
+
+def _length_row(model, windows, length, batch_tokens, chunk_tokens, name, progress, device) -> dict:
+    """Score the (N, L + 1) windows: mean loss, each window's mean loss, loss by position, time and memory."""
+    batch = max(1, batch_tokens // length)
+    position_sum = torch.zeros(length, dtype=torch.float64)  # summed over windows
+    window_sums = []  # (b,) per batch: each window's summed loss
+    bar = tqdm(total=windows.shape[0] * length, unit="tok", unit_scale=True, desc=f"{name} L={length}",
+               disable=not progress, leave=True, dynamic_ncols=True)
+    started = time.perf_counter()
+    with PeakMemory(device) as memory:
+        for i in range(0, windows.shape[0], batch):
+            losses = token_losses(model, windows[i:i + batch].to(device), chunk_tokens).double().cpu()  # (b, L)
+            position_sum += losses.sum(0)
+            window_sums.append(losses.sum(1))
+            bar.update(losses.numel())
+            bar.set_postfix(loss=f"{position_sum.sum().item() / (bar.n or 1):.3f}")
+    seconds = time.perf_counter() - started
+    bar.close()
+    n = windows.shape[0]
+    return {"length": length, "loss": position_sum.sum().item() / (n * length), "windows": n,
             "tokens": n * length, "time_s": round(seconds, 3), "tokens_per_s": round(n * length / seconds, 1),
             "peak_memory_mb": round(memory.peak_mb, 1), "start_memory_mb": round(memory.start_mb, 1),
-            "beyond_max_positions": bool(max_positions and length > max_positions),
             "windows_sha1": hashlib.sha1(windows.numpy().tobytes()).hexdigest(),
             "by_position": bucket_rows(position_sum, n, "loss"),
-        })
-    return rows
+            "window_losses": (torch.cat(window_sums) / length).tolist()}
 
 
 @torch.inference_mode()
@@ -153,7 +166,8 @@ def evaluate_passkey(model, tokenizer, lengths: list[int], *, depths=(0.0, 0.25,
                 answer = labels[i:i + step] != -100  # (b, L): only the answer positions go through the head
                 wrong = head_logits(model, hidden[answer]).argmax(-1) != labels[i:i + step][answer]
                 hits += answer.shape[0] - answer.nonzero()[:, 0][wrong].unique().numel()
-            rows.append({"length": length, "depth": float(depth), "accuracy": hits / trials, "trials": trials})
+            rows.append({"length": length, "depth": float(depth), "accuracy": hits / trials, "trials": trials,
+                         "correct": hits, "ci95": wilson(hits, trials)})
     return rows
 
 
@@ -168,16 +182,20 @@ def evaluate_counting(model, lengths: list[int], *, sequences=8, alphabet=8, see
         fresh_dynamic_rope(model)
         batch = counting_batch(sequences, length, alphabet=alphabet, seed=seed)
         l1_sum, sq_sum = torch.zeros(length, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        per_sequence = []  # (b,) per batch: each sequence's mean |error| over positions 1..T-1
         step = max(1, batch_tokens // length)
         for i in range(0, sequences, step):
             err = model(batch["input_ids"][i:i + step].to(device)).cpu() - batch["counts"][i:i + step]  # (b, T)
             err[:, 0] = 0  # position 0 holds the target symbol: no count to predict
             l1_sum += err.abs().double().sum(0)
+            per_sequence.append(err.abs().double().sum(1) / (length - 1))
             sq_sum += err.double().pow(2).sum()
         n = sequences * (length - 1)
         mean_count = batch["counts"][:, 1:].double().mean().item()  # counts grow with length: L1 relative to this
         rows.append({"length": length, "l1": l1_sum.sum().item() / n, "mse": sq_sum.item() / n, "sequences": sequences,
-                     "mean_count": mean_count, "relative_l1": l1_sum.sum().item() / n / max(mean_count, 1e-9),
+                     "sequence_l1": torch.cat(per_sequence).tolist(),
+                     "ci95": bootstrap_mean(torch.cat(per_sequence).numpy()), "mean_count": mean_count,
+                     "relative_l1": l1_sum.sum().item() / n / max(mean_count, 1e-9),
                      "by_position": bucket_rows(l1_sum, sequences, "l1", skip_first=True)})
     return rows
 

@@ -18,11 +18,27 @@ from pathlib import Path
 
 from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from .report_tables import (  # noqa: F401  (re-exported: experiment reports and the CLI import them from here)
+    APPROX_LEGEND,
+    CSV_COLUMNS,
+    comparison_table_markdown,
+    cost_table_markdown,
+    loss_table_markdown,
+    markdown_table,
+    model_label,
+    model_limit,
+    position_table_markdown,
+    task_table_markdown,
+    tidy_rows,
+    windows_table_markdown,
+)
 
 # ---- the schema (a JSON Schema subset; `validate` below checks it without extra dependencies) -----------------
 
 _INT, _NUM, _STR = {"type": "integer"}, {"type": "number"}, {"type": "string"}
 _INT_OR_NULL = {"type": ["integer", "null"]}
+_CI95 = {"type": ["array", "null"], "items": _NUM}  # [lo, hi] of a 95% interval; null: too few units
+_NUMS, _INTS = {"type": "array", "items": _NUM}, {"type": "array", "items": _INT}
 _BUCKET = {"type": "object", "required": ["start", "end", "loss", "tokens"],
            "properties": {"start": {"type": "integer", "minimum": 0}, "end": _INT, "loss": _NUM, "tokens": _INT}}
 _LENGTH_ROW = {
@@ -33,15 +49,17 @@ _LENGTH_ROW = {
                    "windows": {"type": "integer", "minimum": 1},
                    "tokens": _INT, "time_s": _NUM, "tokens_per_s": _NUM, "peak_memory_mb": _NUM,
                    "start_memory_mb": _NUM, "beyond_max_positions": {"type": "boolean"}, "windows_sha1": _STR,
-                   "by_position": {"type": "array", "items": _BUCKET}}}
+                   "by_position": {"type": "array", "items": _BUCKET},
+                   "window_losses": _NUMS, "window_documents": _INTS, "windows_by_document": _INTS, "ci95": _CI95}}
 _PASSKEY_ROW = {"type": "object", "required": ["length", "depth", "accuracy", "trials"],
                 "properties": {"length": _INT, "depth": {"type": "number", "minimum": 0, "maximum": 1},
-                               "accuracy": {"type": "number", "minimum": 0, "maximum": 1}, "trials": _INT}}
+                               "accuracy": {"type": "number", "minimum": 0, "maximum": 1}, "trials": _INT,
+                               "correct": _INT, "ci95": _CI95}}
 _COUNTING_BUCKET = {"type": "object", "required": ["start", "end", "l1", "tokens"],
                     "properties": {"start": _INT, "end": _INT, "l1": _NUM, "tokens": _INT}}
 _COUNTING_ROW = {"type": "object", "required": ["length", "l1", "mse", "sequences"],
                  "properties": {"length": _INT, "l1": _NUM, "mse": _NUM, "sequences": _INT, "mean_count": _NUM,
-                                "relative_l1": _NUM,
+                                "relative_l1": _NUM, "sequence_l1": _NUMS, "ci95": _CI95,
                                 "by_position": {"type": "array", "items": _COUNTING_BUCKET}}}
 _MODEL = {
     "type": "object", "required": ["name", "model_type", "lengths"],
@@ -52,12 +70,19 @@ _MODEL = {
                    "lengths": {"type": "array", "items": _LENGTH_ROW},
                    "passkey": {"type": "array", "items": _PASSKEY_ROW},
                    "counting": {"type": "array", "items": _COUNTING_ROW}}}
+_COMPARISON_ROW = {"type": "object", "required": ["model", "length", "difference", "ci95", "windows", "paired"],
+                   "properties": {"model": _STR, "length": _INT, "difference": _NUM, "ci95": _CI95, "windows": _INT,
+                                  "covers_zero": {"type": ["boolean", "null"]}, "paired": {"type": "boolean"},
+                                  "reason": _STR}}
+_COMPARISONS = {"type": "object", "required": ["reference", "rows"],
+                "properties": {"reference": _STR, "rows": {"type": "array", "items": _COMPARISON_ROW}}}
+SCHEMA_VERSIONS = ["retrofit.eval/1", "retrofit.eval/2"]  # /2 adds the optional interval fields and comparisons
 RESULTS_SCHEMA = {
     "type": "object", "required": ["schema", "train_len", "lengths", "models"],
-    "properties": {"schema": {"enum": ["retrofit.eval/1"]}, "train_len": _INT_OR_NULL,
+    "properties": {"schema": {"enum": SCHEMA_VERSIONS}, "train_len": _INT_OR_NULL,
                    "lengths": {"type": "array", "items": {"type": "integer", "minimum": 2}},
                    "data": {"type": "object"}, "settings": {"type": "object"},
-                   "models": {"type": "array", "items": _MODEL}}}
+                   "models": {"type": "array", "items": _MODEL}, "comparisons": _COMPARISONS}}
 
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None), "integer": int,
           "number": (int, float)}
@@ -92,118 +117,6 @@ def validate(value, schema=RESULTS_SCHEMA, path="results") -> None:
             validate(item, schema["items"], f"{path}[{i}]")
 
 
-# ---- tables -------------------------------------------------------------------------------------------------
-
-def tidy_rows(results: dict) -> list[dict]:
-    """One row per (model, task, metric, length, depth or position bucket): what results.csv holds."""
-    rows = []
-    for m in results["models"]:
-        base = {"model": m["name"], "depth": "", "position_start": "", "position_end": ""}
-        for r in m.get("lengths", []):
-            for metric in ("loss", "time_s", "tokens_per_s", "peak_memory_mb"):
-                if metric in r:
-                    rows.append({**base, "task": "lm", "metric": metric, "length": r["length"], "value": r[metric],
-                                 "count": r["tokens"]})
-            for b in r["by_position"]:
-                rows.append({**base, "task": "lm", "metric": "loss_by_position", "length": r["length"],
-                             "position_start": b["start"], "position_end": b["end"], "value": b["loss"],
-                             "count": b["tokens"]})
-        for r in m.get("passkey", []):
-            rows.append({**base, "task": "passkey", "metric": "accuracy", "length": r["length"], "depth": r["depth"],
-                         "value": r["accuracy"], "count": r["trials"]})
-        for r in m.get("counting", []):
-            for metric in ("l1", "mse"):
-                rows.append({**base, "task": "counting", "metric": metric, "length": r["length"], "value": r[metric],
-                             "count": r["sequences"]})
-            for b in r.get("by_position", []):
-                rows.append({**base, "task": "counting", "metric": "l1_by_position", "length": r["length"],
-                             "position_start": b["start"], "position_end": b["end"], "value": b["l1"],
-                             "count": b["tokens"]})
-    return rows
-
-
-CSV_COLUMNS = ["model", "task", "metric", "length", "depth", "position_start", "position_end", "value", "count"]
-
-
-def markdown_table(header: list, rows: list[list]) -> str:
-    """A GitHub markdown table; floats get 3 decimals (below 100) or none, None is blank."""
-    def cell(x):
-        if isinstance(x, float):
-            return f"{x:.3f}" if abs(x) < 100 else f"{x:.0f}"
-        return "" if x is None else str(x)
-    lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in rows])
-
-
-def model_label(m: dict) -> str:
-    """A model's name with its RoPE extension, e.g. 'softmax-yarn [yarn x4 (orig 8192)]'; the name alone without."""
-    return f"{m['name']} [{m['rope']}]" if m.get("rope") not in (None, "none") else m["name"]
-
-
-def model_limit(m: dict) -> int | None:
-    """The positions a model was trained for: original_positions (before a RoPE extension), else
-    max_position_embeddings (results written before original_positions existed)."""
-    return m.get("original_positions", m.get("max_position_embeddings"))
-
-
-def loss_table_markdown(results: dict, metric: str = "loss") -> str:
-    """Rows models (named with their RoPE extension), columns lengths; the training length's column is
-    marked, and values at lengths beyond a model's original positions carry a dagger."""
-    train = results.get("train_len")
-    header = ["model"] + [f"**{n}** (train)" if n == train else str(n) for n in results["lengths"]]
-    rows = []
-    for m in results["models"]:
-        by_length = {r["length"]: r for r in m.get("lengths", [])}
-        rows.append([model_label(m)] + [
-            None if n not in by_length
-            else f"{by_length[n][metric]:.3f}" + (" †" * by_length[n]["beyond_max_positions"])
-            for n in results["lengths"]])
-    table = markdown_table(header, rows)
-    if any(r["beyond_max_positions"] for m in results["models"] for r in m.get("lengths", [])):
-        extended = any(m.get("rope") not in (None, "none") for m in results["models"])
-        table += ("\n\n† beyond the model's original positions (" + ", ".join(
-            f"{m['name']} {model_limit(m)}" for m in results["models"] if model_limit(m)) + "): RoPE evaluated "
-                  "anyway" + (", extended where [TYPE xFACTOR] names it." if extended else "."))
-    return table
-
-
-def cost_table_markdown(results: dict) -> str:
-    """One row per model and length: windows, tokens, loss, seconds, tokens/s, peak memory."""
-    rows = [[m["name"], r["length"], r["windows"], r["tokens"], r["loss"], f"{r['time_s']:.1f}",
-             round(r.get("tokens_per_s", 0)), round(r["peak_memory_mb"])]
-            for m in results["models"] for r in m.get("lengths", [])]
-    kind = {m.get("memory_kind", "rss") for m in results["models"]}
-    return markdown_table(["model", "length", "windows", "tokens", "loss", "time (s)", "tokens/s",
-                           f"peak memory (MiB, {'/'.join(sorted(kind))})"], rows)
-
-
-def position_table_markdown(results: dict, length: int | None = None) -> str:
-    """Rows models, columns position buckets, at `length` (default: the longest)."""
-    length = length or max(results["lengths"], default=0)
-    rows, header = [], None
-    for m in results["models"]:
-        r = next((r for r in m.get("lengths", []) if r["length"] == length), None)
-        if r is None:
-            continue
-        header = header or ["model"] + [str(b["start"]) if b["end"] - b["start"] == 1
-                                        else f"{b['start']}–{b['end'] - 1}"
-                                        for b in r["by_position"]]
-        rows.append([m["name"]] + [b["loss"] for b in r["by_position"]])
-    return markdown_table(header, rows) if rows else ""
-
-
-def task_table_markdown(results: dict, task: str, metric: str, column: str) -> str:
-    """Rows models (x depth, for passkey), columns lengths: a passkey or counting metric."""
-    rows, lengths = [], sorted({r["length"] for m in results["models"] for r in m.get(task, [])})
-    for m in results["models"]:
-        keys = sorted({(r.get(column) if column else None) for r in m.get(task, [])}, key=lambda k: k or 0)
-        for key in keys:
-            cells = {r["length"]: r[metric] for r in m.get(task, []) if not column or r[column] == key}
-            rows.append([m["name"] if key is None else f"{m['name']} @ {column} {key:g}"]
-                        + [cells.get(n) for n in lengths])
-    return markdown_table(["model"] + lengths, rows) if rows else ""
-
-
 # ---- plots --------------------------------------------------------------------------------------------------
 
 def _figure(n_axes=1, width=6.0, height=4.0):
@@ -223,11 +136,14 @@ def _tokens_label(x: float) -> str:
     return f"{x / 1024:g}K" if x >= 1024 else f"{x:g}"
 
 
-def draw_lines(ax, series: dict, *, xlabel, ylabel, title=None, log2x=True, marks=(), colors=None):
+def draw_lines(ax, series: dict, *, xlabel, ylabel, title=None, log2x=True, marks=(), colors=None, bands=None):
     """series: label -> (xs, ys). marks: (x, label) vertical lines, e.g. the training length.
-    colors: label -> matplotlib color, to keep one model's color across figures."""
+    colors: label -> matplotlib color, to keep one model's color across figures.
+    bands: label -> (xs, los, his), a shaded 95% interval drawn in its line's color."""
     for label, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", markersize=3, label=str(label), color=(colors or {}).get(label))
+        (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=str(label), color=(colors or {}).get(label))
+        if (bands or {}).get(label) and bands[label][0]:
+            ax.fill_between(*bands[label], color=line.get_color(), alpha=0.2, linewidth=0)
     if log2x:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(lambda x, _: _tokens_label(x))
@@ -262,11 +178,16 @@ def length_marks(results: dict) -> list[tuple[int, str]]:
 
 
 def plot_loss_vs_length(results: dict, path) -> Path:
-    """Mean loss against context length: one line per model, log2 x-axis, the training length marked."""
+    """Mean loss against context length: one line per model, log2 x-axis, the training length marked, and
+    the 95% interval as a band over the lengths that have one."""
+    models = [m for m in results["models"] if m.get("lengths")]
     series = {model_label(m): ([r["length"] for r in m["lengths"]], [r["loss"] for r in m["lengths"]])
-              for m in results["models"] if m.get("lengths")}
+              for m in models}
+    bands = {model_label(m): tuple(map(list, zip(*[(r["length"], *r["ci95"]) for r in m["lengths"]
+                                                   if r.get("ci95")]))) or ([], [], [])
+             for m in models}
     return line_plot(series, path, xlabel="context length (tokens)", ylabel="mean next-token loss",
-                     title="Loss by context length", marks=length_marks(results))
+                     title="Loss by context length", marks=length_marks(results), bands=bands)
 
 
 def plot_loss_by_position(results: dict, path) -> Path:
@@ -359,10 +280,13 @@ def results_markdown(results: dict, plots=()) -> str:
                      f"max_position_embeddings {m.get('max_position_embeddings')}, "
                      f"RoPE extension {m.get('rope', 'none')}, original positions {model_limit(m)}"
                      + (f", patched for this evaluation {json.dumps(m['eval_patch'])}" if m.get("eval_patch") else ""))
+    lines += _interval_lines(results)
     lm = [("Loss by context length", loss_table_markdown(results)),
+          *_comparison_section(results),
+          ("Windows per length and document", windows_table_markdown(results)),
           ("Time and memory per length", cost_table_markdown(results)),
           (f"Loss by position at length {max(results['lengths'], default=0)}", position_table_markdown(results))]
-    tasks = [("Passkey accuracy", task_table_markdown(results, "passkey", "accuracy", "depth")),
+    tasks = [("Passkey accuracy (95% Wilson interval)", task_table_markdown(results, "passkey", "accuracy", "depth")),
              ("Counting L1", task_table_markdown(results, "counting", "l1", None)),
              ("Counting MSE", task_table_markdown(results, "counting", "mse", None))]
     for title, table in (lm if any(m.get("lengths") for m in results["models"]) else []) + tasks:
@@ -370,3 +294,23 @@ def results_markdown(results: dict, plots=()) -> str:
             lines += ["", f"## {title}", "", table]
     lines += [""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def _interval_lines(results: dict) -> list[str]:
+    """How the intervals were made (results written before intervals: a line saying there are none)."""
+    method = results.get("settings", {}).get("intervals")
+    if not method:
+        return ["", "No intervals: these results were written before retrofit reported them (schema "
+                    f"{results.get('schema')})."]
+    return ["", f"Intervals: 95%, {method}. The unit of a loss interval is the window (L + 1 tokens of one "
+                "document); `± h` is half the interval's width."]
+
+
+def _comparison_section(results: dict) -> list[tuple[str, str]]:
+    """The paired-differences table with its legend, titled by the reference; nothing without comparisons."""
+    table = comparison_table_markdown(results)
+    if not table:
+        return []
+    reference = results["comparisons"]["reference"]
+    return [(f"Paired differences to {reference}", f"Mean loss minus {reference}'s on the same windows, with the "
+             f"paired 95% interval (negative = lower loss than {reference}).\n\n{table}\n\n{APPROX_LEGEND}")]

@@ -2,7 +2,8 @@
 
 A window of length L is L + 1 consecutive tokens of one document: the model reads the first L and
 is scored on predicting tokens 1..L, so the last prediction has seen exactly L tokens. Windows are
-cut without overlap from the start of each document; `max_tokens` keeps an evenly spaced subset.
+cut without overlap from the start of each document; `max_tokens` keeps a subset dealt evenly
+across the documents and evenly spaced within each.
 They depend only on the tokens, so every model with the same tokenizer sees the same windows.
 """
 
@@ -19,16 +20,35 @@ from transformers.utils import logging
 from ..errors import RetrofitError
 
 
-def cut_windows(documents: list, length: int, max_tokens: int | None = None) -> torch.Tensor:
-    """Non-overlapping (N, length + 1) windows from the documents; an evenly spaced N when capped."""
-    starts = [(d, s) for d, doc in enumerate(documents) for s in range(0, len(doc) - length, length + 1)]
-    if not starts:
+def window_starts(documents: list, length: int, max_tokens: int | None = None) -> list[tuple[int, int]]:
+    """(document index, start) of each window, in document order. Uncapped: every non-overlapping window. Capped
+    at N = max(1, max_tokens // length) windows: the N are dealt round-robin over the documents that have windows
+    left (so 3 windows from 3 documents are one from each, and the bootstrap sees variation between documents),
+    and each document's share is evenly spaced within it; with one document this is the evenly spaced subset."""
+    per_document = [list(range(0, len(doc) - length, length + 1)) for doc in documents]
+    total = sum(map(len, per_document))
+    if not total:
         longest = max((len(doc) for doc in documents), default=0)
         raise RetrofitError(f"length {length} needs {length + 1} tokens in one document but the longest has "
                             f"{longest}: use shorter --lengths or longer --data")
-    keep = len(starts) if not max_tokens else max(1, min(len(starts), max_tokens // length))
-    chosen = [starts[i * len(starts) // keep] for i in range(keep)]
-    return torch.stack([torch.as_tensor(documents[d][s:s + length + 1], dtype=torch.long) for d, s in chosen])
+    keep = total if not max_tokens else max(1, min(total, max_tokens // length))
+    shares = [0] * len(documents)
+    while sum(shares) < keep:  # one more window to each document that still has one, in document order
+        for d, starts in enumerate(per_document):
+            if shares[d] < len(starts) and sum(shares) < keep:
+                shares[d] += 1
+    return [(d, starts[i * len(starts) // share]) for d, (starts, share) in enumerate(zip(per_document, shares))
+            for i in range(share)]
+
+
+def cut_windows(documents: list, length: int, max_tokens: int | None = None) -> torch.Tensor:
+    """Non-overlapping (N, length + 1) windows from the documents, as `window_starts` chooses them."""
+    return stack_windows(documents, window_starts(documents, length, max_tokens), length)
+
+
+def stack_windows(documents: list, starts: list[tuple[int, int]], length: int) -> torch.Tensor:
+    """(N, length + 1) token ids of the windows at `starts` ((document, start) pairs)."""
+    return torch.stack([torch.as_tensor(documents[d][s:s + length + 1], dtype=torch.long) for d, s in starts])
 
 
 def position_buckets(length: int) -> list[tuple[int, int]]:

@@ -29,7 +29,7 @@ import torch
 
 from ..atomic import atomic_write_text, make_output, owned_folder, remove_owned
 from ..errors import RetrofitError, shown
-from ..evaluate import EvalSpec, evaluate_models
+from ..evaluate import EvalSpec, evaluate_models, paired_comparisons
 from ..evaluate.report import write_report
 from ..load import load, load_config, training_dtype
 from ..positions import learned_position_limit
@@ -233,14 +233,17 @@ def _reusable(previous: dict | None, source: str, name: str, lengths: list[int],
 
 
 def _previous_evaluation(path: Path, recipe: Recipe, exp: ExperimentSection) -> dict | None:
-    """DIR/eval/results.json of an earlier run, if it used the same data, token cap and trained length.
+    """DIR/eval/results.json of an earlier run, if it used the same data, token cap and trained length, and was
+    written with intervals (the same windows and per-window losses as a new evaluation).
     Each model entry carries `evaluated_at` (entries written without it date from the file)."""
     if not path.is_file():
         return None
     previous = json.loads(path.read_text())
     same = (previous.get("data", {}).get("files") == [str(p) for p in exp.eval_data or []]
             and previous.get("settings", {}).get("max_tokens") == exp.eval_max_tokens
-            and previous.get("train_len") == (exp.train_len or recipe.data.seq_len))
+            and previous.get("train_len") == (exp.train_len or recipe.data.seq_len)
+            # written before #28 (no intervals): capped windows were chosen another way, per-window losses absent
+            and "intervals" in previous.get("settings", {}))
     if not same:
         return None
     for entry in previous["models"]:
@@ -287,7 +290,16 @@ def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: Expe
             atomic_write_text(saved, json.dumps(dict(merged, models=merged["models"] + later), indent=1) + "\n")
     if merged is None:
         raise RetrofitError("no model could be evaluated at any of eval.lengths")
-    return merged, reused
+    return _with_comparisons(merged, exp.control), reused
+
+
+def _with_comparisons(evaluation: dict, control: str | None) -> dict:
+    """The evaluation with paired differences to the control arm (else the first model) on the same windows:
+    the gap-to-control report's intervals. Entries reused from before intervals are compared unpaired."""
+    names = [m["name"] for m in evaluation["models"]]
+    comparisons = paired_comparisons(evaluation, control if control in names else None)
+    evaluation = {k: v for k, v in evaluation.items() if k != "comparisons"}  # a reused file's are stale
+    return evaluation | ({"schema": "retrofit.eval/2", "comparisons": comparisons} if comparisons else {})
 
 
 def _recorded_times(out: Path) -> dict:

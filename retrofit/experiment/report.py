@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from ..atomic import atomic_write_text
-from ..evaluate.report import line_plot, markdown_table
+from ..evaluate.report import APPROX_LEGEND, comparison_table_markdown, line_plot, markdown_table
 from .reference import direction_markdown
 
 
@@ -28,14 +28,26 @@ def by_length(evaluation: dict, value: str | None = None) -> dict[str, dict[int,
     return {m["name"]: {r["length"]: r.get(value) for r in m.get(key) or []} for m in evaluation["models"]}
 
 
-def _fmt(x) -> str:
-    return "—" if x is None else (f"{x:.3f}" if abs(x) < 1000 else f"{x:.3g}")
+def intervals_by_length(evaluation: dict) -> dict[str, dict[int, list]]:
+    """model name -> {length: ci95} of the default metric (loss, or counting L1), where the rows carry one."""
+    key, _ = _metric(evaluation)
+    return {m["name"]: {r["length"]: r["ci95"] for r in m.get(key) or [] if r.get("ci95")}
+            for m in evaluation["models"]}
+
+
+def _fmt(x, interval=None) -> str:
+    if x is None:
+        return "—"
+    text = f"{x:.3f}" if abs(x) < 1000 else f"{x:.3g}"
+    return text if interval is None else f"{text} ± {(interval[1] - interval[0]) / 2:.3f}"
 
 
 def comparison_table(results: dict, value: str | None = None) -> str:
-    """Rows base + arms, columns lengths (the trained one starred), plus ratio of longest to trained."""
+    """Rows base + arms, columns lengths (the trained one starred), plus ratio of longest to trained; values
+    carry `± half-width` of their 95% interval where the evaluation has one."""
     evaluation = results["evaluation"]
     table = by_length(evaluation, value)
+    intervals = intervals_by_length(evaluation) if value is None else {}  # ± only on the metric they measure
     lengths, train_len = evaluation["lengths"], evaluation.get("train_len")
     header = ["model", "patch"] + [f"{n}{'*' if n == train_len else ''}" for n in lengths]
     if train_len in lengths and len(lengths) > 1:
@@ -44,7 +56,7 @@ def comparison_table(results: dict, value: str | None = None) -> str:
     for name, values in table.items():
         patch = results["arms"].get(name, {}).get("patch") if name != "base" else {"norm": "softmax (base)"}
         row = [name, ", ".join(f"{k}={v}" for k, v in (patch or {}).items() if v not in (None, False))]
-        row += [_fmt(values.get(n)) for n in lengths]
+        row += [_fmt(values.get(n), intervals.get(name, {}).get(n)) for n in lengths]
         if train_len in lengths and len(lengths) > 1:
             lo, hi = values.get(train_len), values.get(lengths[-1])
             row.append(f"{hi / lo:.2f}x" if lo and hi is not None else "—")
@@ -148,6 +160,7 @@ def write_experiment_report(results: dict, out) -> Path:
              f"- Failed or diverged arms: {json.dumps(failed) if failed else 'none'}", "",
              f"## {label} by context length", "", "`*` marks the trained length; the last column is the "
              "longest length's value divided by the trained length's.", "", comparison_table(results), ""]
+    lines += _paired_gap_lines(evaluation)
     if _metric(evaluation)[0] == "counting":
         lines += ["### L1 relative to the mean true count", "",
                   "The count to predict grows with the length, so absolute L1 grows even for a model that "
@@ -166,3 +179,15 @@ def write_experiment_report(results: dict, out) -> Path:
     lines += ["", "Per-length details (windows, tokens, time, memory, by-position): "
                   "[eval/results.md](eval/results.md)."]
     return atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+
+
+def _paired_gap_lines(evaluation: dict) -> list[str]:
+    """The gap of each model to the control arm by length, paired over the same windows, with its 95% interval
+    (evaluation['comparisons'], reference = the control); nothing when the evaluation has no comparisons."""
+    table = comparison_table_markdown(evaluation)
+    if not table:
+        return []
+    reference = evaluation["comparisons"]["reference"]
+    return [f"### Gap to `{reference}` by length (paired, same windows)", "",
+            f"Mean loss minus `{reference}`'s on the same windows, with the 95% interval of the per-window "
+            "differences (negative = better than it).", "", table, "", APPROX_LEGEND, ""]

@@ -1,0 +1,62 @@
+"""Paired differences to a reference model: the comparison users make ("is B better than A at 16K?").
+
+    results["comparisons"] = paired_comparisons(results, reference="dynamic4")
+
+Two models scored on the same windows (equal `windows_sha1`) are compared window by window: the difference of
+their mean losses with a bootstrap interval over the per-window differences, which removes the variation between
+windows that both models share (a hard window is hard for both). Models on different windows get the difference
+of their means only, with no interval and the reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import RetrofitError
+from .intervals import bootstrap_mean, covers_zero
+
+
+def check_reference(reference: str | None, names: list[str]) -> str | None:
+    """The reference's name (default: the first model's); a name that is no model is a one-line error."""
+    if reference is None:
+        return names[0] if names else None
+    if reference not in names:
+        raise RetrofitError(f"--reference {reference} is not one of the models: {', '.join(names)}")
+    return reference
+
+
+def paired_comparisons(results: dict, reference: str | None = None) -> dict | None:
+    """{"reference": NAME, "rows": [...]}: one row per (other model, length both have), or None when fewer than
+    two models have language-modelling rows. Each row: model, length, difference (model - reference mean loss),
+    ci95, windows, covers_zero, paired, and a reason when not paired."""
+    names = [m["name"] for m in results["models"]]
+    reference = check_reference(reference, names)
+    by_name = {m["name"]: {r["length"]: r for r in m.get("lengths") or []} for m in results["models"]}
+    if reference is None or sum(1 for rows in by_name.values() if rows) < 2:
+        return None
+    rows = []
+    for name in names:
+        if name == reference:
+            continue
+        for length, row in by_name[name].items():
+            base = by_name[reference].get(length)
+            if base is not None:
+                rows.append({"model": name, "length": length, **paired_row(row, base)})
+    return {"reference": reference, "rows": rows}
+
+
+def paired_row(row: dict, base: dict) -> dict:
+    """difference, ci95, windows, covers_zero, paired (and reason) of one length row against the reference's."""
+    difference = row["loss"] - base["loss"]
+    reason = None
+    if not row.get("windows_sha1") or row.get("windows_sha1") != base.get("windows_sha1"):
+        reason = "different windows (windows_sha1 differs or is missing): no paired interval"
+    elif "window_losses" not in row or "window_losses" not in base:
+        reason = "no per-window losses (results written before intervals): no paired interval"
+    if reason:
+        return {"difference": difference, "ci95": None, "windows": row["windows"], "covers_zero": None,
+                "paired": False, "reason": reason}
+    diffs = np.asarray(row["window_losses"], dtype=np.float64) - np.asarray(base["window_losses"], dtype=np.float64)
+    ci95 = bootstrap_mean(diffs)
+    return {"difference": float(diffs.mean()), "ci95": ci95, "windows": int(diffs.size),
+            "covers_zero": covers_zero(ci95), "paired": True}

@@ -1,0 +1,176 @@
+"""Markdown tables from a results dict (docs/results-schema.md): loss by length with 95% intervals, paired
+differences to the reference model, time and memory, loss by position, passkey (Wilson) and counting; and the
+tidy rows of results.csv. retrofit.evaluate.report re-exports them.
+"""
+
+from __future__ import annotations
+
+from .intervals import plus_minus
+
+APPROX = "≈"
+APPROX_LEGEND = f"{APPROX}: the interval covers 0 — no difference shown."
+
+# ---- tables -------------------------------------------------------------------------------------------------
+
+def tidy_rows(results: dict) -> list[dict]:
+    """One row per (model, task, metric, length, depth or position bucket): what results.csv holds."""
+    rows = []
+    for m in results["models"]:
+        base = {"model": m["name"], "depth": "", "position_start": "", "position_end": ""}
+        for r in m.get("lengths", []):
+            for metric in ("loss", "time_s", "tokens_per_s", "peak_memory_mb"):
+                if metric in r:
+                    rows.append({**base, "task": "lm", "metric": metric, "length": r["length"], "value": r[metric],
+                                 "count": r["tokens"]})
+            for b in r["by_position"]:
+                rows.append({**base, "task": "lm", "metric": "loss_by_position", "length": r["length"],
+                             "position_start": b["start"], "position_end": b["end"], "value": b["loss"],
+                             "count": b["tokens"]})
+        for r in m.get("passkey", []):
+            rows.append({**base, "task": "passkey", "metric": "accuracy", "length": r["length"], "depth": r["depth"],
+                         "value": r["accuracy"], "count": r["trials"], **_bounds(r.get("ci95"))})
+        for r in m.get("counting", []):
+            for metric in ("l1", "mse"):
+                rows.append({**base, "task": "counting", "metric": metric, "length": r["length"], "value": r[metric],
+                             "count": r["sequences"], **_bounds(r.get("ci95") if metric == "l1" else None)})
+            for b in r.get("by_position", []):
+                rows.append({**base, "task": "counting", "metric": "l1_by_position", "length": r["length"],
+                             "position_start": b["start"], "position_end": b["end"], "value": b["l1"],
+                             "count": b["tokens"]})
+    for c in (results.get("comparisons") or {}).get("rows", []):
+        rows.append({"model": c["model"], "depth": "", "position_start": "", "position_end": "", "task": "lm",
+                     "metric": f"loss_minus_{results['comparisons']['reference']}", "length": c["length"],
+                     "value": c["difference"], "count": c["windows"], **_bounds(c.get("ci95"))})
+    return rows
+
+
+def _bounds(interval) -> dict:
+    """The ci95 columns of a results.csv row (blank without an interval)."""
+    return {"ci95_lo": interval[0], "ci95_hi": interval[1]} if interval else {"ci95_lo": "", "ci95_hi": ""}
+
+
+CSV_COLUMNS = ["model", "task", "metric", "length", "depth", "position_start", "position_end", "value", "count",
+               "ci95_lo", "ci95_hi"]
+
+
+def markdown_table(header: list, rows: list[list]) -> str:
+    """A GitHub markdown table; floats get 3 decimals (below 100) or none, None is blank."""
+    def cell(x):
+        if isinstance(x, float):
+            return f"{x:.3f}" if abs(x) < 100 else f"{x:.0f}"
+        return "" if x is None else str(x)
+    lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in rows])
+
+
+def model_label(m: dict) -> str:
+    """A model's name with its RoPE extension, e.g. 'softmax-yarn [yarn x4 (orig 8192)]'; the name alone without."""
+    return f"{m['name']} [{m['rope']}]" if m.get("rope") not in (None, "none") else m["name"]
+
+
+def model_limit(m: dict) -> int | None:
+    """The positions a model was trained for: original_positions (before a RoPE extension), else
+    max_position_embeddings (results written before original_positions existed)."""
+    return m.get("original_positions", m.get("max_position_embeddings"))
+
+
+def loss_table_markdown(results: dict, metric: str = "loss") -> str:
+    """Rows models (named with their RoPE extension), columns lengths; the training length's column is
+    marked, and values at lengths beyond a model's original positions carry a dagger. Losses print as
+    `3.397 ± 0.021` (half the 95% interval's width) where the row has one."""
+    train = results.get("train_len")
+    header = ["model"] + [f"**{n}** (train)" if n == train else str(n) for n in results["lengths"]]
+    rows = []
+    for m in results["models"]:
+        by_length = {r["length"]: r for r in m.get("lengths", [])}
+        rows.append([model_label(m)] + [
+            None if n not in by_length
+            else plus_minus(by_length[n][metric], by_length[n].get("ci95") if metric == "loss" else None)
+            + (" †" * by_length[n]["beyond_max_positions"])
+            for n in results["lengths"]])
+    table = markdown_table(header, rows)
+    if any(r["beyond_max_positions"] for m in results["models"] for r in m.get("lengths", [])):
+        extended = any(m.get("rope") not in (None, "none") for m in results["models"])
+        table += ("\n\n† beyond the model's original positions (" + ", ".join(
+            f"{m['name']} {model_limit(m)}" for m in results["models"] if model_limit(m)) + "): RoPE evaluated "
+                  "anyway" + (", extended where [TYPE xFACTOR] names it." if extended else "."))
+    return table
+
+
+def cost_table_markdown(results: dict) -> str:
+    """One row per model and length: windows, tokens, loss, seconds, tokens/s, peak memory."""
+    rows = [[m["name"], r["length"], r["windows"], r["tokens"], r["loss"], f"{r['time_s']:.1f}",
+             round(r.get("tokens_per_s", 0)), round(r["peak_memory_mb"])]
+            for m in results["models"] for r in m.get("lengths", [])]
+    kind = {m.get("memory_kind", "rss") for m in results["models"]}
+    return markdown_table(["model", "length", "windows", "tokens", "loss", "time (s)", "tokens/s",
+                           f"peak memory (MiB, {'/'.join(sorted(kind))})"], rows)
+
+
+def position_table_markdown(results: dict, length: int | None = None) -> str:
+    """Rows models, columns position buckets, at `length` (default: the longest)."""
+    length = length or max(results["lengths"], default=0)
+    rows, header = [], None
+    for m in results["models"]:
+        r = next((r for r in m.get("lengths", []) if r["length"] == length), None)
+        if r is None:
+            continue
+        header = header or ["model"] + [str(b["start"]) if b["end"] - b["start"] == 1
+                                        else f"{b['start']}–{b['end'] - 1}"
+                                        for b in r["by_position"]]
+        rows.append([m["name"]] + [b["loss"] for b in r["by_position"]])
+    return markdown_table(header, rows) if rows else ""
+
+
+def task_table_markdown(results: dict, task: str, metric: str, column: str) -> str:
+    """Rows models (x depth, for passkey), columns lengths: a passkey or counting metric, with its 95% interval
+    where the row has one (passkey: Wilson `0.750 (0.409–0.929)`; counting L1: `± half-width`)."""
+    rows, lengths = [], sorted({r["length"] for m in results["models"] for r in m.get(task, [])})
+    for m in results["models"]:
+        keys = sorted({(r.get(column) if column else None) for r in m.get(task, [])}, key=lambda k: k or 0)
+        for key in keys:
+            cells = {r["length"]: _task_cell(r, metric) for r in m.get(task, []) if not column or r[column] == key}
+            rows.append([m["name"] if key is None else f"{m['name']} @ {column} {key:g}"]
+                        + [cells.get(n) for n in lengths])
+    return markdown_table(["model"] + lengths, rows) if rows else ""
+
+
+def _task_cell(row: dict, metric: str):
+    interval = row.get("ci95") if metric in ("accuracy", "l1") else None
+    if interval is None:
+        return row[metric]
+    if metric == "accuracy":  # Wilson is not symmetric: both ends
+        return f"{row[metric]:.3f} ({interval[0]:.3f}–{interval[1]:.3f})"
+    return plus_minus(row[metric], interval)
+
+
+def comparison_table_markdown(results: dict) -> str:
+    """Rows models, columns lengths: each model's mean loss minus the reference's on the same windows,
+    `+0.012 ± 0.004`, with a trailing ≈ where the paired interval covers 0; `(unpaired)` where the windows
+    differ (no interval). Empty without comparisons."""
+    comparisons = results.get("comparisons") or {}
+    if not comparisons.get("rows"):
+        return ""
+    lengths = sorted({c["length"] for c in comparisons["rows"]})
+    models = list(dict.fromkeys(c["model"] for c in comparisons["rows"]))
+    cells = {(c["model"], c["length"]): _difference_cell(c) for c in comparisons["rows"]}
+    rows = [[name] + [cells.get((name, n)) for n in lengths] for name in models]
+    return markdown_table([f"model − {comparisons['reference']}"] + lengths, rows)
+
+
+def _difference_cell(c: dict) -> str:
+    if c.get("ci95") is None:
+        return f"{c['difference']:+.3f} (unpaired)" if c.get("paired") is False else f"{c['difference']:+.3f}"
+    text = f"{c['difference']:+.3f} ± {(c['ci95'][1] - c['ci95'][0]) / 2:.3f}"
+    return text + (f" {APPROX}" if c.get("covers_zero") else "")
+
+
+def windows_table_markdown(results: dict) -> str:
+    """Rows lengths: windows scored and how many each document gave (from the first model with intervals'
+    rows; models sharing a tokenizer share their windows). Empty for results written before intervals."""
+    m = next((m for m in results["models"] if any("windows_by_document" in r for r in m.get("lengths", []))), None)
+    if m is None:
+        return ""
+    rows = [[r["length"], r["windows"], " / ".join(map(str, r["windows_by_document"]))]
+            for r in m["lengths"] if "windows_by_document" in r]
+    return markdown_table(["length", "windows", "windows per document (in --data order)"], rows)

@@ -1,0 +1,183 @@
+"""Intervals (#28 part 1): bootstrap coverage and determinism, Wilson, windows dealt across documents, paired
+differences (a model against itself is exactly [0, 0]), reports with ± and ≈, every committed results.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from retrofit.errors import RetrofitError
+from retrofit.evaluate import EvalSpec, cut_windows, evaluate_models, paired_comparisons
+from retrofit.evaluate.intervals import bootstrap_mean, covers_zero, plus_minus, wilson
+from retrofit.evaluate.report import validate, write_report
+from retrofit.evaluate.windows import window_starts
+from tests.tiny import VOCAB, tiny_model
+
+ROOT = Path(__file__).parents[1]
+
+
+def _tokens(n=3000, seed=0):
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("n,band", [(30, (0.92, 0.975)), (5, (0.90, 0.98))])
+def test_bootstrap_covers_a_known_mean_about_95_percent(n, band):
+    """400 seeded samples of n normal values with mean 3.4: the interval holds 3.4 about 95% of the time (n = 5
+    too, where a plain percentile interval covers only ~88%: the expansion at work)."""
+    rng = np.random.default_rng(1234)
+    hits = sum(lo <= 3.4 <= hi for lo, hi in (bootstrap_mean(rng.normal(3.4, 0.2, n), resamples=1000)
+                                              for _ in range(400)))
+    assert band[0] <= hits / 400 <= band[1], hits / 400
+
+
+def test_bootstrap_is_deterministic_under_a_seed():
+    values = np.random.default_rng(0).normal(size=12)
+    assert bootstrap_mean(values, seed=3) == bootstrap_mean(values, seed=3)
+    assert bootstrap_mean(values, seed=3) != bootstrap_mean(values, seed=4)
+    assert bootstrap_mean([2.5]) is None and bootstrap_mean([1.0, 1.0, 1.0]) == [1.0, 1.0]
+
+
+def test_wilson_against_known_values():
+    assert wilson(0, 10)[0] == 0.0 and wilson(0, 10)[1] == pytest.approx(0.2775, abs=1e-4)
+    assert wilson(10, 10)[0] == pytest.approx(0.7225, abs=1e-4) and wilson(10, 10)[1] == 1.0
+    assert wilson(5, 10) == pytest.approx([0.2366, 0.7634], abs=1e-4)  # symmetric about 0.5
+    assert wilson(3, 0) is None
+    assert covers_zero([-0.1, 0.2]) and not covers_zero([0.01, 0.2]) and covers_zero(None) is None
+    assert plus_minus(3.397, [3.376, 3.418]) == "3.397 ± 0.021" and plus_minus(3.397, None) == "3.397"
+
+
+def test_capped_windows_are_dealt_across_documents():
+    docs = [list(range(k * 1000, k * 1000 + 100)) for k in range(3)]  # 10 windows of 9 + 1 tokens in each
+    starts = window_starts(docs, 9, max_tokens=27)  # 3 windows
+    assert [d for d, _ in starts] == [0, 1, 2]
+    assert [d for d, _ in window_starts(docs, 9, max_tokens=45)] == [0, 0, 1, 1, 2]
+    short = [list(range(100)), list(range(1000, 1015)), list(range(2000, 2100))]  # the middle one has 1 window
+    assert [d for d, _ in window_starts(short, 9, max_tokens=63)] == [0, 0, 0, 1, 2, 2, 2]
+    assert cut_windows(docs, 9, max_tokens=27)[:, 0].tolist() == [0, 1000, 2000]
+
+
+@pytest.mark.parametrize("max_tokens", [None, 9, 30, 45, 90, 10 ** 6])
+def test_one_document_windows_are_unchanged(max_tokens):
+    """One document: exactly the evenly spaced subset retrofit has always cut (the formula before #28)."""
+    doc, length = _tokens(100), 9
+    starts = list(range(0, len(doc) - length, length + 1))
+    keep = len(starts) if not max_tokens else max(1, min(len(starts), max_tokens // length))
+    before = torch.stack([torch.tensor(doc[s:s + length + 1]) for s in (starts[i * len(starts) // keep]
+                                                                        for i in range(keep))])
+    assert torch.equal(cut_windows([doc], length, max_tokens), before)
+
+
+def test_a_model_against_itself_is_exactly_zero(tmp_path):
+    model, other = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    docs = [_tokens(700, seed=k) for k in range(3)]
+    results = evaluate_models([model, model, other], EvalSpec(tokens=docs, lengths=[16, 32], max_tokens=320,
+                                                              names=["a", "a2", "b"], progress=False))
+    comparisons = results["comparisons"]
+    assert comparisons["reference"] == "a" and results["schema"] == "retrofit.eval/2"
+    self_rows = [r for r in comparisons["rows"] if r["model"] == "a2"]
+    assert [r["length"] for r in self_rows] == [16, 32]
+    for r in self_rows:
+        assert r["difference"] == 0.0 and r["ci95"] == [0.0, 0.0] and r["paired"] and r["covers_zero"]
+    row = results["models"][0]["lengths"][0]
+    assert row["windows"] == 20 and row["windows_by_document"] == [7, 7, 6]
+    assert row["window_documents"] == [0] * 7 + [1] * 7 + [2] * 6
+    assert np.mean(row["window_losses"]) == pytest.approx(row["loss"], rel=1e-9)
+    assert row["ci95"] == bootstrap_mean(row["window_losses"]) and row["ci95"][0] < row["loss"] < row["ci95"][1]
+    b16 = next(r for r in comparisons["rows"] if r["model"] == "b" and r["length"] == 16)
+    b_loss = results["models"][2]["lengths"][0]["loss"]
+    assert b16["difference"] == pytest.approx(b_loss - row["loss"], abs=1e-9) and b16["ci95"][0] < b16["ci95"][1]
+    validate(results)
+    write_report(results, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "## Paired differences to a" in md and "+0.000 ± 0.000 ≈" in md and "≈: the interval covers 0" in md
+    assert f"{row['loss']:.3f} ± {(row['ci95'][1] - row['ci95'][0]) / 2:.3f}" in md
+    assert "| 16 | 20 | 7 / 7 / 6 |" in md and "expanded percentile bootstrap" in md
+    assert "loss_minus_a" in (tmp_path / "results.csv").read_text()
+
+
+def test_reference_is_chosen_or_refused_before_anything_loads():
+    with pytest.raises(RetrofitError, match=r"^--reference nope is not one of the models: a, b$"):
+        evaluate_models(["x", "y"], EvalSpec(tokens=[1, 2], lengths=[8], names=["a", "b"], reference="nope"))
+    model = tiny_model("llama", seed=0)
+    results = evaluate_models([model, tiny_model("llama", seed=1)],
+                              EvalSpec(tokens=_tokens(400), lengths=[16], max_tokens=64, names=["a", "b"],
+                                       reference="b", progress=False))
+    assert results["comparisons"]["reference"] == "b"
+    assert [r["model"] for r in results["comparisons"]["rows"]] == ["a"]
+
+
+def test_experiment_report_prints_intervals_and_the_paired_gap_to_the_control(tmp_path):
+    from retrofit.experiment.driver import _with_comparisons
+    from retrofit.experiment.report import write_experiment_report
+    model = tiny_model("llama", seed=0)
+    spec = EvalSpec(tokens=[_tokens(400, seed=k) for k in range(2)], lengths=[16], max_tokens=96,
+                    names=["base", "softmax", "avnorm"], progress=False)
+    evaluation = evaluate_models([model, model, tiny_model("llama", seed=1)], spec)
+    evaluation = _with_comparisons(dict(evaluation, comparisons={"reference": "stale", "rows": []}), "softmax")
+    assert evaluation["comparisons"]["reference"] == "softmax"
+    assert [r["model"] for r in evaluation["comparisons"]["rows"]] == ["base", "avnorm"]
+    results = {"recipe": "r.yaml", "hardware": {}, "wall_time_s": {}, "base": "base", "control": "softmax",
+               "arms": {"softmax": {"patch": {"norm": "softmax"}}, "avnorm": {"patch": {"norm": "avnorm"}}},
+               "evaluation": evaluation, "reference": None}
+    report = write_experiment_report(results, tmp_path).read_text()
+    base = evaluation["models"][0]["lengths"][0]
+    assert f"| base | norm=softmax (base) | {plus_minus(base['loss'], base['ci95'])} |" in report
+    assert "### Gap to `softmax` by length (paired, same windows)" in report
+    assert "| base | +0.000 ± 0.000 ≈ |" in report and "≈: the interval covers 0" in report
+    assert _with_comparisons(dict(evaluation, models=evaluation["models"][:1]), "softmax").get("comparisons") is None
+
+
+def _row(loss, sha, window_losses=None):
+    row = {"length": 16, "loss": loss, "windows": 3, "windows_sha1": sha}
+    return row | ({"window_losses": window_losses} if window_losses else {})
+
+
+def test_models_on_other_windows_are_not_paired():
+    results = {"models": [{"name": "a", "lengths": [_row(3.0, "x", [2.9, 3.0, 3.1])]},
+                          {"name": "b", "lengths": [_row(3.2, "y", [3.1, 3.2, 3.3])]},
+                          {"name": "old", "lengths": [_row(3.1, "x")]}]}
+    rows = paired_comparisons(results)["rows"]
+    assert [(r["model"], r["paired"], r["ci95"]) for r in rows] == [("b", False, None), ("old", False, None)]
+    assert rows[0]["difference"] == pytest.approx(0.2) and "different windows" in rows[0]["reason"]
+    assert "no per-window losses" in rows[1]["reason"]
+    assert paired_comparisons({"models": results["models"][:1]}) is None  # one model: nothing to compare
+
+
+def _committed_results() -> list[Path]:
+    return sorted((ROOT / "docs" / "results").rglob("results.json"))
+
+
+def test_every_committed_results_json_validates_and_renders(tmp_path):
+    """Results written before intervals (schema /1) are still read, and render without ± or comparisons."""
+    from retrofit.experiment.report import write_experiment_report
+    paths = _committed_results()
+    assert len(paths) >= 10
+    for i, path in enumerate(paths):
+        results = json.loads(path.read_text())
+        out = tmp_path / str(i)
+        if results["schema"].startswith("retrofit.experiment/"):
+            validate(results["evaluation"])
+            out.mkdir()
+            text = write_experiment_report(results, out).read_text()
+            assert "by context length" in text, path
+        else:
+            validate(results)
+            write_report(results, out)
+            text = (out / "results.md").read_text()
+            assert "No intervals" in text and "±" not in text.split("## Loss by context length")[1][:2000], path
+
+
+def test_loss_plot_draws_a_band_only_where_there_are_intervals():
+    from matplotlib.figure import Figure
+
+    from retrofit.evaluate.report import draw_lines
+    ax = Figure().subplots()
+    series = {"a": ([16, 32], [3.0, 3.1]), "b": ([16, 32], [3.2, 3.3])}
+    draw_lines(ax, series, xlabel="x", ylabel="y", bands={"a": ([16, 32], [2.9, 3.0], [3.1, 3.2]), "b": ([], [], [])})
+    (band,) = ax.collections  # one band: a's; b has no interval
+    vertices = band.get_paths()[0].vertices
+    assert vertices[:, 1].min() == pytest.approx(2.9) and vertices[:, 1].max() == pytest.approx(3.2)

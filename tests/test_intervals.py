@@ -181,3 +181,25 @@ def test_loss_plot_draws_a_band_only_where_there_are_intervals():
     (band,) = ax.collections  # one band: a's; b has no interval
     vertices = band.get_paths()[0].vertices
     assert vertices[:, 1].min() == pytest.approx(2.9) and vertices[:, 1].max() == pytest.approx(3.2)
+
+
+def test_several_references_each_get_their_own_rows_and_table():
+    """--reference a,b: every other model is compared with each, rows name their reference, one table each."""
+    from retrofit.evaluate.report import comparison_table_markdown
+
+    results = {"schema": "retrofit.eval/2", "models": [
+        {"name": n, "lengths": [{"length": 16, "loss": float(i), "windows": 3, "windows_sha1": "s",
+                                 "window_losses": [i + 0.1, i - 0.1, i + 0.05 * i]}]}
+        for i, n in enumerate(["a", "b", "c"])]}
+    comparisons = paired_comparisons(results, "a,c")
+    assert comparisons["reference"] == "a" and comparisons["references"] == ["a", "c"]
+    pairs = [(r["reference"], r["model"]) for r in comparisons["rows"]]
+    assert pairs == [("a", "b"), ("a", "c"), ("c", "a"), ("c", "b")]
+    to_c = {r["model"]: r["difference"] for r in comparisons["rows"] if r["reference"] == "c"}
+    assert to_c["b"] == pytest.approx(((1.1 - 2.1) + (0.9 - 1.9) + (1.05 - 2.1)) / 3)  # window by window
+    with pytest.raises(RetrofitError, match="--reference z is not one of the models: a, b, c"):
+        paired_comparisons(results, "a,z")
+    full = {**results, "comparisons": comparisons}
+    to_a, to_c = comparison_table_markdown(full), comparison_table_markdown(full, "c")
+    assert "model − a" in to_a and "| c |" in to_a and "| a |" not in to_a
+    assert "model − c" in to_c and "| a |" in to_c and "| c |" not in to_c

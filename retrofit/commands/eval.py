@@ -27,6 +27,7 @@ from ..atomic import output_folder
 from ..diagnose import parse_patch
 from ..errors import RetrofitError
 from ..evaluate import EvalSpec, check_variants, evaluate_models, evaluation_names
+from ..evaluate.compare import comparison_references
 from ..evaluate.report import (
     APPROX_LEGEND,
     comparison_table_markdown,
@@ -51,9 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="cap on scored tokens per length and model (default: every window)")
     parser.add_argument("--names", default=None, help="comma-separated names for the models, in order")
-    parser.add_argument("--reference", metavar="NAME", default=None,
-                        help="the model the others are compared with on the same windows (paired differences with "
-                             "95%% intervals); default the first model")
+    parser.add_argument("--reference", metavar="NAME[,NAME...]", default=None,
+                        help="the model(s) the others are compared with on the same windows (paired differences with "
+                             "95%% intervals, one table per reference); default the first model")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (or model) to use for every model")
     parser.add_argument("--batch-tokens", type=int, default=16384,
                         help="tokens per forward (windows batched up to this)")
@@ -111,9 +112,10 @@ def _evaluate(models: list[str], spec: EvalSpec, out) -> list[Path]:
     paths = write_report(results, out)
     if any(m["lengths"] for m in results["models"]):
         print(loss_table_markdown(results) + "\n\n" + cost_table_markdown(results))
-    if comparison_table_markdown(results):
-        print(f"\nPaired differences to {results['comparisons']['reference']}\n"
-              + comparison_table_markdown(results) + "\n" + APPROX_LEGEND)
+    for reference in comparison_references(results):
+        if comparison_table_markdown(results, reference):
+            print(f"\nPaired differences to {reference}\n" + comparison_table_markdown(results, reference) + "\n"
+                  + APPROX_LEGEND)
     return paths
 
 

@@ -1,6 +1,7 @@
 """Paired differences to a reference model: the comparison users make ("is B better than A at 16K?").
 
     results["comparisons"] = paired_comparisons(results, reference="dynamic4")
+    results["comparisons"] = paired_comparisons(results, reference="dynamic4,yarn4")   # to each, rows say which
 
 Two models scored on the same windows (equal `windows_sha1`) are compared window by window: the difference of
 their mean losses with a bootstrap interval over the per-window differences, which removes the variation between
@@ -16,33 +17,49 @@ from ..errors import RetrofitError
 from .intervals import bootstrap_mean, covers_zero
 
 
-def check_reference(reference: str | None, names: list[str]) -> str | None:
-    """The reference's name (default: the first model's); a name that is no model is a one-line error."""
+def check_references(reference, names: list[str]) -> list[str]:
+    """The references' names: None = the first model; a name, a comma list 'a,b' or a list of names, each one of
+    the models (else a one-line error). Empty when there are no models."""
     if reference is None:
-        return names[0] if names else None
-    if reference not in names:
-        raise RetrofitError(f"--reference {reference} is not one of the models: {', '.join(names)}")
-    return reference
+        return names[:1]
+    wanted = [r.strip() for r in reference.split(",")] if isinstance(reference, str) else list(reference)
+    for name in wanted:
+        if name not in names:
+            raise RetrofitError(f"--reference {name} is not one of the models: {', '.join(names)}")
+    return list(dict.fromkeys(wanted))
 
 
-def paired_comparisons(results: dict, reference: str | None = None) -> dict | None:
-    """{"reference": NAME, "rows": [...]}: one row per (other model, length both have), or None when fewer than
-    two models have language-modelling rows. Each row: model, length, difference (model - reference mean loss),
-    ci95, windows, covers_zero, paired, and a reason when not paired."""
+def check_reference(reference, names: list[str]) -> str | None:
+    """The first reference's name (see check_references)."""
+    return next(iter(check_references(reference, names)), None)
+
+
+def paired_comparisons(results: dict, reference=None) -> dict | None:
+    """{"reference": FIRST, "references": [NAME, ...], "rows": [...]}: for each reference, one row per (other model,
+    length both have), or None when fewer than two models have language-modelling rows. Each row: reference,
+    model, length, difference (model - reference mean loss), ci95, windows, covers_zero, paired, and a reason
+    when not paired. `reference`: None (the first model), a name, 'a,b' or a list of names."""
     names = [m["name"] for m in results["models"]]
-    reference = check_reference(reference, names)
+    references = check_references(reference, names)
     by_name = {m["name"]: {r["length"]: r for r in m.get("lengths") or []} for m in results["models"]}
-    if reference is None or sum(1 for rows in by_name.values() if rows) < 2:
+    if not references or sum(1 for rows in by_name.values() if rows) < 2:
         return None
     rows = []
-    for name in names:
-        if name == reference:
-            continue
-        for length, row in by_name[name].items():
-            base = by_name[reference].get(length)
-            if base is not None:
-                rows.append({"model": name, "length": length, **paired_row(row, base)})
-    return {"reference": reference, "rows": rows}
+    for ref in references:
+        for name in names:
+            if name == ref:
+                continue
+            for length, row in by_name[name].items():
+                base = by_name[ref].get(length)
+                if base is not None:
+                    rows.append({"reference": ref, "model": name, "length": length, **paired_row(row, base)})
+    return {"reference": references[0], "references": references, "rows": rows}
+
+
+def comparison_references(results: dict) -> list[str]:
+    """The references of results['comparisons'] in order (results with one reference name only that one)."""
+    comparisons = results.get("comparisons") or {}
+    return comparisons.get("references") or ([comparisons["reference"]] if comparisons.get("reference") else [])
 
 
 def paired_row(row: dict, base: dict) -> dict:

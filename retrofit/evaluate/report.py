@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from .compare import comparison_references
 from .report_tables import (  # noqa: F401  (re-exported: experiment reports and the CLI import them from here)
     APPROX_LEGEND,
     CSV_COLUMNS,
@@ -71,11 +72,13 @@ _MODEL = {
                    "passkey": {"type": "array", "items": _PASSKEY_ROW},
                    "counting": {"type": "array", "items": _COUNTING_ROW}}}
 _COMPARISON_ROW = {"type": "object", "required": ["model", "length", "difference", "ci95", "windows", "paired"],
-                   "properties": {"model": _STR, "length": _INT, "difference": _NUM, "ci95": _CI95, "windows": _INT,
+                   "properties": {"reference": _STR, "model": _STR, "length": _INT, "difference": _NUM, "ci95": _CI95,
+                                  "windows": _INT,
                                   "covers_zero": {"type": ["boolean", "null"]}, "paired": {"type": "boolean"},
                                   "reason": _STR}}
 _COMPARISONS = {"type": "object", "required": ["reference", "rows"],
-                "properties": {"reference": _STR, "rows": {"type": "array", "items": _COMPARISON_ROW}}}
+                "properties": {"reference": _STR, "references": {"type": "array", "items": _STR},
+                               "rows": {"type": "array", "items": _COMPARISON_ROW}}}
 SCHEMA_VERSIONS = ["retrofit.eval/1", "retrofit.eval/2"]  # /2 adds the optional interval fields and comparisons
 RESULTS_SCHEMA = {
     "type": "object", "required": ["schema", "train_len", "lengths", "models"],
@@ -307,10 +310,12 @@ def _interval_lines(results: dict) -> list[str]:
 
 
 def _comparison_section(results: dict) -> list[tuple[str, str]]:
-    """The paired-differences table with its legend, titled by the reference; nothing without comparisons."""
-    table = comparison_table_markdown(results)
-    if not table:
-        return []
-    reference = results["comparisons"]["reference"]
-    return [(f"Paired differences to {reference}", f"Mean loss minus {reference}'s on the same windows, with the "
-             f"paired 95% interval (negative = lower loss than {reference}).\n\n{table}\n\n{APPROX_LEGEND}")]
+    """One paired-differences table per reference with its legend; nothing without comparisons."""
+    sections = []
+    for reference in comparison_references(results):
+        table = comparison_table_markdown(results, reference)
+        if table:
+            sections.append((f"Paired differences to {reference}", f"Mean loss minus {reference}'s on the same "
+                             f"windows, with the paired 95% interval (negative = lower loss than {reference})."
+                             f"\n\n{table}\n\n{APPROX_LEGEND}"))
+    return sections

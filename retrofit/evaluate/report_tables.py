@@ -39,7 +39,8 @@ def tidy_rows(results: dict) -> list[dict]:
                              "count": b["tokens"]})
     for c in (results.get("comparisons") or {}).get("rows", []):
         rows.append({"model": c["model"], "depth": "", "position_start": "", "position_end": "", "task": "lm",
-                     "metric": f"loss_minus_{results['comparisons']['reference']}", "length": c["length"],
+                     "metric": f"loss_minus_{c.get('reference', results['comparisons']['reference'])}",
+                     "length": c["length"],
                      "value": c["difference"], "count": c["windows"], **_bounds(c.get("ci95"))})
     return rows
 
@@ -144,18 +145,20 @@ def _task_cell(row: dict, metric: str):
     return plus_minus(row[metric], interval)
 
 
-def comparison_table_markdown(results: dict) -> str:
-    """Rows models, columns lengths: each model's mean loss minus the reference's on the same windows,
-    `+0.012 ± 0.004`, with a trailing ≈ where the paired interval covers 0; `(unpaired)` where the windows
-    differ (no interval). Empty without comparisons."""
+def comparison_table_markdown(results: dict, reference: str | None = None) -> str:
+    """Rows models, columns lengths: each model's mean loss minus `reference`'s (default: the first reference) on
+    the same windows, `+0.012 ± 0.004`, with a trailing ≈ where the paired interval covers 0; `(unpaired)` where
+    the windows differ (no interval). Empty without comparisons."""
     comparisons = results.get("comparisons") or {}
-    if not comparisons.get("rows"):
+    reference = reference or comparisons.get("reference")
+    found = [c for c in comparisons.get("rows") or [] if c.get("reference", comparisons.get("reference")) == reference]
+    if not found:
         return ""
-    lengths = sorted({c["length"] for c in comparisons["rows"]})
-    models = list(dict.fromkeys(c["model"] for c in comparisons["rows"]))
-    cells = {(c["model"], c["length"]): _difference_cell(c) for c in comparisons["rows"]}
+    lengths = sorted({c["length"] for c in found})
+    models = list(dict.fromkeys(c["model"] for c in found))
+    cells = {(c["model"], c["length"]): _difference_cell(c) for c in found}
     rows = [[name] + [cells.get((name, n)) for n in lengths] for name in models]
-    return markdown_table([f"model − {comparisons['reference']}"] + lengths, rows)
+    return markdown_table([f"model − {reference}"] + lengths, rows)
 
 
 def _difference_cell(c: dict) -> str:

@@ -34,8 +34,9 @@ class EvalSpec:
         "doc": "lm data as token ids instead of `data`: one document (a list of ints) or a list of documents"})
     tasks: list[str] | None = knob(None, "some of lm, passkey, counting; None: counting for counting runs, else lm")
     names: list[str] | None = knob(None, "one name per source, in order (default: each source's folder or file)")
-    reference: str | None = knob(None, "the model every other is compared with, window by window (paired "
-                                       "differences with intervals); None: the first model")
+    reference: str | list[str] | None = knob(None, "the model(s) every other is compared with, window by window "
+                                                   "(paired differences with intervals): a name, 'a,b' or a list; "
+                                                   "None: the first model")
     train_len: int | None = knob(None, "the training length, marked in tables and plots")
     max_tokens: int | None = knob(None, "cap on scored tokens per length and model (None: every window)")
     tokenizer: Any = knob(None, "tokenizer folder, model or object for every model (None: each model's own)")

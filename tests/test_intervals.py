@@ -203,3 +203,13 @@ def test_several_references_each_get_their_own_rows_and_table():
     to_a, to_c = comparison_table_markdown(full), comparison_table_markdown(full, "c")
     assert "model − a" in to_a and "| c |" in to_a and "| a |" not in to_a
     assert "model − c" in to_c and "| a |" in to_c and "| c |" not in to_c
+
+
+def test_max_windows_caps_every_length_the_same_across_documents():
+    """--max-windows 3 over 3 documents: one window from each at every length, whatever max_tokens allows."""
+    docs = [list(range(d * 1000, d * 1000 + 400)) for d in range(3)]
+    for length in (16, 64):
+        starts = window_starts(docs, length, max_tokens=10_000, max_windows=3)
+        assert [d for d, _ in starts] == [0, 1, 2]
+    assert len(window_starts(docs, 64, max_tokens=128, max_windows=3)) == 2  # the smaller cap wins
+    assert cut_windows(docs, 16, None, 4).shape == (4, 17)

@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of lm, passkey, counting (default: counting for counting runs, else lm)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="cap on scored tokens per length and model (default: every window)")
+    parser.add_argument("--max-windows", type=int, default=None,
+                        help="cap on windows per length and model, dealt across the --data documents (3 documents, "
+                             "--max-windows 3: one from each at every length)")
     parser.add_argument("--names", default=None, help="comma-separated names for the models, in order")
     parser.add_argument("--reference", metavar="NAME[,NAME...]", default=None,
                         help="the model(s) the others are compared with on the same windows (paired differences with "
@@ -77,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_counts(args, positive=("trials", "batch_tokens", "chunk_tokens", "max_tokens", "train_len", "alphabet"))
+    check_counts(args, positive=("trials", "batch_tokens", "chunk_tokens", "max_tokens", "max_windows", "train_len",
+                                 "alphabet"))
     args.out = check_out(args.out, "--out", empty=False)  # results (made by retrofit) are rewritten in place
     check_text_files(args.data or [], "--data")
     check_eval_memory(args.models, parse_lengths(args.lengths), args.batch_tokens, args.device, args.dtype)
@@ -94,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     spec = EvalSpec(
         data=args.data, lengths=args.lengths, train_len=args.train_len,
         tasks=args.tasks.split(",") if args.tasks else None, max_tokens=args.max_tokens, tokenizer=args.tokenizer,
+        max_windows=args.max_windows,
         names=args.names.split(",") if args.names else None, reference=args.reference,
         batch_tokens=args.batch_tokens,
         chunk_tokens=args.chunk_tokens, dtype=args.dtype, device=args.device,

@@ -87,7 +87,8 @@ def evaluate_models(sources: list, spec: EvalSpec) -> dict:
     results = {"schema": "retrofit.eval/2", "train_len": spec.train_len, "lengths": lengths,
                "data": {"files": [str(p) for p in data],
                         "documents": [len(d) for d in next((d for _, d, _ in prepared if d), [])]},
-               "settings": {"tasks": tasks, "max_tokens": spec.max_tokens, "batch_tokens": spec.batch_tokens,
+               "settings": {"tasks": tasks, "max_tokens": spec.max_tokens,
+                            "max_windows": spec.max_windows, "batch_tokens": spec.batch_tokens,
                             "chunk_tokens": spec.chunk_tokens, "device": str(spec.device), "passkey": spec.passkey,
                             "counting": spec.counting, "window": "L + 1 tokens: read L, predict tokens 1..L",
                             "intervals": METHOD},
@@ -120,6 +121,7 @@ def evaluate_models(sources: list, spec: EvalSpec) -> dict:
                  "eval_patch": eval_patch, "memory_kind": PeakMemory(spec.device).kind, "lengths": []}
         if "lm" in wanted_tasks:
             entry["lengths"] = evaluate_lengths(lm, documents, lengths, max_tokens=spec.max_tokens,
+                                                max_windows=spec.max_windows,
                                                 batch_tokens=spec.batch_tokens, chunk_tokens=spec.chunk_tokens,
                                                 name=name, progress=spec.progress)
         if "passkey" in wanted_tasks:

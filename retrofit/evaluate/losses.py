@@ -92,8 +92,8 @@ def check_lengths(model, lengths, name="model") -> None:
                             "(`retrofit patch MODEL --norm NORM --nope`) to remove positions")
 
 
-def evaluate_lengths(model, documents: list, lengths: list[int], *, max_tokens=None, batch_tokens=16384,
-                     chunk_tokens=1024, name="model", progress=True) -> list[dict]:
+def evaluate_lengths(model, documents: list, lengths: list[int], *, max_tokens=None, max_windows=None,
+                     batch_tokens=16384, chunk_tokens=1024, name="model", progress=True) -> list[dict]:
     """Mean next-token loss, loss by log-spaced position bucket, time and peak memory, for each length.
     documents: token-id lists (one per document), or one flat list / 1-D tensor of token ids."""
 
@@ -109,7 +109,7 @@ def evaluate_lengths(model, documents: list, lengths: list[int], *, max_tokens=N
     rows = []
     for length in lengths:
         fresh_dynamic_rope(model)
-        starts = window_starts(documents, length, max_tokens)
+        starts = window_starts(documents, length, max_tokens, max_windows)
         windows = stack_windows(documents, starts, length)  # (N, L + 1)
         row = _length_row(model, windows, length, batch_tokens, chunk_tokens, name, progress, device)
         window_documents = [d for d, _ in starts]

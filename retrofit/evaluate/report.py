@@ -274,7 +274,8 @@ def results_markdown(results: dict, plots=()) -> str:
              f"Data: {', '.join(data.get('files') or ['given tokens'])} ({sum(data.get('documents') or [])} tokens). "
              f"Training length: {results.get('train_len') or 'not given'}. "
              f"Max tokens per length: {settings.get('max_tokens') or 'all'}. "
-             f"Window: {settings.get('window', 'L tokens')}.",
+             + (f"Max windows per length: {settings['max_windows']}. " if settings.get("max_windows") else "")
+             + f"Window: {settings.get('window', 'L tokens')}.",
              ""]
     for m in results["models"]:
         lines.append(f"- **{m['name']}**: {m['model_type']}, {m.get('dtype', '?')}, "

@@ -39,6 +39,8 @@ class EvalSpec:
                                                    "None: the first model")
     train_len: int | None = knob(None, "the training length, marked in tables and plots")
     max_tokens: int | None = knob(None, "cap on scored tokens per length and model (None: every window)")
+    max_windows: int | None = knob(None, "cap on windows per length and model, dealt across the documents "
+                                         "(None: every window; with max_tokens the smaller cap wins)")
     tokenizer: Any = knob(None, "tokenizer folder, model or object for every model (None: each model's own)")
     batch_tokens: int = knob(16384, "tokens per forward (windows batched up to this)")
     chunk_tokens: int = knob(1024, "positions per head/loss chunk")

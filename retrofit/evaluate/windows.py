@@ -20,11 +20,13 @@ from transformers.utils import logging
 from ..errors import RetrofitError
 
 
-def window_starts(documents: list, length: int, max_tokens: int | None = None) -> list[tuple[int, int]]:
+def window_starts(documents: list, length: int, max_tokens: int | None = None,
+                  max_windows: int | None = None) -> list[tuple[int, int]]:
     """(document index, start) of each window, in document order. Uncapped: every non-overlapping window. Capped
     at N = max(1, max_tokens // length) windows: the N are dealt round-robin over the documents that have windows
     left (so 3 windows from 3 documents are one from each, and the bootstrap sees variation between documents),
-    and each document's share is evenly spaced within it; with one document this is the evenly spaced subset."""
+    and each document's share is evenly spaced within it; with one document this is the evenly spaced subset.
+    `max_windows` caps the count the same way whatever the length (the smaller cap wins)."""
     per_document = [list(range(0, len(doc) - length, length + 1)) for doc in documents]
     total = sum(map(len, per_document))
     if not total:
@@ -32,6 +34,7 @@ def window_starts(documents: list, length: int, max_tokens: int | None = None) -
         raise RetrofitError(f"length {length} needs {length + 1} tokens in one document but the longest has "
                             f"{longest}: use shorter --lengths or longer --data")
     keep = total if not max_tokens else max(1, min(total, max_tokens // length))
+    keep = min(keep, max_windows) if max_windows else keep
     shares = [0] * len(documents)
     while sum(shares) < keep:  # one more window to each document that still has one, in document order
         for d, starts in enumerate(per_document):
@@ -41,9 +44,10 @@ def window_starts(documents: list, length: int, max_tokens: int | None = None) -
             for i in range(share)]
 
 
-def cut_windows(documents: list, length: int, max_tokens: int | None = None) -> torch.Tensor:
+def cut_windows(documents: list, length: int, max_tokens: int | None = None, max_windows: int | None = None
+                ) -> torch.Tensor:
     """Non-overlapping (N, length + 1) windows from the documents, as `window_starts` chooses them."""
-    return stack_windows(documents, window_starts(documents, length, max_tokens), length)
+    return stack_windows(documents, window_starts(documents, length, max_tokens, max_windows), length)
 
 
 def stack_windows(documents: list, starts: list[tuple[int, int]], length: int) -> torch.Tensor:

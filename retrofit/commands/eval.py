@@ -28,12 +28,13 @@ from ..diagnose import parse_patch
 from ..errors import RetrofitError
 from ..evaluate import EvalSpec, check_variants, evaluate_models
 from ..evaluate.report import cost_table_markdown, loss_table_markdown, write_report
+from ..evaluate.ruler_export import export_command, task_list
 from ..lengths import parse_lengths
 from . import check_counts, check_eval_memory, check_out, check_text_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("models", nargs="+", help="run folders, patched checkpoints, Hub ids or .gguf files")
+    parser.add_argument("models", nargs="*", help="run folders, patched checkpoints, Hub ids or .gguf files")
     parser.add_argument("--data", nargs="+", default=None,
                         help="text files (one document each) or .json files of token ids (lm task)")
     parser.add_argument("--lengths", default="256,512,...,4096",
@@ -41,7 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-len", type=int, default=None, help="the training length, marked in tables and plots")
     parser.add_argument("--out", default="eval", help="folder for results.json/.csv/.md and the plots")
     parser.add_argument("--tasks", default=None,
-                        help="comma list of lm, passkey, counting (default: counting for counting runs, else lm)")
+                        help="comma list of lm, passkey, counting and the RULER tasks niah, niah_multikey, "
+                             "niah_multivalue, niah_multiquery, vt, cwe, fwe (default: counting for counting runs, "
+                             "else lm; --list-tasks says what each is)")
+    parser.add_argument("--list-tasks", action="store_true", help="print one line per task and exit")
+    parser.add_argument("--samples", type=int, default=8, help="RULER samples per length (and depth)")
+    parser.add_argument("--needle", default="number", choices=["word", "number", "uuid"],
+                        help="the kind of value the niah needles hold")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the RULER instances")
+    parser.add_argument("--export-harness", metavar="DIR", default=None,
+                        help="write the RULER instances of --tasks at --lengths as lm-evaluation-harness local "
+                             "tasks (YAML + JSONL) into DIR, and exit (needs --tokenizer, no models)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="cap on scored tokens per length and model (default: every window)")
     parser.add_argument("--names", default=None, help="comma-separated names for the models, in order")
@@ -49,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-tokens", type=int, default=16384,
                         help="tokens per forward (windows batched up to this)")
     parser.add_argument("--chunk-tokens", type=int, default=1024, help="positions per head/loss chunk")
-    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey depths, 0 = start .. 1 = end")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1",
+                        help="passkey and niah depths, 0 = start .. 1 = end")
     parser.add_argument("--trials", type=int, default=8, help="passkey trials / counting sequences per length")
     parser.add_argument("--alphabet", type=int, default=None, help="counting alphabet (default: the run's recipe)")
     parser.add_argument("--patch", metavar="NORM[:KEY=VALUE,...]", default=None,
@@ -67,14 +79,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_counts(args, positive=("trials", "batch_tokens", "chunk_tokens", "max_tokens", "train_len", "alphabet"))
+    if args.list_tasks:
+        print(task_list())
+        return 0
+    check_counts(args, positive=("trials", "batch_tokens", "chunk_tokens", "max_tokens", "train_len", "alphabet",
+                                 "samples"))
+    if args.export_harness:
+        return export_command(args, _depths(args.depths))
+    if not args.models:
+        raise RetrofitError("retrofit eval needs at least one model (or --list-tasks, or --export-harness DIR)")
     args.out = check_out(args.out, "--out", empty=False)  # results (made by retrofit) are rewritten in place
     check_text_files(args.data or [], "--data")
     check_eval_memory(args.models, parse_lengths(args.lengths), args.batch_tokens, args.device, args.dtype)
-    try:
-        depths = [float(d) for d in args.depths.split(",")]
-    except ValueError:
-        raise RetrofitError(f"--depths {args.depths!r}: give numbers between 0 and 1, like 0,0.5,1") from None
+    depths = _depths(args.depths)
     patch = None
     if args.patch:
         norm, options = parse_patch(args.patch)
@@ -87,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
         names=args.names.split(",") if args.names else None, batch_tokens=args.batch_tokens,
         chunk_tokens=args.chunk_tokens, dtype=args.dtype, device=args.device,
         passkey={"depths": depths, "trials": args.trials}, counting=counting, progress=not args.no_progress,
-        patch=patch, rope=args.rope, variants=variants)  # checked now: a bad setting fails before --out is made
+        patch=patch, rope=args.rope, variants=variants,
+        ruler={"samples": args.samples, "depths": depths, "needle": args.needle, "seed": args.seed},
+    )  # checked now: a bad setting fails before --out is made
     with output_folder(args.out, "--out"):  # one `eval --out X` at a time: a second is refused, not overwritten
         paths = _evaluate(args.models, spec, args.out)
     print("wrote " + ", ".join(str(p) for p in paths))
@@ -101,6 +120,19 @@ def _evaluate(models: list[str], spec: EvalSpec, out) -> list[Path]:
     if any(m["lengths"] for m in results["models"]):
         print(loss_table_markdown(results) + "\n\n" + cost_table_markdown(results))
     return paths
+
+
+def _depths(text: str) -> list[float]:
+    """--depths as numbers in [0, 1] (0 = start of the haystack, 1 = its end)."""
+    try:
+        depths = [float(d) for d in text.split(",")]
+    except ValueError:
+        raise RetrofitError(f"--depths {text!r}: give numbers between 0 and 1, like 0,0.5,1") from None
+    bad = [d for d in depths if not 0.0 <= d <= 1.0]
+    if bad:
+        raise RetrofitError(f"--depths {text!r}: {bad[0]:g} is outside [0, 1]; give depths between 0 (start) and 1 "
+                            "(end), like 0,0.5,1")
+    return depths
 
 
 def _read_variants(path: str) -> list[dict]:

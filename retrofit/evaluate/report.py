@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from .ruler_report import RULER_ROW, ruler_tables
 
 # ---- the schema (a JSON Schema subset; `validate` below checks it without extra dependencies) -----------------
 
@@ -51,7 +52,8 @@ _MODEL = {
                    "eval_patch": {"type": ["object", "null"]}, "memory_kind": {"enum": ["rss", "cuda_allocated"]},
                    "lengths": {"type": "array", "items": _LENGTH_ROW},
                    "passkey": {"type": "array", "items": _PASSKEY_ROW},
-                   "counting": {"type": "array", "items": _COUNTING_ROW}}}
+                   "counting": {"type": "array", "items": _COUNTING_ROW},
+                   "ruler": {"type": "array", "items": RULER_ROW}}}
 RESULTS_SCHEMA = {
     "type": "object", "required": ["schema", "train_len", "lengths", "models"],
     "properties": {"schema": {"enum": ["retrofit.eval/1"]}, "train_len": _INT_OR_NULL,
@@ -365,6 +367,7 @@ def results_markdown(results: dict, plots=()) -> str:
     tasks = [("Passkey accuracy", task_table_markdown(results, "passkey", "accuracy", "depth")),
              ("Counting L1", task_table_markdown(results, "counting", "l1", None)),
              ("Counting MSE", task_table_markdown(results, "counting", "mse", None))]
+    tasks += ruler_tables(results)  # the RULER-style tasks: evaluate/ruler_report.py
     for title, table in (lm if any(m.get("lengths") for m in results["models"]) else []) + tasks:
         if table:
             lines += ["", f"## {title}", "", table]

@@ -15,6 +15,7 @@ from retrofit.cli import main
 from retrofit.data.ruler import DEPTH_TASKS, FILLER, TASKS, Haystack, make_instance
 from retrofit.errors import RetrofitError
 from retrofit.evaluate.ruler import evaluate_ruler, greedy_answer, ruler_instances
+from retrofit.evaluate.report import RESULTS_SCHEMA
 from retrofit.evaluate.ruler_metric import string_match_all, string_match_part
 from tests.test_data import char_tokenizer
 from tests.tiny import tiny_model
@@ -169,6 +170,12 @@ def test_the_tiny_model_runs_every_task_through_retrofit_eval(model_dir, tok, ca
         assert 0.0 <= r["score"] <= 1.0 and r["ci95"] is not None
     assert "## RULER niah_multikey" in (model_dir / "out" / "results.md").read_text()
     assert results["settings"]["ruler"]["samples"] == 1
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    broken = json.loads(json.dumps(results))
+    broken["models"][0]["ruler"][0]["score"] = 1.5
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, RESULTS_SCHEMA)
 
 
 def test_list_tasks_says_what_each_task_is(capsys):

@@ -14,8 +14,8 @@ import retrofit
 from retrofit.cli import main
 from retrofit.data.ruler import DEPTH_TASKS, FILLER, TASKS, Haystack, make_instance
 from retrofit.errors import RetrofitError
-from retrofit.evaluate.ruler import evaluate_ruler, greedy_answer, ruler_instances
 from retrofit.evaluate.report import RESULTS_SCHEMA
+from retrofit.evaluate.ruler import evaluate_ruler, greedy_answer, ruler_instances
 from retrofit.evaluate.ruler_metric import string_match_all, string_match_part
 from tests.test_data import char_tokenizer
 from tests.tiny import tiny_model
@@ -168,7 +168,10 @@ def test_the_tiny_model_runs_every_task_through_retrofit_eval(model_dir, tok, ca
         assert r["samples"] == 1 == len(r["scores"]) and r["tokens"] == [inst[0]["tokens"]]
         assert r["scores"] == [string_match_all(r["predictions"][0], inst[0]["outputs"])]
         assert 0.0 <= r["score"] <= 1.0 and r["ci95"] is not None
-    assert "## RULER niah_multikey" in (model_dir / "out" / "results.md").read_text()
+    md = (model_dir / "out" / "results.md").read_text()
+    assert md.count("## RULER ") == len(TASKS)
+    lo, hi = rows[0]["ci95"]
+    assert f"| model | 0 | {rows[0]['score']:.2f} [{lo:.2f}, {hi:.2f}] |" in md  # niah at depth 0: mean [interval]
     assert results["settings"]["ruler"]["samples"] == 1
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(results, RESULTS_SCHEMA)

@@ -5,6 +5,10 @@
     retrofit eval HuggingFaceTB/SmolLM2-135M --rope yarn:4 --data persuasion.txt --lengths 512,...,32768
     retrofit eval base.gguf --patch avnorm:kind=rms --rope dynamic:4 --data persuasion.txt   # training-free
 
+    retrofit eval runs/x --tasks niah,vt,cwe --data book.txt --lengths 4096,...,32768 --samples 8 --depths 0,0.5,1
+    retrofit eval --list-tasks                        # one line per task: what it is, how it is scored
+    retrofit eval --export-harness ruler/ --tasks niah --lengths 4096 --tokenizer runs/x   # lm-eval local tasks
+
 --patch NORM[:KEY=VALUE,...] and --rope TYPE:FACTOR[,KEY=VALUE...] patch every model on the fly before it is
 evaluated (--rope alone keeps softmax attention); a model already patched is kept if it carries that patch.
 --variants FILE (a YAML list of {name, patch, rope, calibrate}) evaluates every model once per variant:

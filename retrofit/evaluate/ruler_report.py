@@ -1,9 +1,8 @@
 """results.md tables of the RULER-style rows (models[].ruler): one table per task, a row per model (x depth for
-the niah tasks), a column per length, each cell `score ± half the 95% interval` over the samples."""
+the niah tasks), a column per length, each cell `score [lo, hi]`: the mean and its 95% interval over the samples
+(Wilson intervals of few samples are lopsided near 0 and 1, so both ends are printed, not a ±)."""
 
 from __future__ import annotations
-
-from .intervals import plus_minus
 
 # the JSON Schema of one row, merged into report.RESULTS_SCHEMA's model properties (docs/results-schema.md)
 RULER_ROW = {"type": "object", "required": ["task", "length", "score", "samples", "scores"],
@@ -30,10 +29,14 @@ def ruler_tables(results: dict) -> list[tuple[str, str]]:
         header = ["model"] + (["depth"] if depth else []) + [str(n) for n in lengths]
         body = []
         for name, d in keys:
-            cells = {r["length"]: plus_minus(r["score"], r.get("ci95"), 2) for n, r in mine
+            cells = {r["length"]: _cell(r["score"], r.get("ci95")) for n, r in mine
                      if n == name and r.get("depth") == d}
             body.append([name] + ([f"{d:g}"] if depth else []) + [cells.get(n, "") for n in lengths])
         table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                           + ["| " + " | ".join(row) + " |" for row in body])
-        tables.append((f"RULER {task} (string_match_all, mean ± 95% interval over samples)", table))
+        tables.append((f"RULER {task} (string_match_all: mean [95% interval] over samples)", table))
     return tables
+
+
+def _cell(score: float, interval) -> str:
+    return f"{score:.2f}" if interval is None else f"{score:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"

@@ -82,12 +82,12 @@ class Haystack:
             unit = len(_encode(self.tokenizer, FILLER))
             text = FILLER * (tokens // max(unit, 1) + 2)
         else:
-            starts = np.flatnonzero(self.after >= tokens + 1)
+            starts = np.flatnonzero(self.after >= tokens + 8)  # a margin: joined text may merge tokens
             if tokens > 0 and len(starts) == 0:
                 raise RetrofitError(f"the --data text is too short for the asked length: {int(self.after[0])} "
                                     f"tokens, {tokens} needed for the haystack; give more text or shorter --lengths")
             first = int(rng.choice(starts)) if len(starts) else 0
-            last = first + int(np.searchsorted(-self.after[first:], -(self.after[first] - tokens - 1)))
+            last = first + int(np.searchsorted(-self.after[first:], -(self.after[first] - tokens - 8)))
             text = " ".join(self.sentences[first:last + 2])
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         offsets = [a for a, _ in enc["offset_mapping"][:tokens + 1]]

@@ -13,9 +13,11 @@ Framing: RULER's completion framing for base models: the task text, then the que
 the model continues (no chat template, no few-shot example). The wording is retrofit's own.
 
 Length: niah and vt prompts are exactly `length` tokens when the tokenizer reads the text back as it was built
-(true of character and most BPE tokenizers; a merge across a needle's edge can leave it a few tokens under,
-never over). cwe and fwe end at a whole list item: at most one item under `length`. The target needle of the
-niah tasks starts at haystack token round(depth * n), n the haystack's tokens (other needles not counted).
+(a character tokenizer always does); with BPE a merge across a needle's edge can move it by a token or two
+(GPT-2's tokenizer on Moby-Dick at 4K and 16K: exactly L, or 1-2 under). A body that reads back longer than
+planned is rebuilt with less haystack. cwe and fwe end at a whole list item: at most one item under `length`.
+The target needle of the niah tasks starts at haystack token round(depth * n), n the haystack's tokens (other
+needles not counted).
 """
 
 from __future__ import annotations

@@ -356,6 +356,24 @@ CASES = [
     ("eval-reference-unknown",
      "eval {model} {model} --names a,b --reference nope --data {text} --lengths 8 --out {out}",
      r"^retrofit eval: error: --reference nope is not one of the models: a, b$"),
+    # round 4 (ruler): an unknown task, a depth outside [0, 1], a haystack shorter than the length, export misuse
+    ("eval-unknown-task", "eval {model} --tasks niah,needles --lengths 1024 --out {out}",
+     r"^retrofit eval: error: unknown tasks \['needles'\]: choose from lm, passkey, counting, niah, .*--list-tasks"),
+    ("eval-depth-above-one", "eval {model} --tasks niah --depths 0,1.5 --lengths 1024 --out {out}",
+     r"--depths '0,1.5': 1.5 is outside \[0, 1\]; give depths between 0 \(start\) and 1 \(end\)"),
+    ("eval-depth-negative", "eval {model} --tasks niah --depths -0.25 --lengths 1024 --out {out}",
+     r"--depths '-0.25': -0.25 is outside \[0, 1\]"),
+    ("eval-haystack-too-short", "eval {model} --tasks niah --data {text} --lengths 8192 --out {out}",
+     r"the --data text is too short for the asked length: \d+ tokens, \d+ needed for the haystack; give more text"),
+    ("eval-ruler-length-too-short", "eval {model} --tasks niah_multiquery --lengths 256 --out {out}",
+     r"niah_multiquery length 256 is too short: the question and needles take \d+ tokens"),
+    ("eval-export-no-tokenizer", "eval --export-harness {out} --tasks niah --lengths 1024",
+     r"--export-harness needs --tokenizer PATH"),
+    ("eval-export-not-ruler", "eval --export-harness {out} --tasks lm --lengths 1024 --tokenizer {model}",
+     r"--export-harness: 'lm' is not a RULER task; choose from niah, "),
+    ("eval-export-users-folder", "eval --export-harness {folder} --tasks niah --lengths 1024 --tokenizer {model}",
+     r"--export-harness .*/folder holds files retrofit did not write"),
+    ("eval-no-model", "eval --tasks niah --lengths 1024 --out {out}", r"retrofit eval needs at least one model"),
 ]
 
 

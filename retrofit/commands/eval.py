@@ -5,6 +5,10 @@
     retrofit eval HuggingFaceTB/SmolLM2-135M --rope yarn:4 --data persuasion.txt --lengths 512,...,32768
     retrofit eval base.gguf --patch avnorm:kind=rms --rope dynamic:4 --data persuasion.txt   # training-free
 
+    retrofit eval runs/x --tasks niah,vt,cwe --data book.txt --lengths 4096,...,32768 --samples 8 --depths 0,0.5,1
+    retrofit eval --list-tasks                        # one line per task: what it is, how it is scored
+    retrofit eval --export-harness ruler/ --tasks niah --lengths 4096 --tokenizer runs/x   # lm-eval local tasks
+
 --patch NORM[:KEY=VALUE,...] and --rope TYPE:FACTOR[,KEY=VALUE...] patch every model on the fly before it is
 evaluated (--rope alone keeps softmax attention); a model already patched is kept if it carries that patch.
 --variants FILE (a YAML list of {name, patch, rope, calibrate}) evaluates every model once per variant:
@@ -35,12 +39,13 @@ from ..evaluate.report import (
     loss_table_markdown,
     write_report,
 )
+from ..evaluate.ruler_export import export_command, task_list
 from ..lengths import parse_lengths
 from . import check_counts, check_eval_memory, check_out, check_text_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("models", nargs="+", help="run folders, patched checkpoints, Hub ids or .gguf files")
+    parser.add_argument("models", nargs="*", help="run folders, patched checkpoints, Hub ids or .gguf files")
     parser.add_argument("--data", nargs="+", default=None,
                         help="text files (one document each) or .json files of token ids (lm task)")
     parser.add_argument("--lengths", default="256,512,...,4096",
@@ -48,7 +53,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-len", type=int, default=None, help="the training length, marked in tables and plots")
     parser.add_argument("--out", default="eval", help="folder for results.json/.csv/.md and the plots")
     parser.add_argument("--tasks", default=None,
-                        help="comma list of lm, passkey, counting (default: counting for counting runs, else lm)")
+                        help="comma list of lm, passkey, counting and the RULER tasks niah, niah_multikey, "
+                             "niah_multivalue, niah_multiquery, vt, cwe, fwe (default: counting for counting runs, "
+                             "else lm; --list-tasks says what each is)")
+    parser.add_argument("--list-tasks", action="store_true", help="print one line per task and exit")
+    parser.add_argument("--samples", type=int, default=8, help="RULER samples per length (and depth)")
+    parser.add_argument("--needle", default="number", choices=["word", "number", "uuid"],
+                        help="the kind of value the niah needles hold")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the RULER instances")
+    parser.add_argument("--export-harness", metavar="DIR", default=None,
+                        help="write the RULER instances of --tasks at --lengths as lm-evaluation-harness local "
+                             "tasks (YAML + JSONL) into DIR, and exit (needs --tokenizer, no models)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="cap on scored tokens per length and model (default: every window)")
     parser.add_argument("--max-windows", type=int, default=None,
@@ -62,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-tokens", type=int, default=16384,
                         help="tokens per forward (windows batched up to this)")
     parser.add_argument("--chunk-tokens", type=int, default=1024, help="positions per head/loss chunk")
-    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey depths, 0 = start .. 1 = end")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1",
+                        help="passkey and niah depths, 0 = start .. 1 = end")
     parser.add_argument("--trials", type=int, default=8, help="passkey trials / counting sequences per length")
     parser.add_argument("--alphabet", type=int, default=None, help="counting alphabet (default: the run's recipe)")
     parser.add_argument("--patch", metavar="NORM[:KEY=VALUE,...]", default=None,
@@ -80,15 +96,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.list_tasks:
+        print(task_list())
+        return 0
     check_counts(args, positive=("trials", "batch_tokens", "chunk_tokens", "max_tokens", "max_windows", "train_len",
-                                 "alphabet"))
+                                 "alphabet", "samples"))
+    if args.export_harness:
+        return export_command(args, _depths(args.depths))
+    if not args.models:
+        raise RetrofitError("retrofit eval needs at least one model (or --list-tasks, or --export-harness DIR)")
     args.out = check_out(args.out, "--out", empty=False)  # results (made by retrofit) are rewritten in place
     check_text_files(args.data or [], "--data")
     check_eval_memory(args.models, parse_lengths(args.lengths), args.batch_tokens, args.device, args.dtype)
-    try:
-        depths = [float(d) for d in args.depths.split(",")]
-    except ValueError:
-        raise RetrofitError(f"--depths {args.depths!r}: give numbers between 0 and 1, like 0,0.5,1") from None
+    depths = _depths(args.depths)
     patch = None
     if args.patch:
         norm, options = parse_patch(args.patch)
@@ -103,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
         batch_tokens=args.batch_tokens,
         chunk_tokens=args.chunk_tokens, dtype=args.dtype, device=args.device,
         passkey={"depths": depths, "trials": args.trials}, counting=counting, progress=not args.no_progress,
-        patch=patch, rope=args.rope, variants=variants)  # checked now: a bad setting fails before --out is made
+        patch=patch, rope=args.rope, variants=variants,
+        ruler={"samples": args.samples, "depths": depths, "needle": args.needle, "seed": args.seed},
+    )  # checked now: a bad setting fails before --out is made
     evaluation_names(args.models, spec)  # a wrong --names count or --reference fails before --out is made too
     with output_folder(args.out, "--out"):  # one `eval --out X` at a time: a second is refused, not overwritten
         paths = _evaluate(args.models, spec, args.out)
@@ -122,6 +144,19 @@ def _evaluate(models: list[str], spec: EvalSpec, out) -> list[Path]:
             print(f"\nPaired differences to {reference}\n" + comparison_table_markdown(results, reference) + "\n"
                   + APPROX_LEGEND)
     return paths
+
+
+def _depths(text: str) -> list[float]:
+    """--depths as numbers in [0, 1] (0 = start of the haystack, 1 = its end)."""
+    try:
+        depths = [float(d) for d in text.split(",")]
+    except ValueError:
+        raise RetrofitError(f"--depths {text!r}: give numbers between 0 and 1, like 0,0.5,1") from None
+    bad = [d for d in depths if not 0.0 <= d <= 1.0]
+    if bad:
+        raise RetrofitError(f"--depths {text!r}: {bad[0]:g} is outside [0, 1]; give depths between 0 (start) and 1 "
+                            "(end), like 0,0.5,1")
+    return depths
 
 
 def _read_variants(path: str) -> list[dict]:

@@ -51,6 +51,7 @@ from .losses import (
     original_positions,
     token_losses,
 )
+from .ruler import evaluate_ruler, read_texts, ruler_instances, ruler_tasks
 from .spec import EvalSpec, check_variants
 from .windows import cut_windows, position_buckets, read_token_file, tokenize_files, tokenizer_fingerprint
 
@@ -91,11 +92,12 @@ def evaluate_models(sources: list, spec: EvalSpec) -> dict:
                             "max_windows": spec.max_windows, "batch_tokens": spec.batch_tokens,
                             "chunk_tokens": spec.chunk_tokens, "device": str(spec.device), "passkey": spec.passkey,
                             "counting": spec.counting, "window": "L + 1 tokens: read L, predict tokens 1..L",
-                            "intervals": METHOD},
+                            "intervals": METHOD, "ruler": spec.ruler},
                "models": []}
     for source, name, (key, documents, tok), eval_patch in jobs:
         _check_vocabulary(_saved_vocab_size(source), documents if tasks is None or "lm" in tasks else None,
                           tok if tasks and "passkey" in tasks else None, name)  # before the load prints anything
+        ruler = ruler_tasks(tasks) and _ruler_instances(tok, tasks, lengths, data, spec.ruler, name)  # before loading
         model = _load(source, spec.dtype, spec.device)
         lm, counting_model = _language_model(model)
         if eval_patch is not None:
@@ -127,6 +129,8 @@ def evaluate_models(sources: list, spec: EvalSpec) -> dict:
         if "passkey" in wanted_tasks:
             entry["passkey"] = evaluate_passkey(lm, tok, lengths, batch_tokens=spec.batch_tokens,
                                                 **(spec.passkey or {}))
+        if ruler:  # the RULER-style tasks: retrofit/evaluate/ruler.py
+            entry["ruler"] = evaluate_ruler(lm, tok, ruler, progress=spec.progress)
         if "counting" in wanted_tasks:
             options = {"alphabet": _run_alphabet(source), **(spec.counting or {})}
             entry["counting"] = evaluate_counting(model, lengths, batch_tokens=spec.batch_tokens, **options)
@@ -149,6 +153,13 @@ def evaluation_names(sources: list, spec: EvalSpec) -> list[str]:
             for name in names for variant, _ in spec.patches]
     check_reference(spec.reference, jobs)
     return jobs
+
+
+def _ruler_instances(tok, tasks, lengths, data, options, name) -> dict:
+    """The RULER instances for one tokenizer (haystack from the --data text, else the built-in filler)."""
+    if tok is None:
+        raise RetrofitError(f"no tokenizer for {name}: pass --tokenizer PATH (a tokenizer folder)")
+    return ruler_instances(tok, tasks, lengths, read_texts(data), options)
 
 
 def _saved_vocab_size(source) -> int | None:
@@ -211,7 +222,7 @@ def _prepare_data(sources, data, tokens, tokenizer, lengths, tasks) -> list[tupl
         tokens = tokens if tokens and isinstance(tokens[0], (list, tuple)) else [tokens]
     elif not data and tasks and "lm" in tasks:
         raise RetrofitError("no data to evaluate on: pass --data FILE (text, or .json token ids)")
-    needs_tokenizer = bool((tokens is None and data) or (tasks and "passkey" in tasks))
+    needs_tokenizer = bool((tokens is None and data) or (tasks and ("passkey" in tasks or ruler_tasks(tasks))))
     explicit = load_any_tokenizer(tokenizer) if needs_tokenizer and tokenizer is not None else None
     prepared, cache = [], {}
     for source in sources:

@@ -33,6 +33,7 @@ from .report_tables import (  # noqa: F401  (re-exported: experiment reports and
     tidy_rows,
     windows_table_markdown,
 )
+from .ruler_report import RULER_ROW, ruler_tables
 
 # ---- the schema (a JSON Schema subset; `validate` below checks it without extra dependencies) -----------------
 
@@ -70,7 +71,8 @@ _MODEL = {
                    "eval_patch": {"type": ["object", "null"]}, "memory_kind": {"enum": ["rss", "cuda_allocated"]},
                    "lengths": {"type": "array", "items": _LENGTH_ROW},
                    "passkey": {"type": "array", "items": _PASSKEY_ROW},
-                   "counting": {"type": "array", "items": _COUNTING_ROW}}}
+                   "counting": {"type": "array", "items": _COUNTING_ROW},
+                   "ruler": {"type": "array", "items": RULER_ROW}}}
 _COMPARISON_ROW = {"type": "object", "required": ["model", "length", "difference", "ci95", "windows", "paired"],
                    "properties": {"reference": _STR, "model": _STR, "length": _INT, "difference": _NUM, "ci95": _CI95,
                                   "windows": _INT,
@@ -293,6 +295,7 @@ def results_markdown(results: dict, plots=()) -> str:
     tasks = [("Passkey accuracy (95% Wilson interval)", task_table_markdown(results, "passkey", "accuracy", "depth")),
              ("Counting L1", task_table_markdown(results, "counting", "l1", None)),
              ("Counting MSE", task_table_markdown(results, "counting", "mse", None))]
+    tasks += ruler_tables(results)  # the RULER-style tasks: evaluate/ruler_report.py
     for title, table in (lm if any(m.get("lengths") for m in results["models"]) else []) + tasks:
         if table:
             lines += ["", f"## {title}", "", table]

@@ -19,8 +19,9 @@ from ..lengths import parse_lengths
 from ..norms import make_options
 from ..recipe.schema import knob
 from ..rope import normalize_rope
+from .ruler import ruler_options
 
-TASKS = ("lm", "passkey", "counting")
+TASKS = ("lm", "passkey", "counting", "niah", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
 
 
 @dataclass
@@ -32,7 +33,8 @@ class EvalSpec:
                                               "(else each model's own)")
     tokens: list | None = field(default=None, repr=False, metadata={
         "doc": "lm data as token ids instead of `data`: one document (a list of ints) or a list of documents"})
-    tasks: list[str] | None = knob(None, "some of lm, passkey, counting; None: counting for counting runs, else lm")
+    tasks: list[str] | None = knob(None, "some of TASKS (lm, passkey, counting, the RULER tasks niah, ..., fwe); "
+                                         "None: counting for counting runs, else lm")
     names: list[str] | None = knob(None, "one name per source, in order (default: each source's folder or file)")
     reference: str | list[str] | None = knob(None, "the model(s) every other is compared with, window by window "
                                                    "(paired differences with intervals): a name, 'a,b' or a list; "
@@ -48,6 +50,8 @@ class EvalSpec:
     device: str = knob("cpu", "where the models run")
     passkey: dict | None = knob(None, "keyword arguments of evaluate_passkey (depths, trials, ...)")
     counting: dict | None = knob(None, "keyword arguments of evaluate_counting (sequences, alphabet, ...)")
+    ruler: dict | None = knob(None, "RULER task options: samples (per length and depth), depths, needle "
+                                    "(word, number, uuid), seed; see retrofit/evaluate/ruler.py")
     progress: bool = knob(True, "progress bars")
     patch: dict | None = knob(None, "{norm: NAME, **options}: patch each unpatched model before evaluating it; a "
                                     "model already patched is evaluated as it is if it carries that same patch, "
@@ -64,7 +68,10 @@ class EvalSpec:
         self.data = [self.data] if isinstance(self.data, (str, Path)) else list(self.data or [])
         unknown = set(self.tasks or ()) - set(TASKS)
         if unknown:
-            raise RetrofitError(f"unknown tasks {sorted(unknown)}: choose from lm, passkey, counting")
+            raise RetrofitError(f"unknown tasks {sorted(unknown)}: choose from {', '.join(TASKS)} "
+                                "(retrofit eval --list-tasks says what each is)")
+        if set(self.tasks or ()) & set(TASKS[3:]) or self.ruler is not None:
+            self.ruler = ruler_options(self.ruler)  # a depth outside [0, 1] fails before any model loads
         if self.variants and (self.patch is not None or self.rope is not None):
             raise RetrofitError("give either variants or one patch/rope for every model, not both")
         # a bad norm, option or rope fails before any model loads

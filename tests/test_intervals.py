@@ -213,3 +213,14 @@ def test_max_windows_caps_every_length_the_same_across_documents():
         assert [d for d, _ in starts] == [0, 1, 2]
     assert len(window_starts(docs, 64, max_tokens=128, max_windows=3)) == 2  # the smaller cap wins
     assert cut_windows(docs, 16, None, 4).shape == (4, 17)
+
+
+def test_evaluate_models_compares_with_every_named_reference():
+    """EvalSpec(reference='b,a') reaches evaluate_models: rows to b, then to a (the CLI's --reference b,a)."""
+    torch.manual_seed(0)
+    docs = [list(range(1, 60)), list(range(3, 62))]
+    model = tiny_model("llama")
+    results = evaluate_models([model, model], EvalSpec(tokens=docs, lengths=[8], names=["a", "b"], reference="b,a",
+                                                       progress=False))
+    assert results["comparisons"]["references"] == ["b", "a"]
+    assert [(r["reference"], r["model"]) for r in results["comparisons"]["rows"]] == [("b", "a"), ("a", "b")]

@@ -36,7 +36,7 @@ from ..patch import patch as patch_model
 from ..patch import patch_record
 from ..positions import position_limit
 from ..rope import describe_rope
-from .compare import check_reference, paired_comparisons
+from .compare import check_references, paired_comparisons
 from .intervals import METHOD
 from .losses import (
     LOGIT_TRANSFORMS,
@@ -81,7 +81,7 @@ def evaluate_models(sources: list, spec: EvalSpec) -> dict:
     """
     tasks, lengths, data = spec.tasks, spec.lengths, spec.data
     job_names = evaluation_names(sources, spec)  # checks the names and the reference before anything loads
-    reference = check_reference(spec.reference, job_names)
+    references = check_references(spec.reference, job_names)
     prepared = _prepare_data(sources, data, spec.tokens, spec.tokenizer, lengths, tasks)
     jobs = [(source, prep, ep) for source, prep in zip(sources, prepared) for _, ep in spec.patches]
     jobs = [(source, name, prep, ep) for (source, prep, ep), name in zip(jobs, job_names)]
@@ -137,7 +137,7 @@ def evaluate_models(sources: list, spec: EvalSpec) -> dict:
         results["models"].append(entry)
         del model, lm
         gc.collect()
-    comparisons = paired_comparisons(results, reference)
+    comparisons = paired_comparisons(results, references)
     if comparisons is not None:
         results["comparisons"] = comparisons
     return results
@@ -151,7 +151,7 @@ def evaluation_names(sources: list, spec: EvalSpec) -> list[str]:
         raise RetrofitError(f"{len(names)} names for {len(sources)} models: give one name per model")
     jobs = [name if variant is None else variant if len(sources) == 1 else f"{name}+{variant}"
             for name in names for variant, _ in spec.patches]
-    check_reference(spec.reference, jobs)
+    check_references(spec.reference, jobs)
     return jobs
 
 

@@ -201,5 +201,5 @@ def test_bad_options(options, match):
 
 def test_a_floor_schedule_is_refused():
     _, model = patched("llama", calibrate=False)
-    with pytest.raises(retrofit.RetrofitError, match="mode=beyond has no floor to schedule"):
+    with pytest.raises(retrofit.RetrofitError, match="recovery.schedule.start 8: avnorm mode=beyond takes no floor"):
         set_knob_position(model, 0.0)

@@ -32,6 +32,7 @@ from ..load import CountingModel, language_model
 from ..positions import position_limit
 from ..recipe import PeftSection, Recipe, RecoverySection, TrainSection
 from ..recovery import is_patch_parameter, knob_norms
+from ..recovery.schedule import endpoints
 from .runlog import JsonlTracker
 
 # ---- processes -------------------------------------------------------------------------------------------------------
@@ -171,7 +172,8 @@ def check_recovery(model: nn.Module, recipe: Recipe) -> None:
         if need_steps > recipe.train.steps:
             raise RetrofitError(f"recovery.schedule.steps ({need_steps}) exceeds train.steps ({recipe.train.steps}): "
                                 "the run would end mid-schedule")
-        knob_norms(language_model(model))  # a norm without a knob: one line naming those that have one
+        norm = knob_norms(language_model(model))[0]  # a norm without a knob: one line naming those that have one
+        endpoints(norm, rec.schedule.start, rec.schedule.end)  # an end its norm refuses (floor < 0): before training
     if rec.match_steps >= recipe.train.steps:
         raise RetrofitError(f"recovery.match_steps ({rec.match_steps}) must be < train.steps ({recipe.train.steps})")
 

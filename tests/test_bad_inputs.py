@@ -352,6 +352,23 @@ CASES = [
     # round 3 (house): --calibrate is --calibration-text's old name, still read and checked under the new one
     ("patch-calibrate-old-name", "patch {model} --norm avnorm --calibrate {missing}",
      r"--calibration-text .*no-such-thing: no such file"),
+    # round 4 (beyond): avnorm mode=beyond, floor endpoints above 0, the loss-shaped schedule
+    ("patch-avnorm-beyond-kind-layer", "patch {model} --norm avnorm --mode beyond --kind layer --out {out}",
+     r"avnorm mode=beyond rescales each head's output by length and has no kind=layer \(drop kind, or use "
+     r"mode=always\)$"),
+    ("patch-avnorm-beyond-floor", "patch {model} --norm avnorm --mode beyond --floor 2 --out {out}",
+     r"avnorm mode=beyond takes no floor, affine or gain"),
+    ("patch-avnorm-mode-typo", "patch {model} --norm avnorm --mode beyon --out {out}",
+     r"avnorm mode must be one of always, beyond, got 'beyon' \(did you mean 'beyond'\?\)"),
+    ("patch-avnorm-exponent-without-beyond", "patch {model} --norm avnorm --exponent 0.5 --out {out}",
+     r"avnorm exponent and ref_len apply to mode=beyond only \(add mode=beyond\)$"),
+    ("train-schedule-end-floor-negative", "train {recipe} recovery.schedule.steps=1 recovery.schedule.end=-1 "
+                                          "--out {out}",
+     r"recovery.schedule.end -1: avnorm floor must be >= 0 \(0 = AVNorm, inf = the original model\), got -1.0$"),
+    ("train-schedule-loss-without-costs", "train {recipe} recovery.schedule.steps=1 recovery.schedule.shape=loss "
+                                          "--out {out}", r"recovery.schedule.shape loss needs costs"),
+    ("train-schedule-beyond-no-floor", "train {recipe} patch.mode=beyond recovery.schedule.steps=1 --out {out}",
+     r"recovery.schedule.start 8: avnorm mode=beyond takes no floor"),
 ]
 
 

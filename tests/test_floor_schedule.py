@@ -114,11 +114,18 @@ def test_the_probe_gives_costs_a_loss_schedule_takes():
     ({"steps": 5, "start": -2.0}, r"^recovery.schedule.start -2: avnorm floor must be >= 0"),
 ])
 def test_an_endpoint_its_norm_refuses_is_one_line_before_training(schedule, message):
+    with pytest.raises(RetrofitError, match=message) as err:  # as the recipe is read: before any model loads
+        _recipe(schedule)
+    assert "\n" not in str(err.value)
     model = tiny_model("llama")
     retrofit.patch(model, "avnorm")
-    with pytest.raises(RetrofitError, match=message) as err:
-        build.check_recovery(model, _recipe(schedule))
-    assert "\n" not in str(err.value)
+    good = _recipe({"steps": 5})
+    bad = dataclasses.replace(good.section("recovery").schedule, start=schedule.get("start"), end=schedule.get("end"))
+    good.section("recovery").schedule = bad  # past the recipe's check: the training setup refuses it too
+    with pytest.raises(RetrofitError, match=message):
+        build.check_recovery(model, good)
+    with pytest.raises(RetrofitError, match=message):
+        set_knob_position(model, 0.5, start=schedule.get("start"), end=schedule.get("end"))
 
 
 @pytest.mark.parametrize("schedule, message", [

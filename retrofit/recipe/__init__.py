@@ -37,6 +37,7 @@ from .sections import (
     RecoverySection,
     ScheduleSection,
     TrainSection,
+    check_schedule_endpoints,
 )
 
 # Optional top-level sections other modules add (the experiment engineer's `experiment` section).
@@ -101,6 +102,7 @@ def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
     extras = {k: build(EXTRA_SECTIONS[k], v or {}, k) for k, v in raw.items() if k in EXTRA_SECTIONS}
     recipe = build(Recipe, core, "")
     recipe.extras = extras
+    check_schedule_endpoints(recipe.patch, extras.get("recovery"))
     return recipe
 
 

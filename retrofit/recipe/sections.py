@@ -335,6 +335,24 @@ class ScheduleSection:
                                 "one layer at a time, which the probe did not measure: drop one of them")
 
 
+def check_schedule_endpoints(patch: PatchSection, recovery) -> None:
+    """recovery.schedule's start and end (defaults filled in) by the patch's norm's own option rules, as soon as the
+    recipe is read: an avnorm floor ending below 0 is a one-line error before any model loads."""
+    schedule = getattr(recovery, "schedule", None)
+    cls = NORMS.get(patch.norm) if schedule is not None and patch.norm else None
+    if cls is None or cls.knob is None:
+        return  # no schedule, or a norm without a knob: the training setup names the norms that have one
+    for key, default in (("start", cls.knob_identity), ("end", None)):
+        value = getattr(schedule, key)
+        value = default if value is None else value
+        if value is None:
+            continue
+        try:
+            make_options(patch.norm, **{**patch.options, cls.knob: value})
+        except RetrofitError as err:
+            raise RetrofitError(f"recovery.schedule.{key} {value:g}: {err}") from None
+
+
 @dataclass
 class RecoverySection:
     """How a retrofit recovers the original model's function (issue #14); every key defaults to off."""

@@ -139,3 +139,24 @@ def test_bad_loss_schedules_are_one_line_errors(schedule, message):
     with pytest.raises(RetrofitError, match=message) as err:
         _recipe(schedule)
     assert "\n" not in str(err.value)
+
+
+def test_the_cli_probe_prints_costs_for_a_floor_ending_at_2(tmp_path, capsys):
+    import re
+
+    from retrofit.cli import main
+    from tests.test_data import char_tokenizer
+    tiny_model("llama").save_pretrained(tmp_path / "m")
+    char_tokenizer().save_pretrained(tmp_path / "m")
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat and the dog sat on the log. " * 8)
+    argv = ["patch", str(tmp_path / "m"), "--norm", "avnorm", "--calibration-text", str(text), "--check-text",
+            str(text), "--check-tokens", "64", "--schedule-end", "2"]
+    assert main([*argv, "--schedule-values", "0,0.5,1"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"schedule position (\S+) \(avnorm knob (\S+)\): loss (\S+)", out)
+    assert [(t, k) for t, k, _ in rows] == [("0", "8"), ("0.5", "5"), ("1", "2")]
+    costs = re.search(r"recovery.schedule.costs for shape: loss: \[(.*)\]", out).group(1)
+    assert [float(c) for c in costs.split(", ")] == [float(v) for _, _, v in rows]
+    assert main([*argv, "--schedule-values", "0,0.2,1"]) == 0  # not evenly spaced: no costs line to paste
+    assert "recovery.schedule.costs" not in capsys.readouterr().out

@@ -203,3 +203,35 @@ def test_a_floor_schedule_is_refused():
     _, model = patched("llama", calibrate=False)
     with pytest.raises(retrofit.RetrofitError, match="recovery.schedule.start 8: avnorm mode=beyond takes no floor"):
         set_knob_position(model, 0.0)
+
+
+def test_a_recipe_calibrates_and_trains_the_exponents_and_the_run_reloads_as_trained(tmp_path):
+    from retrofit.recipe import recipe_from_dict
+    from retrofit.train import train
+    from tests.test_train import write_corpus
+    folder = write_corpus(tmp_path)
+    raw = {"model": {"config": {"model_type": "llama", **TINY["llama"]}, "tokenizer": str(folder / "tok")},
+           "patch": {"norm": "avnorm", "mode": "beyond", "ref_len": L, "calibrate_tokens": 256},
+           "data": {"task": "lm", "files": [str(folder / "text.txt")], "seq_len": 32, "val_blocks": 2,
+                    "cache_dir": str(folder / "cache")},
+           "train": {"steps": 3, "batch_size": 4, "micro_batch_size": 4, "lr": 1e-3, "warmup_steps": 1,
+                     "progress": False},
+           "eval": {"batches": 1, "batch_size": 2, "at_steps": [0]},
+           "recovery": {"patch_lr": 0.1},
+           "output": {"dir": str(tmp_path / "run")}}
+    at_start = []
+
+    def before_training(event, step, info):
+        if event == "eval" and step == 0:
+            at_start.extend(n.exponent.detach().clone() for n in norms(info["model"]))
+
+    result = train(recipe_from_dict(raw), callbacks=[before_training])
+    record = result.model.config.retrofit
+    assert record["calibration"]["tokens"] == 256 and record["options"]["mode"] == "beyond"
+    calibrated, trained = torch.cat(at_start), torch.cat([n.exponent.detach() for n in norms(result.model)])
+    assert (calibrated != 0).all() and (calibrated.abs() <= 1).all()  # fitted from the recipe's own data
+    assert (trained != calibrated).all()  # the patch group trained every head's exponent
+    reloaded = retrofit.from_pretrained(str(tmp_path / "run"))
+    ids = random_ids(2, 40)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, result.model.eval()(ids).logits)

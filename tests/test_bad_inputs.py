@@ -365,8 +365,9 @@ CASES = [
     ("train-schedule-end-floor-negative", "train {recipe} recovery.schedule.steps=1 recovery.schedule.end=-1 "
                                           "--out {out}",
      r"recovery.schedule.end -1: avnorm floor must be >= 0 \(0 = AVNorm, inf = the original model\), got -1.0$"),
-    ("train-schedule-loss-without-costs", "train {recipe} recovery.schedule.steps=1 recovery.schedule.shape=loss "
-                                          "--out {out}", r"recovery.schedule.shape loss needs costs"),
+    ("train-schedule-loss-one-cost", "train {recipe} recovery.schedule.steps=1 recovery.schedule.shape=loss "
+                                     "recovery.schedule.costs=[4.1] --out {out}",
+     r"recovery.schedule.shape loss needs costs: at least 2 zero-shot probe losses"),
     ("train-schedule-beyond-no-floor", "train {recipe} patch.mode=beyond recovery.schedule.steps=1 --out {out}",
      r"recovery.schedule.start 8: avnorm mode=beyond takes no floor"),
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -129,7 +130,6 @@ def test_an_endpoint_its_norm_refuses_is_one_line_before_training(schedule, mess
 
 
 @pytest.mark.parametrize("schedule, message", [
-    ({"steps": 5, "shape": "loss"}, r"recovery.schedule.shape loss needs costs"),
     ({"steps": 5, "shape": "loss", "costs": [1.0]}, r"recovery.schedule.shape loss needs costs"),
     ({"steps": 5, "costs": [1.0, 2.0]}, r"recovery.schedule.costs shape the schedule .*set shape: loss"),
     ({"steps": 5, "shape": "loss", "costs": [1.0, float("nan")]}, r"recovery.schedule.costs must be finite"),
@@ -142,8 +142,6 @@ def test_bad_loss_schedules_are_one_line_errors(schedule, message):
 
 
 def test_the_cli_probe_prints_costs_for_a_floor_ending_at_2(tmp_path, capsys):
-    import re
-
     from retrofit.cli import main
     from tests.test_data import char_tokenizer
     tiny_model("llama").save_pretrained(tmp_path / "m")
@@ -160,3 +158,43 @@ def test_the_cli_probe_prints_costs_for_a_floor_ending_at_2(tmp_path, capsys):
     assert [float(c) for c in costs.split(", ")] == [float(v) for _, _, v in rows]
     assert main([*argv, "--schedule-values", "0,0.2,1"]) == 0  # not evenly spaced: no costs line to paste
     assert "recovery.schedule.costs" not in capsys.readouterr().out
+
+
+def test_a_run_measures_the_costs_itself_and_ends_at_floor_1(tmp_path, capsys):
+    from retrofit.recovery import knob_values
+    from retrofit.train import train
+    from tests.test_train import write_corpus
+    from tests.tiny import TINY
+    folder = write_corpus(tmp_path)
+    raw = {"model": {"config": {"model_type": "llama", **TINY["llama"]}, "tokenizer": str(folder / "tok")},
+           "patch": {"norm": "avnorm", "calibrate_tokens": 256},
+           "data": {"task": "lm", "files": [str(folder / "text.txt")], "seq_len": 32, "val_blocks": 2,
+                    "cache_dir": str(folder / "cache")},
+           "train": {"steps": 5, "batch_size": 4, "micro_batch_size": 4, "lr": 1e-3, "warmup_steps": 1,
+                     "progress": False},
+           "eval": {"batches": 1, "batch_size": 2, "at_steps": [0, 1, 2, 3, 4, 5]},
+           "recovery": {"schedule": {"steps": 4, "end": 1.0, "shape": "loss"}},
+           "output": {"dir": str(tmp_path / "run")}}
+    floors = {}
+
+    def watch(event, step, info):
+        if event == "eval":
+            floors[step] = knob_values(info["model"])[0]
+
+    result = train(recipe_from_dict(raw), callbacks=[watch])
+    line = re.search(r"recovery.schedule.costs measured \(zero-shot, first training block\): \[(.*)\]",
+                     capsys.readouterr().out)
+    costs = [float(c) for c in line.group(1).split(", ")]
+    assert len(costs) == 9 and max(costs) > costs[0]  # the path 8 -> 1 costs loss (barely: an untrained model)
+    assert floors[0] == 8.0 and floors[4] == floors[5] == 1.0
+    assert [floors[s] for s in range(4)] == [knob_at(s / 4, 8.0, 1.0, "loss", costs=costs) for s in range(4)]
+    assert all(floors[s + 1] <= floors[s] for s in range(5))
+    assert result.model.config.retrofit["options"]["floor"] == 1.0
+
+
+def test_a_loss_schedule_without_costs_on_a_task_without_next_token_loss_is_refused():
+    model = tiny_model("llama")
+    retrofit.patch(model, "avnorm")
+    with pytest.raises(RetrofitError, match=r"shape loss without costs measures next-token losses, but data.task is "
+                                            r"counting: give recovery.schedule.costs"):
+        build.check_recovery(model, _recipe({"steps": 5, "shape": "loss"}))

@@ -316,7 +316,9 @@ class ScheduleSection:
     costs: list[float] | None = knob(None, "shape loss: the zero-shot probe's losses at evenly spaced positions "
                                            "0..1 of the straight path start -> end, as `retrofit patch MODEL --norm "
                                            "N --check-text FILE --schedule-values 0,0.25,0.5,0.75,1 --schedule-end "
-                                           "E` prints them")
+                                           "E` prints them; null = measured as the run starts (task lm: the first "
+                                           "training block at 9 positions, printed; pin them here for a resume "
+                                           "that must be exact on a GPU)")
 
     def __post_init__(self):
         need(self.steps >= 1, f"recovery.schedule.steps must be >= 1, got {self.steps}")
@@ -327,30 +329,14 @@ class ScheduleSection:
             need(self.costs is None, f"recovery.schedule.costs shape the schedule in the loss's units: set shape: "
                                      f"loss, or drop costs (shape is {self.shape})")
             return
-        need(self.costs is not None and len(self.costs) >= 2,
-             "recovery.schedule.shape loss needs costs: the zero-shot probe's losses at evenly spaced positions 0..1 "
-             "(retrofit patch ... --check-text FILE --schedule-values 0,0.25,0.5,0.75,1 prints them)")
-        need(all(math.isfinite(c) for c in self.costs), f"recovery.schedule.costs must be finite, got {self.costs}")
+        need(self.costs is None or len(self.costs) >= 2,
+             "recovery.schedule.shape loss needs costs: at least 2 zero-shot probe losses at evenly spaced positions "
+             "0..1 (retrofit patch ... --check-text FILE --schedule-values 0,0.25,0.5,0.75,1 prints them), or null "
+             "to measure them as the run starts")
+        need(all(math.isfinite(c) for c in self.costs or ()), f"recovery.schedule.costs must be finite, got "
+                                                              f"{self.costs}")
         need(not self.by_layer, "recovery.schedule.shape loss spreads the whole model's probe cost; by_layer moves "
                                 "one layer at a time, which the probe did not measure: drop one of them")
-
-
-def check_schedule_endpoints(patch: PatchSection, recovery) -> None:
-    """recovery.schedule's start and end (defaults filled in) by the patch's norm's own option rules, as soon as the
-    recipe is read: an avnorm floor ending below 0 is a one-line error before any model loads."""
-    schedule = getattr(recovery, "schedule", None)
-    cls = NORMS.get(patch.norm) if schedule is not None and patch.norm else None
-    if cls is None or cls.knob is None:
-        return  # no schedule, or a norm without a knob: the training setup names the norms that have one
-    for key, default in (("start", cls.knob_identity), ("end", None)):
-        value = getattr(schedule, key)
-        value = default if value is None else value
-        if value is None:
-            continue
-        try:
-            make_options(patch.norm, **{**patch.options, cls.knob: value})
-        except RetrofitError as err:
-            raise RetrofitError(f"recovery.schedule.{key} {value:g}: {err}") from None
 
 
 @dataclass

@@ -17,7 +17,8 @@ while the schedule moves (none after it ends).
 The end need not be the plain norm: an avnorm floor may end at 1 or 2 (the last ablation's schedule collapsed where
 the floor reached 0: f 8 -> 4 cost +0.06 nats zero-shot, f 2 -> 0 +0.58). shape=loss moves the knob in the loss's
 units: given the zero-shot probe's losses c_0..c_k at evenly spaced positions of the straight path start -> end
-(`costs`, as `retrofit patch --check-text FILE --schedule-values ... --schedule-end E` prints them; made
+(`costs`, as `retrofit patch --check-text FILE --schedule-values ... --schedule-end E` prints them, or measured
+by the training setup on its first block: recovery.probe.schedule_costs; made
 non-decreasing by a running max), the knob at progress u is where the piecewise-linear cost reaches
 c_0 + u (c_k - c_0): equal cost per step, slow where the cost rises steeply. A flat curve falls back to linear.
 """

@@ -160,21 +160,28 @@ def test_the_cli_probe_prints_costs_for_a_floor_ending_at_2(tmp_path, capsys):
     assert "recovery.schedule.costs" not in capsys.readouterr().out
 
 
-def test_a_run_measures_the_costs_itself_and_ends_at_floor_1(tmp_path, capsys):
-    from retrofit.recovery import knob_values
-    from retrofit.train import train
+def _run_raw(tmp_path, out):
     from tests.test_train import write_corpus
     from tests.tiny import TINY
-    folder = write_corpus(tmp_path)
-    raw = {"model": {"config": {"model_type": "llama", **TINY["llama"]}, "tokenizer": str(folder / "tok")},
+    folder = tmp_path / "corpus"
+    if not folder.is_dir():
+        folder.mkdir()
+        write_corpus(folder)
+    return {"model": {"config": {"model_type": "llama", **TINY["llama"]}, "tokenizer": str(folder / "tok")},
            "patch": {"norm": "avnorm", "calibrate_tokens": 256},
            "data": {"task": "lm", "files": [str(folder / "text.txt")], "seq_len": 32, "val_blocks": 2,
                     "cache_dir": str(folder / "cache")},
            "train": {"steps": 5, "batch_size": 4, "micro_batch_size": 4, "lr": 1e-3, "warmup_steps": 1,
-                     "progress": False},
+                     "progress": False, "log_every": 1},
            "eval": {"batches": 1, "batch_size": 2, "at_steps": [0, 1, 2, 3, 4, 5]},
            "recovery": {"schedule": {"steps": 4, "end": 1.0, "shape": "loss"}},
-           "output": {"dir": str(tmp_path / "run")}}
+           "output": {"dir": str(out), "save_every": 2}}
+
+
+def test_a_run_measures_the_costs_itself_and_ends_at_floor_1(tmp_path, capsys):
+    from retrofit.recovery import knob_values
+    from retrofit.train import train
+    raw = _run_raw(tmp_path, tmp_path / "run")
     floors = {}
 
     def watch(event, step, info):
@@ -198,3 +205,23 @@ def test_a_loss_schedule_without_costs_on_a_task_without_next_token_loss_is_refu
     with pytest.raises(RetrofitError, match=r"shape loss without costs measures next-token losses, but data.task is "
                                             r"counting: give recovery.schedule.costs"):
         build.check_recovery(model, _recipe({"steps": 5, "shape": "loss"}))
+
+
+def test_an_interrupted_loss_shaped_run_resumes_bitwise(tmp_path):
+    """The costs are measured again on resume, on the model as set up (before the checkpoint loads): the same."""
+    from retrofit.train import read_log, train
+    reference = train(recipe_from_dict(_run_raw(tmp_path, tmp_path / "full")))
+
+    def stop(event, step, info):
+        if event == "step" and step == 3:
+            raise KeyboardInterrupt  # after the step-2 checkpoint, mid-schedule
+
+    raw = _run_raw(tmp_path, tmp_path / "run")
+    with pytest.raises(KeyboardInterrupt):
+        train(recipe_from_dict(raw), callbacks=[stop])
+    resumed = train(recipe_from_dict(raw), resume=True)  # refuses if the knob differs from the checkpoint's
+    assert resumed.resumed_from == 2
+    losses = {r["step"]: r["loss"] for r in read_log(tmp_path / "run" / "log.jsonl") if "loss" in r}
+    assert losses == reference.losses
+    for (name, a), b in zip(resumed.model.state_dict().items(), reference.model.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -87,7 +87,8 @@ class PatchReport:
         return dataclasses.asdict(self)
 
     def _rows(self) -> list[tuple[str, str]]:
-        shown = {k: v for k, v in self.options.items() if not (self.norm == "avnorm" and k == "gain")}
+        hidden = {"gain", "exponent"} | ({"ref_len"} if self.options.get("mode") != "beyond" else set())
+        shown = {k: v for k, v in self.options.items() if not (self.norm == "avnorm" and k in hidden)}
         opts = ", ".join(f"{k}={v}" for k, v in shown.items()) or "no options"
         if self.norm == "avnorm":
             what = "exponent" if self.options.get("mode") == "beyond" else "gain"

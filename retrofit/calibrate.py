@@ -10,6 +10,10 @@ each head's gain is matched to the statistics the pretrained model actually prod
 p-softmax changes scale too (its output is softmax's times exp(LSE(s) - LSE(p*s)/p) >= 1, orders of magnitude
 apart per head); patched with `gain=1.0` it has a per-head gain that this sets the same way: mean RMS of the
 original head output over mean RMS of the full p-softmax output.
+
+AVNorm mode=beyond has no gain: each head's exponent b_h is fitted instead, from the mean output RMS per number of
+visible keys n on text inside L: the least-squares slope of log r_h(n) on log n over n in [max(2, N // 16), N]
+(N = min(longest text, L)), so that (n / L)^b_h holds r_h at r_h(L) beyond L. Clamped to avnorm.EXPONENT_RANGE.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 from torch import nn
 
 from .errors import RetrofitError
-from .norms.avnorm import AVNorm
+from .norms.avnorm import EXPONENT_RANGE, AVNorm
 from .norms.psoftmax import PSoftmax
 from .patch import check_unsharded
 from .record import read_record, write_record
@@ -28,6 +32,40 @@ def calibrated_norms(model: nn.Module) -> list[nn.Module]:
     """The norm modules that carry a per-head gain calibrate() can set."""
     return [m for m in model.modules()
             if isinstance(m, AVNorm) or (isinstance(m, PSoftmax) and m.gain is not None)]
+
+
+def _by_length(norm: nn.Module) -> bool:
+    """AVNorm mode=beyond: an exponent fitted on RMS by length, not a gain."""
+    return isinstance(norm, AVNorm) and norm.options.mode == "beyond"
+
+
+def _add_by_length(sums: torch.Tensor, counts: torch.Tensor, n: torch.Tensor, rms: torch.Tensor,
+                   valid: torch.Tensor) -> None:
+    """Accumulate per (n, head) the sum of RMS and the token count, n <= L only (sums: (L + 1, H)).
+    n: visible keys broadcastable to (B, H, T); rms (B, T, H); valid (B, T, 1)."""
+    while n.dim() < 3:
+        n = n.unsqueeze(0)
+    n = n.expand(rms.shape[0], rms.shape[2], rms.shape[1]).transpose(1, 2).long()  # (B, T, H)
+    keep = valid.expand_as(rms) & (n < sums.shape[0])
+    index = (n * sums.shape[1] + torch.arange(sums.shape[1], device=n.device))[keep]  # flat (n, h)
+    sums.view(-1).index_add_(0, index, rms[keep].double())
+    counts.view(-1).index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
+
+
+def fit_exponents(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """(L + 1, H) RMS sums and counts per n -> (H,) b_h: minus the slope of log mean RMS on log n (see above)."""
+    seen = (counts[:, 0] > 0).nonzero().flatten()
+    top = int(seen.max()) if len(seen) else 0
+    n = torch.arange(max(2, top // 16), top + 1, device=sums.device)
+    n = n[counts[n, 0] > 0]
+    if len(n) < 2:
+        raise RetrofitError("calibrating avnorm mode=beyond needs texts of at least 3 tokens (it fits each head's "
+                            "output RMS against length)")
+    x = torch.log(n.double())[:, None]  # (N, 1)
+    y = torch.log((sums[n] / counts[n]).clamp_min(1e-30))  # (N, H)
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    slope = (xc * yc).sum(0) / (xc * xc).sum(0)
+    return (-slope).clamp(*EXPONENT_RANGE)
 
 
 def _unpack(batch):
@@ -40,7 +78,8 @@ def _unpack(batch):
 
 @torch.no_grad()
 def calibrate(model: nn.Module, batches, *, max_batches: int | None = None) -> dict:
-    """Set each head's gain to mean_tokens RMS(original head output) / mean_tokens RMS(normalized output).
+    """Set each head's gain to mean_tokens RMS(original head output) / mean_tokens RMS(normalized output)
+    (AVNorm mode=beyond: its exponent, fitted on RMS by length; see the module docstring).
 
     For kind=rms (and layer) the normalized RMS is ~1, so the gain is the head's mean output RMS.
     Padding (attention_mask == 0) is excluded. Returns a summary, also recorded in config.retrofit.
@@ -51,7 +90,8 @@ def calibrate(model: nn.Module, batches, *, max_batches: int | None = None) -> d
                             "with a per-head gain found")
     check_unsharded(norms, "calibrate")
     device = next(model.parameters()).device
-    before = [torch.zeros(n.shape.num_heads, dtype=torch.float64, device=device) for n in norms]
+    before = [torch.zeros(n.ref_len + 1 if _by_length(n) else 1, n.shape.num_heads, dtype=torch.float64,
+                          device=device).squeeze(0) for n in norms]
     after = [torch.zeros_like(b) for b in before]
     tokens, used, was_training = 0, 0, model.training
     model.eval()
@@ -67,7 +107,10 @@ def calibrate(model: nn.Module, batches, *, max_batches: int | None = None) -> d
             model(input_ids=ids, attention_mask=mask, use_cache=False)
             valid = mask.bool()[..., None]  # (B, T, 1)
             for i, n in enumerate(norms):
-                rms_in, rms_out = n.calibration.pop()  # (B, T, H) each
+                rms_in, rms_out = n.calibration.pop()  # (B, T, H) each; mode=beyond: (visible keys, RMS)
+                if _by_length(n):
+                    _add_by_length(before[i], after[i], rms_in, rms_out, valid)
+                    continue
                 before[i] += (rms_in * valid).sum((0, 1)).double()
                 after[i] += (rms_out * valid).sum((0, 1)).double()
             tokens += int(valid.sum())
@@ -78,14 +121,16 @@ def calibrate(model: nn.Module, batches, *, max_batches: int | None = None) -> d
         model.train(was_training)
     if tokens == 0:
         raise RetrofitError("calibration saw no tokens: pass at least one non-empty batch of text")
-    gains = []
+    fitted = []
     for i, n in enumerate(norms):
-        gain = (before[i] / after[i].clamp_min(1e-12)).to(n.gain.dtype)
-        n.gain.data.copy_(gain)
-        gains.append(gain)
-    g = torch.cat(gains).float()
-    summary = {"tokens": tokens, "batches": used, "gain_mean": round(float(g.mean()), 6),
-               "gain_min": round(float(g.min()), 6), "gain_max": round(float(g.max()), 6)}
+        param = n.exponent if _by_length(n) else n.gain
+        value = fit_exponents(before[i], after[i]) if _by_length(n) else before[i] / after[i].clamp_min(1e-12)
+        param.data.copy_(value.to(param.dtype))
+        fitted.append(value)
+    g = torch.cat(fitted).float()
+    what = "exponent" if _by_length(norms[0]) else "gain"
+    summary = {"tokens": tokens, "batches": used, f"{what}_mean": round(float(g.mean()), 6),
+               f"{what}_min": round(float(g.min()), 6), f"{what}_max": round(float(g.max()), 6)}
     if read_record(model) is not None:
         write_record(model, calibration=summary)
     return summary

@@ -229,7 +229,7 @@ def patch(model: nn.Module, norm: str | None = None, *, nope: bool = False, rope
                             "retrofit.patch(model, 'softmax', rope='yarn:4'), or 'avnorm' then retrofit.calibrate)")
     norm_cls = get_norm(norm)
     opts = make_options(norm, **options)
-    base, wrap = _check_patchable(model, nope, norm_cls.acts_on_output)
+    base, wrap = _check_patchable(model, nope, norm_cls.on_output(opts))
     notes = [_check_query_scaling(norm, norm_cls, opts, model.config)]
     notes.append(_detach_config(model))
     rope_plan = plan_rope(model, rope, nope=nope) if rope is not None else None  # refuses before any change

@@ -87,11 +87,13 @@ class PatchReport:
         return dataclasses.asdict(self)
 
     def _rows(self) -> list[tuple[str, str]]:
-        shown = {k: v for k, v in self.options.items() if not (self.norm == "avnorm" and k == "gain")}
+        hidden = {"gain", "exponent"} | ({"ref_len"} if self.options.get("mode") != "beyond" else set())
+        shown = {k: v for k, v in self.options.items() if not (self.norm == "avnorm" and k in hidden)}
         opts = ", ".join(f"{k}={v}" for k, v in shown.items()) or "no options"
         if self.norm == "avnorm":
-            opts += ", gain " + (f"calibrated on {self.calibration['tokens']} tokens" if self.calibration
-                                 else f"{self.options.get('gain', 1.0)} (not calibrated)")
+            what = "exponent" if self.options.get("mode") == "beyond" else "gain"
+            opts += f", {what} " + (f"calibrated on {self.calibration['tokens']} tokens" if self.calibration
+                                    else f"{self.options.get(what, 1.0)} (not calibrated)")
         rows = [
             ("model type", f"{self.model_type} ({'in retrofit table' if self.family == 'table' else 'generic'})"),
             ("norm", f"{self.norm} ({opts})"),

@@ -374,6 +374,24 @@ CASES = [
     ("eval-export-users-folder", "eval --export-harness {folder} --tasks niah --lengths 1024 --tokenizer {model}",
      r"--export-harness .*/folder holds files retrofit did not write"),
     ("eval-no-model", "eval --tasks niah --lengths 1024 --out {out}", r"retrofit eval needs at least one model"),
+    # round 4 (beyond): avnorm mode=beyond, floor endpoints above 0, the loss-shaped schedule
+    ("patch-avnorm-beyond-kind-layer", "patch {model} --norm avnorm --mode beyond --kind layer --out {out}",
+     r"avnorm mode=beyond rescales each head's output by length and has no kind=layer \(drop kind, or use "
+     r"mode=always\)$"),
+    ("patch-avnorm-beyond-floor", "patch {model} --norm avnorm --mode beyond --floor 2 --out {out}",
+     r"avnorm mode=beyond takes no floor, affine or gain"),
+    ("patch-avnorm-mode-typo", "patch {model} --norm avnorm --mode beyon --out {out}",
+     r"avnorm mode must be one of always, beyond, got 'beyon' \(did you mean 'beyond'\?\)"),
+    ("patch-avnorm-exponent-without-beyond", "patch {model} --norm avnorm --exponent 0.5 --out {out}",
+     r"avnorm exponent and ref_len apply to mode=beyond only \(add mode=beyond\)$"),
+    ("train-schedule-end-floor-negative", "train {recipe} recovery.schedule.steps=1 recovery.schedule.end=-1 "
+                                          "--out {out}",
+     r"recovery.schedule.end -1: avnorm floor must be >= 0 \(0 = AVNorm, inf = the original model\), got -1.0$"),
+    ("train-schedule-loss-one-cost", "train {recipe} recovery.schedule.steps=1 recovery.schedule.shape=loss "
+                                     "recovery.schedule.costs=[4.1] --out {out}",
+     r"recovery.schedule.shape loss needs costs: at least 2 zero-shot probe losses"),
+    ("train-schedule-beyond-no-floor", "train {recipe} patch.mode=beyond recovery.schedule.steps=1 --out {out}",
+     r"recovery.schedule.start 8: avnorm mode=beyond takes no floor"),
 ]
 
 

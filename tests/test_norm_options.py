@@ -17,7 +17,8 @@ from retrofit.recipe import recipe_from_dict, recipe_to_dict
 from tests.tiny import tiny_model
 
 SAMPLES = {bool: True, int: 16, float: 1.5, str: None}  # a valid non-default value per type (str: the default)
-COMPANIONS = {("ssmax", "beta"): {"scale": "llama4"}}  # options that only apply together with another
+COMPANIONS = {("ssmax", "beta"): {"scale": "llama4"},  # options that only apply together with another
+              ("avnorm", "exponent"): {"mode": "beyond"}, ("avnorm", "ref_len"): {"mode": "beyond"}}
 
 
 def _options():

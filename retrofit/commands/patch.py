@@ -78,6 +78,9 @@ def add_arguments(parser):
                              "model, 1 = the norm) and the per-head spread, before any training")
     parser.add_argument("--schedule-start", type=float, default=None,
                         help="the knob at position 0 (default the norm's identity value; see recovery.schedule)")
+    parser.add_argument("--schedule-end", type=float, default=None,
+                        help="the knob at position 1 (default the patch's own value; an avnorm floor may end at 1 or "
+                             "2); the losses printed are recovery.schedule.costs for shape: loss")
     parser.add_argument("--out", help="folder to save the patched model (and tokenizer) to")
     parser.add_argument("--dtype", default="auto",
                         help="auto (default: the dtype the model was saved in) | float32 | bfloat16 | float16")
@@ -156,8 +159,12 @@ def run(args) -> int:
         print(f"loss on {args.check_text} ({check.numel()} tokens): original {before:.4f}, "
               f"patched {after:.4f} (ppl {math.exp(min(after, 50)):.2f})")
         if positions:
-            for t, value, loss in knob_losses(model, check[None], positions, start=args.schedule_start):
+            rows = knob_losses(model, check[None], positions, start=args.schedule_start, end=args.schedule_end)
+            for t, value, loss in rows:
                 print(f"  schedule position {t:g} ({args.norm} knob {value:g}): loss {loss:.4f} ({loss - before:+.4f})")
+            even = [i / (len(positions) - 1) for i in range(len(positions))] if len(positions) > 1 else None
+            if even and all(abs(a - b) < 1e-9 for a, b in zip(positions, even)):  # evenly spaced 0..1: usable
+                print(f"  recovery.schedule.costs for shape: loss: [{', '.join(f'{c:.4f}' for _, _, c in rows)}]")
             print(describe_spread(head_spread(model, check[None])))
     if args.out:
         save_atomically(model, tokenizer, args.out)

@@ -19,20 +19,36 @@ floor (kind=rms): a per-head floor eps_h = f * g_h under each token's RMS,
 f = 0 is plain AVNorm (the same code path, bitwise); f -> inf is the original model (f = inf exactly).
 Measured on SmolLM2-135M (no training, vs. the unpatched model): f=4 +0.04 nats, 2 +0.19, 1 +0.47, 0 +0.87.
 `recovery.schedule` anneals f from a large value to 0 while training (retrofit.recovery).
+
+mode=beyond (kind=rms, no floor, no affine): the original model inside the trained length, a per-head correction of
+the output's scale beyond it. n = the keys a query may see (position + 1, padding excluded, cached keys counted,
+exactly as SSMax counts them); L = `ref_len`, default the model's ORIGINAL positions (before a `rope=` extension):
+
+    y_h(n) = o_h(n) * (max(n, L) / L) ^ b_h          (exactly 1.0, so o_h untouched, for every n <= L)
+
+A head's output RMS falls with the number of keys it averages over (r_h(n) ~ a_h * n^(-b_h)); beyond L the factor
+holds it at its trained-length level r_h(L). b_h (H values, `exponent`) is a parameter: `retrofit.calibrate` fits it
+per head on text inside L (least squares of log mean RMS on log n; clamped to [-1, 1]) and a finetune trains it.
+It acts inside the attention function (it needs n), wrapping the base kernel as SSMax does; while no key lies
+beyond L the base kernel's output is returned as it is (the same tensor).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..errors import RetrofitError
+from ..errors import RetrofitError, closest
+from ..kernels.masks import visible_counts
 from . import register_norm
-from .base import Norm, option
+from .base import Norm, option, visible_keys
 
 KINDS = ("rms", "layer", "global")
+MODES = ("always", "beyond")
+EXPONENT_RANGE = (-1.0, 1.0)  # calibrate() clamps the fitted b_h here: a fit on short text must not explode beyond L
 
 
 @register_norm
@@ -51,29 +67,55 @@ class AVNorm(Norm):
         gain: float = option(1.0, "initial per-head gain; retrofit.calibrate() overwrites it")
         floor: float = option(0.0, "kind=rms: per-head floor eps = floor * gain under the RMS; 0 = AVNorm, large (inf) "
                                    "= the original model; recovery.schedule anneals it to 0")
+        mode: str = option("always", "always (normalize every token) | beyond (the original model inside L; beyond "
+                                     "it each head's output times (n / L)^b_h, b_h calibrated and trainable)")
+        exponent: float = option(0.0, "mode=beyond: initial b_h (0 = the original model everywhere); "
+                                      "retrofit.calibrate() fits it per head")
+        ref_len: int | None = option(None, "mode=beyond: L; default the model's original max positions (before rope=)")
 
         def __post_init__(self):
             if self.kind not in KINDS:
                 raise RetrofitError(f"avnorm kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+            if self.mode not in MODES:
+                raise RetrofitError(f"avnorm mode must be one of {', '.join(MODES)}, got {self.mode!r}"
+                                    f"{closest(str(self.mode), MODES)}")
             if not float(self.eps) > 0:
                 raise RetrofitError(f"avnorm eps must be > 0, got {self.eps!r}")
             if isinstance(self.affine, str) or not isinstance(self.affine, (bool, int)):
                 raise RetrofitError(f"avnorm affine must be true or false, got {self.affine!r}")
             self.eps, self.gain, self.affine = float(self.eps), float(self.gain), bool(self.affine)
             self.floor = _floor(self.floor, self.kind)
+            self.exponent = _number(self.exponent, "exponent")
+            if self.mode == "beyond":
+                _check_beyond(self)
+            elif self.ref_len is not None or self.exponent != 0.0:
+                raise RetrofitError("avnorm exponent and ref_len apply to mode=beyond only (add mode=beyond)")
+
+    @classmethod
+    def on_output(cls, options) -> bool:
+        return options.mode != "beyond"  # beyond needs n per query: it acts inside the attention function
 
     def __init__(self, options, shape):
         super().__init__(options, shape)
         heads, dim = shape.num_heads, shape.head_dim
+        self.calibration = None  # a list while retrofit.calibrate() collects statistics
+        if options.mode == "beyond":
+            self.acts_on_output = False
+            self.ref_len = options.ref_len or shape.max_positions or 2048  # L
+            self.exponent = nn.Parameter(torch.full((heads,), options.exponent))  # (H,) b_h
+            self.floor = 0.0
+            return
         self.gain = nn.Parameter(torch.full((heads,), options.gain))  # (H,)
         if options.affine:
             self.weight = nn.Parameter(torch.ones(heads * dim))
             bias = nn.Parameter(torch.zeros(heads * dim)) if options.kind != "rms" else None
             self.register_parameter("bias", bias)
-        self.calibration = None  # a list while retrofit.calibrate() collects statistics
         self.floor = options.floor  # the scheduled knob (a float: a schedule moves it between steps)
 
     def set_knob(self, value: float) -> None:
+        if self.options.mode == "beyond":
+            raise RetrofitError("avnorm mode=beyond has no floor to schedule (it is the original model inside L "
+                                "already): drop recovery.schedule")
         self.floor = _floor(value, self.options.kind)
 
     def knob_value(self) -> float:
@@ -89,8 +131,11 @@ class AVNorm(Norm):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.options.eps)
         return x.view_as(out)
 
-    def forward(self, out: torch.Tensor) -> torch.Tensor:
-        """(B, T, H, D) heads' outputs -> normalized, same shape and dtype. Observe-only while calibrating."""
+    def forward(self, out: torch.Tensor, *attention, base=None, **kwargs) -> torch.Tensor:
+        """(B, T, H, D) heads' outputs -> normalized, same shape and dtype. Observe-only while calibrating.
+        mode=beyond is called as an attention function instead: (module, q, k, v, mask, base=..., **kwargs)."""
+        if base is not None:
+            return self.beyond(out, *attention, base=base, **kwargs)
         if self.calibration is not None:  # observe only: per-token RMS before and after, (B, T, H) each
             y = self.normalize(out)
             self.calibration.append((out.float().pow(2).mean(-1).sqrt(), y.pow(2).mean(-1).sqrt()))
@@ -113,6 +158,52 @@ class AVNorm(Norm):
         g2 = self.gain.float().pow(2).view(-1, 1)  # (H, 1)
         e2 = g2 * self.floor ** 2
         return x * torch.sqrt(g2 + e2) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.options.eps + e2)
+
+
+    def beyond(self, module, query, key, value, attention_mask, *, base, **kwargs):
+        """mode=beyond: the base kernel's (out (B, Tq, H, D), weights), out times factor(n) per head and query."""
+        out, weights = base(module, query, key, value, attention_mask, **kwargs)
+        if self.calibration is None and key.shape[2] <= self.ref_len:
+            return out, weights  # no query sees more than L keys: the base output itself, untouched
+        seen, _, mask, causal = visible_keys(module, query, key, value, attention_mask, kwargs.get("is_causal"))
+        n = visible_counts(mask, causal, query.shape[2], seen.shape[2], query.device)  # broadcastable (B, H, Tq)
+        if self.calibration is not None:  # observe only: (visible keys, per-token RMS (B, Tq, H))
+            self.calibration.append((n, out.float().pow(2).mean(-1).sqrt()))
+            return out, weights
+        factor = self.factor(n).expand(out.shape[0], -1, -1)  # (B, H, Tq)
+        return (out * factor.transpose(1, 2).unsqueeze(-1)).to(out.dtype), weights
+
+    def factor(self, n: torch.Tensor) -> torch.Tensor:
+        """(max(n, L) / L)^b_h for n visible keys (broadcastable to (B, H, Tq)): float32 (B or 1, H, Tq), exactly
+        1.0 wherever n <= L."""
+        while n.dim() < 3:
+            n = n.unsqueeze(0)
+        ratio = n.float() / self.ref_len  # (B or 1, H or 1, Tq)
+        scaled = torch.exp(self.exponent.float().view(-1, 1) * torch.log(ratio.clamp_min(1.0)))  # (., H, Tq)
+        return torch.where(ratio > 1.0, scaled, torch.ones_like(scaled))
+
+
+def _number(value, name: str) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise RetrofitError(f"avnorm {name} must be a number, got {value!r}") from None
+    if not math.isfinite(value):
+        raise RetrofitError(f"avnorm {name} must be finite, got {value!r}")
+    return value
+
+
+def _check_beyond(opts) -> None:
+    """mode=beyond leaves every token's normalization off: what only the normalizing modes mean is refused."""
+    if opts.kind != "rms":
+        raise RetrofitError(f"avnorm mode=beyond rescales each head's output by length and has no kind={opts.kind} "
+                            "(drop kind, or use mode=always)")
+    if opts.floor or opts.affine or opts.gain != 1.0:
+        raise RetrofitError("avnorm mode=beyond takes no floor, affine or gain (it is the original model inside L; "
+                            "its per-head exponent is calibrated): drop them, or use mode=always")
+    if opts.ref_len is not None and (isinstance(opts.ref_len, bool) or not isinstance(opts.ref_len, int)
+                                     or opts.ref_len < 2):
+        raise RetrofitError(f"avnorm ref_len must be an integer >= 2, got {opts.ref_len!r}")
 
 
 def _floor(value, kind: str) -> float:

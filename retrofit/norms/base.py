@@ -82,6 +82,12 @@ class Norm(nn.Module):
         raise NotImplementedError(f"{self.name} has no scheduled knob")
 
     @classmethod
+    def on_output(cls, options) -> bool:
+        """Whether this norm, built with `options`, acts on the heads' outputs (acts_on_output) rather than inside
+        the attention function: what retrofit.patch decides the implementation by (AVNorm mode=beyond: inside)."""
+        return cls.acts_on_output
+
+    @classmethod
     def sink_refusal(cls, options) -> str | None:
         """Why this norm cannot keep a model's own learned attention sinks (gpt_oss), or None if it keeps them.
         Norms that call the wrapped kernel (softmax, AVNorm) keep them: the model's eager function applies them."""

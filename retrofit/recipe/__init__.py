@@ -22,6 +22,7 @@ import yaml
 
 from ..atomic import atomic_write_text
 from ..errors import RetrofitError, closest, shown
+from ..norms import NORMS, make_options
 from .experiment import ArmSection, ExperimentSection, ReferenceSection, check_arm_name
 from .schema import apply_overrides, build, knob, load_yaml, need, to_plain
 from .schema import documentation as _documentation
@@ -101,7 +102,26 @@ def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
     extras = {k: build(EXTRA_SECTIONS[k], v or {}, k) for k, v in raw.items() if k in EXTRA_SECTIONS}
     recipe = build(Recipe, core, "")
     recipe.extras = extras
+    check_schedule_endpoints(recipe.patch, extras.get("recovery"))
     return recipe
+
+
+def check_schedule_endpoints(patch: PatchSection, recovery) -> None:
+    """recovery.schedule's start and end (defaults filled in) by the patch's norm's own option rules, as soon as the
+    recipe is read: an avnorm floor ending below 0 is a one-line error before any model loads."""
+    schedule = getattr(recovery, "schedule", None)
+    cls = NORMS.get(patch.norm) if schedule is not None and patch.norm else None
+    if cls is None or cls.knob is None:
+        return  # no schedule, or a norm without a knob: the training setup names the norms that have one
+    for key, default in (("start", cls.knob_identity), ("end", None)):
+        value = getattr(schedule, key)
+        value = default if value is None else value
+        if value is None:
+            continue
+        try:
+            make_options(patch.norm, **{**patch.options, cls.knob: value})
+        except RetrofitError as err:
+            raise RetrofitError(f"recovery.schedule.{key} {value:g}: {err}") from None
 
 
 def load_recipe(path, overrides=()) -> Recipe:

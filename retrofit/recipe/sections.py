@@ -308,15 +308,35 @@ class ScheduleSection:
                                      "avnorm floor 8, psoftmax p 1, softmax1 sink -30, ssmax blend 0")
     end: float | None = knob(None, "the knob from `steps` on; null = the patch's own value (avnorm floor 0, "
                                    "psoftmax p, softmax1 sink, ssmax blend 1): the plain norm, bitwise")
-    shape: Literal["linear", "cosine"] = knob("linear", "linear, or cosine (slow at both ends)")
+    shape: Literal["linear", "cosine", "loss"] = knob("linear", "linear, cosine (slow at both ends), or loss: "
+                                                               "equal zero-shot cost per step (slow where the probe's "
+                                                               "loss rises steeply; needs costs)")
     by_layer: bool = knob(False, "move one layer at a time, first layer first, each over steps / layers; the "
                                  "later layers adapt to an already-changed input")
+    costs: list[float] | None = knob(None, "shape loss: the zero-shot probe's losses at evenly spaced positions "
+                                           "0..1 of the straight path start -> end, as `retrofit patch MODEL --norm "
+                                           "N --check-text FILE --schedule-values 0,0.25,0.5,0.75,1 --schedule-end "
+                                           "E` prints them; null = measured as the run starts (task lm: the first "
+                                           "training block at 9 positions, printed; pin them here for a resume "
+                                           "that must be exact on a GPU)")
 
     def __post_init__(self):
         need(self.steps >= 1, f"recovery.schedule.steps must be >= 1, got {self.steps}")
         for key in ("start", "end"):
             value = getattr(self, key)
             need(value is None or math.isfinite(value), f"recovery.schedule.{key} must be finite, got {value}")
+        if self.shape != "loss":
+            need(self.costs is None, f"recovery.schedule.costs shape the schedule in the loss's units: set shape: "
+                                     f"loss, or drop costs (shape is {self.shape})")
+            return
+        need(self.costs is None or len(self.costs) >= 2,
+             "recovery.schedule.shape loss needs costs: at least 2 zero-shot probe losses at evenly spaced positions "
+             "0..1 (retrofit patch ... --check-text FILE --schedule-values 0,0.25,0.5,0.75,1 prints them), or null "
+             "to measure them as the run starts")
+        need(all(math.isfinite(c) for c in self.costs or ()), f"recovery.schedule.costs must be finite, got "
+                                                              f"{self.costs}")
+        need(not self.by_layer, "recovery.schedule.shape loss spreads the whole model's probe cost; by_layer moves "
+                                "one layer at a time, which the probe did not measure: drop one of them")
 
 
 @dataclass

@@ -65,6 +65,23 @@ def knob_losses(model: nn.Module, ids: torch.Tensor, positions, *, start: float 
     return rows
 
 
+PROBE_POINTS = 9  # shape=loss without costs: the path start -> end probed at 0, 1/8, ..., 1
+
+
+@torch.no_grad()
+def schedule_costs(model: nn.Module, ids: torch.Tensor, *, start: float | None = None, end: float | None = None,
+                   points: int = PROBE_POINTS) -> list[float]:
+    """recovery.schedule.costs measured: the loss of one (1, T) sequence at `points` evenly spaced positions of the
+    straight path start -> end, in eval mode (no dropout); the knobs are left at the end."""
+    was_training = model.training
+    model.eval()
+    try:
+        rows = knob_losses(model, ids, [i / (points - 1) for i in range(points)], start=start, end=end)
+    finally:
+        model.train(was_training)
+    return [loss for _, _, loss in rows]
+
+
 def describe_spread(spread: torch.Tensor, top: int = 5) -> str:
     """One paragraph: mean and max spread, and the heads a norm will change most."""
     flat = spread.flatten()

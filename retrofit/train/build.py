@@ -32,6 +32,8 @@ from ..load import CountingModel, language_model
 from ..positions import position_limit
 from ..recipe import PeftSection, Recipe, RecoverySection, TrainSection
 from ..recovery import is_patch_parameter, knob_norms
+from ..recovery.probe import schedule_costs
+from ..recovery.schedule import endpoints
 from .runlog import JsonlTracker
 
 # ---- processes -------------------------------------------------------------------------------------------------------
@@ -155,6 +157,18 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     lm.config.use_cache = False
 
 
+def probe_schedule(model: nn.Module, data, recipe: Recipe, schedule):
+    """shape=loss without costs: measure them on the first training block of the model as set up (before any
+    checkpoint loads, so a resumed run measures the same model). Returns the schedule with its costs."""
+    if schedule is None or schedule.shape != "loss" or schedule.costs is not None:
+        return schedule
+    length = recipe.data.seq_len
+    ids = data.calibration(length, length)[0]["input_ids"][:1]  # (1, T): the first training block
+    costs = schedule_costs(language_model(model), ids.to(next(model.parameters()).device), start=schedule.start,
+                           end=schedule.end)
+    return dataclasses.replace(schedule, costs=costs)
+
+
 def check_recovery(model: nn.Module, recipe: Recipe) -> None:
     """Refuse, before training, a recovery section the patch or the task cannot serve (one-line errors)."""
     rec = recipe.section("recovery")
@@ -171,7 +185,11 @@ def check_recovery(model: nn.Module, recipe: Recipe) -> None:
         if need_steps > recipe.train.steps:
             raise RetrofitError(f"recovery.schedule.steps ({need_steps}) exceeds train.steps ({recipe.train.steps}): "
                                 "the run would end mid-schedule")
-        knob_norms(language_model(model))  # a norm without a knob: one line naming those that have one
+        norm = knob_norms(language_model(model))[0]  # a norm without a knob: one line naming those that have one
+        endpoints(norm, rec.schedule.start, rec.schedule.end)  # an end its norm refuses (floor < 0): before training
+        if rec.schedule.shape == "loss" and rec.schedule.costs is None and recipe.data.task != "lm":
+            raise RetrofitError(f"recovery.schedule.shape loss without costs measures next-token losses, but "
+                                f"data.task is {recipe.data.task}: give recovery.schedule.costs")
     if rec.match_steps >= recipe.train.steps:
         raise RetrofitError(f"recovery.match_steps ({rec.match_steps}) must be < train.steps ({recipe.train.steps})")
 

@@ -138,7 +138,10 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
     model, tokenizer, data = setup(recipe, acc, model=model, tokenizer=tokenizer, data=data)
     model.train()
     rec = recipe.section("recovery")  # retrofit.recovery: schedules, distillation, patch learning rate
-    schedule = rec.schedule if rec is not None else None
+    schedule = build.probe_schedule(model, data, recipe, rec.schedule if rec is not None else None)
+    if rec is not None and schedule is not rec.schedule:
+        acc.print(f"recovery.schedule.costs measured (zero-shot, first training block): "
+                  f"{schedule.costs}")  # every digit: pinned in a recipe, they give this schedule exactly
     mixed = rec is not None and (rec.lm_weight != 1.0 or rec.distills())  # else the task's own loss
     optimizer = build.make_optimizer(model, t, rec)
     model, optimizer = acc.prepare(model, optimizer)

@@ -352,6 +352,19 @@ CASES = [
     # round 3 (house): --calibrate is --calibration-text's old name, still read and checked under the new one
     ("patch-calibrate-old-name", "patch {model} --norm avnorm --calibrate {missing}",
      r"--calibration-text .*no-such-thing: no such file"),
+    # round 4 (selective): --layers / --heads (the tiny model has 2 layers of 4 heads)
+    ("patch-layers-out-of-range", "patch {model} --norm avnorm --layers 1-5 --out {out}",
+     r"layers: index 2 is out of range; this model has 2 layers \(0-1\)$"),
+    ("patch-heads-out-of-range", "patch {model} --norm ssmax --heads 0,4 --out {out}",
+     r"heads: index 4 is out of range; this model has 4 heads \(0-3\)$"),
+    ("patch-heads-not-per-head", "patch {model} --norm psoftmax --heads 0 --out {out}",
+     r"--heads: psoftmax has no per-head parameters; --heads applies to avnorm, softmax1, ssmax$"),
+    ("patch-layers-empty", "patch {model} --norm avnorm --layers , --out {out}",
+     r"--layers: the selection ',' is empty; select at least one: N, A-B, A-, A-B:STEP or :STEP"),
+    ("patch-layers-malformed", "patch {model} --norm avnorm --layers 1..3 --out {out}",
+     r"--layers: cannot read '1..3'; write N, A-B, A-, A-B:STEP or :STEP, joined by ',' or '\+'"),
+    ("patch-layers-backwards", "patch {model} --norm avnorm --layers 3-1 --out {out}",
+     r"--layers: '3-1' is an empty range \(write A-B with A <= B, a step >= 1\)$"),
 ]
 
 

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 import tempfile
 import typing
 from pathlib import Path
@@ -24,11 +25,12 @@ from ..atomic import atomic_folder
 from ..calibrate import calibrate
 from ..errors import RetrofitError, read_utf8
 from ..hub import check_repo, find_token, push
-from ..load import is_hub_id, load, load_tokenizer
+from ..load import is_hub_id, load, load_config, load_tokenizer
 from ..norms import NORMS, make_options
 from ..patch import patch
 from ..recovery.probe import describe_spread, head_spread, knob_losses
 from ..rope import normalize_rope
+from ..selection import parse_selection
 from . import check_counts, check_out, check_text_files
 
 
@@ -56,6 +58,12 @@ def add_arguments(parser):
     parser.add_argument("--norm", required=True,
                         help="softmax | avnorm | psoftmax | ssmax | softmax1 (see `retrofit norms`)")
     parser.add_argument("--nope", action="store_true", help="also remove positional information")
+    parser.add_argument("--layers", metavar="SEL", default=None,
+                        help="patch only these attention layers (0-based, model order): 16-29, 0,3, 0-29:4 or :4 "
+                             "(every 4th), 16- (to the last); the others keep the original attention")
+    parser.add_argument("--heads", metavar="SEL", default=None,
+                        help="avnorm/ssmax/softmax1: act on these query heads only (same syntax); the others keep "
+                             "the original attention")
     parser.add_argument("--rope", metavar="TYPE:FACTOR[,KEY=VALUE...]", default=None,
                         help="extend RoPE: yarn:4, dynamic:4, linear:4, llama3:8,low_freq_factor=1,high_freq_factor=4 "
                              "(KEY: any of the type's keys, original = original_max_position_embeddings)")
@@ -111,6 +119,28 @@ def _positions(text: str) -> list[float]:
     return values
 
 
+def _check_selection(args) -> None:
+    """--layers / --heads: the syntax, an empty selection, heads of a norm without per-head parameters and (when the
+    config names the counts) an index out of range fail before loading; retrofit.patch checks the range again."""
+    for flag, spec in (("layers", args.layers), ("heads", args.heads)):
+        if spec is not None:
+            parse_selection(spec, sys.maxsize, f"--{flag}")
+    if args.heads is not None and not NORMS[args.norm].per_head:
+        per_head = ", ".join(n for n, cls in sorted(NORMS.items()) if cls.per_head)
+        raise RetrofitError(f"--heads: {args.norm} has no per-head parameters; --heads applies to {per_head}")
+    if args.layers is None and args.heads is None:
+        return
+    try:  # the range too, from the config: before loading the weights (a text-only config names both counts)
+        config = load_config(args.source)
+    except (RetrofitError, OSError, ValueError):
+        return  # load() reports what is wrong with the source
+    counts = {"layers": getattr(config, "num_hidden_layers", None),
+              "heads": getattr(config, "num_attention_heads", None)}
+    for flag, spec in (("layers", args.layers), ("heads", args.heads)):
+        if spec is not None and isinstance(counts[flag], int):
+            parse_selection(spec, counts[flag], flag)
+
+
 def save_atomically(model, tokenizer, out: str) -> None:
     """Write to a temporary sibling folder, then rename: a crash never leaves a half-written model."""
     with atomic_folder(out, "--out") as tmp:
@@ -126,6 +156,7 @@ def run(args) -> int:
     check_text_files([args.check_text] if args.check_text else [], "--check-text")
     options = {k: getattr(args, k) for k in NORM_FLAGS if getattr(args, k) is not None}
     make_options(args.norm, **options)  # fail on a bad norm, option or rope before loading anything
+    _check_selection(args)
     if args.rope is not None:
         normalize_rope(args.rope)
         if args.nope:
@@ -146,7 +177,7 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.source) if (needs_tokens or args.out or args.push_to_hub) else None
     check = _read_tokens(tokenizer, args.check_text, args.check_tokens) if args.check_text else None
     before = text_loss(model, check) if check is not None else None
-    report = patch(model, args.norm, nope=args.nope, rope=args.rope, **options)
+    report = patch(model, args.norm, nope=args.nope, rope=args.rope, layers=args.layers, heads=args.heads, **options)
     if args.calibration_text:
         ids = _read_tokens(tokenizer, args.calibration_text, args.calibrate_tokens)
         report.calibration = calibrate(model, (c[None] for c in ids.split(512)))
@@ -173,6 +204,8 @@ def _push(model, tokenizer, args) -> None:
              for k in NORM_FLAGS if getattr(args, k) is not None]
     command = " ".join(["retrofit patch", Path(args.source).name if not is_hub_id(args.source) else args.source,
                         f"--norm {args.norm}", *(["--nope"] if args.nope else []),
+                        *([f"--layers {args.layers}"] if args.layers else []),
+                        *([f"--heads {args.heads}"] if args.heads else []),
                         *([f"--rope {args.rope}"] if args.rope else []), *flags,
                         *(["--calibration-text FILE"] if args.calibration_text else [])])
     with tempfile.TemporaryDirectory(prefix="retrofit-patch-") as tmp:

@@ -37,7 +37,8 @@ def _items(spec) -> list:
     return [spec]
 
 
-def _expand(item, count: int, what: str) -> range | list[int]:
+def _expand(item, count: int | None, what: str) -> range | list[int]:
+    """One item as indices; count None (the syntax only): open ends stop at their start, nothing is expanded."""
     if isinstance(item, int) and not isinstance(item, bool):
         return [item]
     match = _ITEM.match(item) if isinstance(item, str) else None
@@ -47,32 +48,37 @@ def _expand(item, count: int, what: str) -> range | list[int]:
     if one is not None:
         return [int(one)]
     if every is not None:
-        start, end, step = 0, count - 1, int(every)
+        start, end, step = 0, (count - 1 if count is not None else 0), int(every)
     elif s_step is not None:
         start, end, step = int(s_start), int(s_end), int(s_step)
     else:
-        start, end, step = int(start), (int(end) if end else count - 1), 1
+        start = int(start)  # an open end: the last index (an A past it is then out of range, not an empty range)
+        end, step = (int(end) if end else max(start, count - 1) if count is not None else start), 1
     if step < 1 or end < start:
         raise RetrofitError(f"{what}: {item!r} is an empty range (write A-B with A <= B, a step >= 1)")
     return range(start, end + 1, step)
 
 
-def parse_selection(spec, count: int, what: str) -> list[int]:
+def parse_selection(spec, count: int | None, what: str) -> list[int]:
     """`spec` (see the module doc) -> sorted distinct indices in [0, count). None means every index.
-    Refuses a malformed item, an index out of range and an empty selection, each in one line naming `what`."""
+    Refuses a malformed item, an index out of range and an empty selection, each in one line naming `what`.
+    count None checks the syntax only (before the model is loaded): open ends stop at their start."""
     if spec is None:
-        return list(range(count))
+        return list(range(count or 0))
     chosen: set[int] = set()
     for item in _items(spec):
         if item == "":
             continue
-        chosen.update(_expand(item, count, what))
+        indices = _expand(item, count, what)
+        if indices[0] < 0:  # only a list's int can be negative (the string syntax has no minus sign)
+            raise RetrofitError(f"{what}: index {indices[0]} is out of range; indices start at 0")
+        if count is not None and indices[-1] >= count:  # arithmetic on the range: "0-99999999" is never listed
+            k = max(0, -(-(count - indices[0]) // indices.step)) if isinstance(indices, range) else 0
+            raise RetrofitError(f"{what}: index {indices[k]} is out of range; this model has {count} {what} "
+                                f"(0-{count - 1})")
+        chosen.update(indices if count is not None else indices[:1])  # the syntax only: never a huge range
     if not chosen:
         raise RetrofitError(f"{what}: the selection {spec!r} is empty; select at least one: {SYNTAX}")
-    outside = sorted(i for i in chosen if not 0 <= i < count)
-    if outside:
-        raise RetrofitError(f"{what}: index {outside[0]} is out of range; this model has {count} {what} "
-                            f"(0-{count - 1})")
     return sorted(chosen)
 
 

@@ -365,6 +365,10 @@ CASES = [
      r"--layers: cannot read '1..3'; write N, A-B, A-, A-B:STEP or :STEP, joined by ',' or '\+'"),
     ("patch-layers-backwards", "patch {model} --norm avnorm --layers 3-1 --out {out}",
      r"--layers: '3-1' is an empty range \(write A-B with A <= B, a step >= 1\)$"),
+    ("train-patch-layers-malformed", "train {recipe} patch.layers=1..3 --out {out}",
+     r"patch.layers: cannot read '1..3'; write N, A-B"),
+    ("train-patch-heads-not-per-head", "train {recipe} patch.norm=psoftmax patch.heads=0 --out {out}",
+     r"patch.heads: psoftmax has no per-head parameters; patch.heads applies to avnorm, softmax1, ssmax$"),
 ]
 
 

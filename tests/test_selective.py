@@ -193,3 +193,49 @@ def test_bad_patch_calls_change_nothing(call, message):
         retrofit.patch(model, **call)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
     assert not retrofit.is_patched(model) and getattr(model.config, "retrofit", None) is None
+
+
+def test_recipe_patch_layers_and_heads():
+    """patch.layers / patch.heads reach retrofit.patch; the same selection again is no re-patch, another is."""
+    from retrofit.load import apply_patch
+    from retrofit.recipe import PatchSection
+    model = four_layers("llama")
+    report = apply_patch(model, PatchSection(norm="softmax1", layers="2-", heads="0+1"))
+    assert report.layers == [2, 3] and report.heads == [0, 1]
+    assert apply_patch(model, PatchSection(norm="softmax1", layers=[2, 3], heads="0,1")) is None
+    report = apply_patch(model, PatchSection(norm="softmax1", layers=3))
+    assert report.layers == [3] and report.heads is None and retrofit.patch_record(model)["heads"] is None
+
+
+@pytest.mark.parametrize("section, message", [
+    (dict(norm="psoftmax", heads=0), "patch.heads: psoftmax has no per-head parameters; patch.heads applies to "
+                                     "avnorm, softmax1, ssmax"),
+    (dict(norm="avnorm", layers="1..3"), "patch.layers: cannot read '1..3'"),
+    (dict(norm="avnorm", layers=[]), "patch.layers: the selection [] is empty"),
+    (dict(norm="avnorm", layers="1", nope=True), "patch: nope removes positions from the whole model"),
+    (dict(norm=None, layers="1"), "patch: nope/calibrate_tokens/rope given but patch.norm is null"),
+])
+def test_bad_recipe_selection(section, message):
+    from retrofit.recipe import PatchSection
+    with pytest.raises(RetrofitError) as err:
+        PatchSection(**section)
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("16-", "layers: index 16 is out of range; this model has 4 layers (0-3)"),
+    ("0-99999999999", "layers: index 4 is out of range"),
+    ("1-99999999999:2", "layers: index 5 is out of range"),
+    ([-1], "layers: index -1 is out of range; indices start at 0"),
+])
+def test_out_of_range_never_lists_the_range(spec, message):
+    with pytest.raises(RetrofitError) as err:
+        parse_selection(spec, 4, "layers")
+    assert str(err.value).startswith(message)
+
+
+def test_syntax_only_check_takes_no_count():
+    """Before loading (no count): huge or open ranges are checked, never expanded; errors as with a count."""
+    assert parse_selection("0-99999999999,:4,16-", None, "--layers") == [0, 16]
+    with pytest.raises(RetrofitError, match="is an empty range"):
+        parse_selection("5-1", None, "--layers")

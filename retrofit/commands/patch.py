@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import math
 import os
-import sys
 import tempfile
 import typing
 from pathlib import Path
@@ -124,7 +123,7 @@ def _check_selection(args) -> None:
     config names the counts) an index out of range fail before loading; retrofit.patch checks the range again."""
     for flag, spec in (("layers", args.layers), ("heads", args.heads)):
         if spec is not None:
-            parse_selection(spec, sys.maxsize, f"--{flag}")
+            parse_selection(spec, None, f"--{flag}")
     if args.heads is not None and not NORMS[args.norm].per_head:
         per_head = ", ".join(n for n, cls in sorted(NORMS.items()) if cls.per_head)
         raise RetrofitError(f"--heads: {args.norm} has no per-head parameters; --heads applies to {per_head}")

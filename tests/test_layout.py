@@ -22,7 +22,7 @@ RANKS = {
     "positions": 3,
     "rope": 4, "norms": 4,
     "patch": 5,
-    "calibrate": 6, "recipe": 6, "recovery": 6,
+    "calibrate": 6, "costs": 6, "recipe": 6, "recovery": 6,
     "load": 7,
     "data": 8,
     "train": 9, "evaluate": 9, "diagnose": 9,

@@ -239,3 +239,91 @@ def test_syntax_only_check_takes_no_count():
     assert parse_selection("0-99999999999,:4,16-", None, "--layers") == [0, 16]
     with pytest.raises(RetrofitError, match="is an empty range"):
         parse_selection("5-1", None, "--layers")
+
+
+def test_eval_patch_spec_takes_a_selection():
+    """eval --patch avnorm:layers=1-2,heads=0+3: parse_patch splits on commas, '+' joins the selection's items."""
+    from retrofit.diagnose import parse_patch
+    from retrofit.evaluate import _patch_on_the_fly
+    from retrofit.evaluate.spec import _eval_patch
+    norm, options = parse_patch("softmax1:layers=1-2,heads=0+3,sink=-1")
+    wanted = _eval_patch({"norm": norm, **options}, None)
+    assert wanted["layers"] == "1-2" and wanted["heads"] == "0+3" and wanted["options"]["sink"] == -1.0
+    model = four_layers("llama")
+    _patch_on_the_fly(model, wanted, "tiny")
+    record = retrofit.patch_record(model)
+    assert record["layers"] == [1, 2] and record["heads"] == [0, 3] and record["options"]["sink"] == -1.0
+    with pytest.raises(RetrofitError, match="the evaluation patch's layers: cannot read '1..2'"):
+        _eval_patch({"norm": "avnorm", "layers": "1..2"}, None)
+
+
+def _loss(model, ids) -> float:
+    with torch.no_grad():
+        return float(model(input_ids=ids, labels=ids, use_cache=False).loss)
+
+
+@pytest.mark.parametrize("family, norm", [("llama", "avnorm"), ("gpt2", "softmax1"), ("llama", "ssmax")])
+def test_cost_ranking_equals_brute_force(family, norm):
+    """layer_costs / head_costs (masks on one patched model) equal patching a fresh copy with layers=[i] or
+    heads=[h] and measuring: the same losses (bitwise) and so the same order."""
+    from retrofit.costs import head_costs, layer_costs, selection_loss
+    ids = random_ids(1, 24)
+    base = four_layers(family)
+    model = copy.deepcopy(base)
+    retrofit.patch(model, norm, **NORMS[norm])
+    baseline, layers = layer_costs(model, ids)
+    assert baseline == _loss(base, ids)
+    brute = {}
+    for i in range(4):
+        one = copy.deepcopy(base)
+        retrofit.patch(one, norm, layers=[i], **NORMS[norm])
+        brute[i] = _loss(one, ids)
+    assert [c.index for c in layers] == sorted(brute, key=lambda i: (brute[i] - baseline, i))
+    assert all(c.loss == brute[c.index] and c.cost == brute[c.index] - baseline for c in layers)
+    assert len({c.loss for c in layers}) == 4  # the layers differ, so the order is a real ranking
+    _, heads = head_costs(model, ids)
+    for c in heads:
+        one = copy.deepcopy(base)
+        retrofit.patch(one, norm, heads=[c.index], **NORMS[norm])
+        assert c.loss == _loss(one, ids)
+    assert [c.cost for c in heads] == sorted(c.cost for c in heads)
+    pair = copy.deepcopy(base)
+    retrofit.patch(pair, norm, layers=[1, 3], heads=[0, 2], **NORMS[norm])
+    assert selection_loss(model, ids, [1, 3], [0, 2]) == _loss(pair, ids)
+    full = copy.deepcopy(base)
+    retrofit.patch(full, norm, **NORMS[norm])
+    assert _loss(model, ids) == _loss(full, ids)  # the ranking restored every norm's own mask
+    assert all(m.retrofit.head_mask is None for _, m in attention_modules(model))
+
+
+def test_cli_check_text_ranks_layers_and_heads(tmp_path, capsys):
+    """retrofit patch --check-text prints the layer and head rankings, cheapest first, as a brute-force
+    recomputation (a fresh patch of one layer, or one head, per row) orders them, and suggests the k cheapest."""
+    import re
+
+    from retrofit.cli import main
+    from tests.test_data import char_tokenizer
+    folder, text = tmp_path / "m", tmp_path / "t.txt"
+    base = four_layers("llama")
+    base.save_pretrained(folder)
+    tok = char_tokenizer()
+    tok.save_pretrained(folder)
+    text.write_text("the cat sat on the mat and the dog ran after it. " * 4)
+    assert main(["patch", str(folder), "--norm", "softmax1", "--check-text", str(text), "--check-tokens", "64",
+                 "--rank-k", "2"]) == 0
+    out = capsys.readouterr().out
+    ids = tok(text.read_text(), return_tensors="pt").input_ids[:, :64]
+
+    def brute(**selection):
+        one = copy.deepcopy(base)
+        retrofit.patch(one, "softmax1", **selection)
+        return _loss(one, ids)
+
+    for what, count, flag in (("layer", 4, "--layers"), ("head", 4, "--heads")):
+        table = out.split(f"zero-shot cost per {what}")[1].split("suggested:")[0]
+        rows = [(int(i), float(loss)) for i, loss, _ in re.findall(r"^\s+(\d+)\s+(\S+)\s+(\S+)$", table, re.M)]
+        losses = {i: brute(**{f"{what}s": [i]}) for i in range(count)}
+        assert [i for i, _ in rows] == sorted(losses, key=lambda i: (losses[i], i))
+        assert all(abs(loss - losses[i]) < 5e-5 for i, loss in rows)  # printed to 4 decimals
+        cheapest = sorted(i for i, _ in rows[:2])
+        assert f"suggested: {flag} {describe_selection(cheapest)} (the 2 cheapest {what}s together" in out

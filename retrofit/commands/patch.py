@@ -22,11 +22,13 @@ import torch
 
 from ..atomic import atomic_folder
 from ..calibrate import calibrate
+from ..costs import describe_costs, head_costs, layer_costs, selection_loss, suggest
 from ..errors import RetrofitError, read_utf8
 from ..hub import check_repo, find_token, push
 from ..load import is_hub_id, load, load_config, load_tokenizer
 from ..norms import NORMS, make_options
 from ..patch import patch
+from ..record import describe_selection, read_record
 from ..recovery.probe import describe_spread, head_spread, knob_losses
 from ..rope import normalize_rope
 from ..selection import parse_selection
@@ -80,6 +82,8 @@ def add_arguments(parser):
                         help="tokens of --calibration-text to use (default 8192)")
     parser.add_argument("--check-text", metavar="FILE", help="print the loss on this text before and after patching")
     parser.add_argument("--check-tokens", type=int, default=512, help="tokens of --check-text to use (default 512)")
+    parser.add_argument("--rank-k", type=int, default=None, metavar="K",
+                        help="with --check-text: suggest --layers (and --heads) for the K cheapest (default: half)")
     parser.add_argument("--schedule-values", metavar="T,T,...", default=None,
                         help="with --check-text: the loss at these recovery-schedule positions (0 = the original "
                              "model, 1 = the norm) and the per-head spread, before any training")
@@ -140,6 +144,20 @@ def _check_selection(args) -> None:
             parse_selection(spec, counts[flag], flag)
 
 
+def _rank(model, ids: torch.Tensor, k: int | None) -> None:
+    """Rank the patched layers (then heads, for per-head norms) by their zero-shot cost on `ids`, cheapest first,
+    and suggest --layers / --heads for the k cheapest: one forward per layer or head, and one per suggestion."""
+    rankings = [("layer", "--layers", layer_costs)] + ([("head", "--heads", head_costs)]
+                                                       if NORMS[read_record(model)["norm"]].per_head else [])
+    for what, flag, measure in rankings:
+        baseline, costs = measure(model, ids)
+        print(describe_costs(costs, what, baseline))
+        chosen = suggest(costs, min(k or max(1, len(costs) // 2), len(costs)))
+        loss = selection_loss(model, ids, *((chosen, None) if what == "layer" else (None, chosen)))
+        print(f"suggested: {flag} {describe_selection(chosen)} (the {len(chosen)} cheapest {what}s together: loss "
+              f"{loss:.4f}, {loss - baseline:+.4f})")
+
+
 def save_atomically(model, tokenizer, out: str) -> None:
     """Write to a temporary sibling folder, then rename: a crash never leaves a half-written model."""
     with atomic_folder(out, "--out") as tmp:
@@ -149,7 +167,7 @@ def save_atomically(model, tokenizer, out: str) -> None:
 
 
 def run(args) -> int:
-    check_counts(args, positive=("calibrate_tokens", "check_tokens"))
+    check_counts(args, positive=("calibrate_tokens", "check_tokens", "rank_k"))
     args.out = check_out(args.out, "--out")  # new or empty; `~` expanded, once
     check_text_files([args.calibration_text] if args.calibration_text else [], "--calibration-text")
     check_text_files([args.check_text] if args.check_text else [], "--check-text")
@@ -189,6 +207,7 @@ def run(args) -> int:
             for t, value, loss in knob_losses(model, check[None], positions, start=args.schedule_start):
                 print(f"  schedule position {t:g} ({args.norm} knob {value:g}): loss {loss:.4f} ({loss - before:+.4f})")
             print(describe_spread(head_spread(model, check[None])))
+        _rank(model, check[None], args.rank_k)
     if args.out:
         save_atomically(model, tokenizer, args.out)
         print(f"saved to {args.out}  (load with retrofit.from_pretrained({args.out!r}))")

@@ -327,3 +327,19 @@ def test_cli_check_text_ranks_layers_and_heads(tmp_path, capsys):
         assert all(abs(loss - losses[i]) < 5e-5 for i, loss in rows)  # printed to 4 decimals
         cheapest = sorted(i for i, _ in rows[:2])
         assert f"suggested: {flag} {describe_selection(cheapest)} (the 2 cheapest {what}s together" in out
+
+
+@pytest.mark.parametrize("norm, options", [("avnorm", {}), ("softmax1", {"learnable": True})])
+def test_adapter_round_trip_keeps_the_selection(tmp_path, norm, options):
+    """A LoRA adapter on a selective patch (the patch trained through modules_to_save) reloads with the same
+    layers and heads and the same logits (the adapter's record is compared with layers and heads too)."""
+    from retrofit.load.adapters import save_adapter
+    from tests.test_adapters import peft_on_patched
+    model, _, ids = peft_on_patched(tmp_path, "llama", norm, layers=[1], heads="0,2", **options)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    loaded = retrofit.from_pretrained(str(save_adapter(model, tmp_path / "adapter")))
+    record = retrofit.patch_record(loaded.base_model.model)
+    assert record["layers"] == [1] and record["heads"] == [0, 2]
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, expected)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # bitwise comparisons: one r
 # norm -> options that make it differ from the original on a tiny model (a short text is far inside L)
 NORMS = {"avnorm": {"gain": 0.5}, "ssmax": {}, "softmax1": {}, "psoftmax": {"p": 2.0}, "softmax": {}}
 PER_HEAD = ("avnorm", "ssmax", "softmax1")
-FAMILIES = ("llama", "gpt2")
+FAMILIES = ("llama", "gpt2", "gemma2")  # sdpa, sdpa (no GQA), eager (the model's own eager function)
 
 
 def four_layers(family: str):

@@ -74,7 +74,8 @@ def parse_selection(spec, count: int | None, what: str) -> list[int]:
             raise RetrofitError(f"{what}: index {indices[0]} is out of range; indices start at 0")
         if count is not None and indices[-1] >= count:  # arithmetic on the range: "0-99999999" is never listed
             k = max(0, -(-(count - indices[0]) // indices.step)) if isinstance(indices, range) else 0
-            raise RetrofitError(f"{what}: index {indices[k]} is out of range; this model has {count} {what} "
+            noun = re.findall(r"[a-z]+", what)[-1]  # "--layers", "patch.layers" -> "layers"
+            raise RetrofitError(f"{what}: index {indices[k]} is out of range; this model has {count} {noun} "
                                 f"(0-{count - 1})")
         chosen.update(indices if count is not None else indices[:1])  # the syntax only: never a huge range
     if not chosen:

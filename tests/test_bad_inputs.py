@@ -354,9 +354,9 @@ CASES = [
      r"--calibration-text .*no-such-thing: no such file"),
     # round 4 (selective): --layers / --heads (the tiny model has 2 layers of 4 heads)
     ("patch-layers-out-of-range", "patch {model} --norm avnorm --layers 1-5 --out {out}",
-     r"layers: index 2 is out of range; this model has 2 layers \(0-1\)$"),
+     r"--layers: index 2 is out of range; this model has 2 layers \(0-1\)$"),
     ("patch-heads-out-of-range", "patch {model} --norm ssmax --heads 0,4 --out {out}",
-     r"heads: index 4 is out of range; this model has 4 heads \(0-3\)$"),
+     r"--heads: index 4 is out of range; this model has 4 heads \(0-3\)$"),
     ("patch-heads-not-per-head", "patch {model} --norm psoftmax --heads 0 --out {out}",
      r"--heads: psoftmax has no per-head parameters; --heads applies to avnorm, softmax1, ssmax$"),
     ("patch-layers-empty", "patch {model} --norm avnorm --layers , --out {out}",

@@ -141,7 +141,7 @@ def _check_selection(args) -> None:
               "heads": getattr(config, "num_attention_heads", None)}
     for flag, spec in (("layers", args.layers), ("heads", args.heads)):
         if spec is not None and isinstance(counts[flag], int):
-            parse_selection(spec, counts[flag], flag)
+            parse_selection(spec, counts[flag], f"--{flag}")
 
 
 def _rank(model, ids: torch.Tensor, k: int | None) -> None:

@@ -43,8 +43,9 @@ from .families import (
 from .norms import AttentionShape, available_norms, get_norm, make_options
 from .norms.base import CHILD, is_output_hook
 from .positions import already_without_positions, has_positions_removed, remove_positions, restore_positions
-from .record import FORMAT, PatchReport, drop_record, read_record, write_record
+from .record import FORMAT, SELECTIVE_FORMAT, PatchReport, drop_record, read_record, write_record
 from .rope import apply_rope, describe_rope, plan_rope, reset_to_original, restore_rope
+from .selection import select
 
 # While `observe` is active, each observed attention module holds its observer under this attribute (removed on
 # exit): the model carries its own observers, so two models (or threads on two models) never see each other's.
@@ -66,6 +67,10 @@ def _dispatch(base, module, query, key, value, attention_mask, **kwargs):
         observer(module, query, key, value, attention_mask, kwargs.get("scaling"), norm)
     if norm is None or norm.acts_on_output:  # AVNorm acts at the output projection, not here
         return base(module, query, key, value, attention_mask, **kwargs)
+    if getattr(norm, "head_mask", None) is not None:  # heads=: the unselected heads are the wrapped kernel's, bitwise
+        out, _ = norm(module, query, key, value, attention_mask, base=base, **kwargs)
+        original, _ = base(module, query, key, value, attention_mask, **kwargs)
+        return norm.keep_unselected(out, original), None
     return norm(module, query, key, value, attention_mask, base=base, **kwargs)
 
 
@@ -220,10 +225,13 @@ def _check_query_scaling(norm: str, norm_cls, opts, config) -> str | None:
     return f"{norm} stacked on the model's own {already}"
 
 
-def patch(model: nn.Module, norm: str | None = None, *, nope: bool = False, rope=None, **options) -> PatchReport:
+def patch(model: nn.Module, norm: str | None = None, *, nope: bool = False, rope=None, layers=None, heads=None,
+          **options) -> PatchReport:
     """Attach `norm` to every self-attention module of `model` (in place) and return a PatchReport.
     norm is required (no default: uncalibrated AVNorm ruins a pretrained model, 3.91 -> 14.29 on SmolLM2).
-    rope: extend RoPE, as 'yarn:4' or {'rope_type': 'yarn', 'factor': 4, ...} (see retrofit.rope)."""
+    rope: extend RoPE, as 'yarn:4' or {'rope_type': 'yarn', 'factor': 4, ...} (see retrofit.rope); it applies to
+    the whole model. layers / heads: patch only these attention modules, and (avnorm, ssmax, softmax1) only these
+    query heads ('16-29', ':4', [16, 17]; retrofit.selection); the others keep the original attention, bitwise."""
     if norm is None:
         raise RetrofitError(f"retrofit.patch needs a norm: one of {', '.join(available_norms())} (e.g. "
                             "retrofit.patch(model, 'softmax', rope='yarn:4'), or 'avnorm' then retrofit.calibrate)")
@@ -239,6 +247,8 @@ def patch(model: nn.Module, norm: str | None = None, *, nope: bool = False, rope
         tried = family.attention if family else "modules named *Attention with a layer_idx"
         raise RetrofitError(f"found no attention module to patch in {type(model).__name__} (looked for {tried})")
     config = model.config
+    modules, layers, heads = select(modules, layers, heads, _shape(modules[0][1], config).num_heads, nope=nope,
+                                    norm=norm, per_head=[n for n in available_norms() if get_norm(n).per_head])
     notes.append(_check_sinks(norm, norm_cls, opts, config, modules))
     if not nope and layers_without_positions(config):
         notes.append(already_without_positions(config))
@@ -246,6 +256,7 @@ def patch(model: nn.Module, norm: str | None = None, *, nope: bool = False, rope
     for _, module in modules:
         ref = next(module.parameters(), None)
         child = norm_cls(opts, _shape(module, config, rope_plan and rope_plan["original_positions"]))
+        child.select_heads(heads)
         if ref is not None:
             child.to(device=ref.device, dtype=ref.dtype)
         module.add_module(CHILD, child)
@@ -269,11 +280,12 @@ def patch(model: nn.Module, norm: str | None = None, *, nope: bool = False, rope
         model.push_to_hub = PushWarning(model)
     drop_record(model)  # a fresh record (a stale one may ride in a config loaded from a checkpoint)
     write_record(model, norm=norm, options=dataclasses.asdict(opts), nope=bool(nope), base_attn_implementation=base,
-                 calibration=None, rope=rope_plan)
+                 calibration=None, rope=rope_plan, layers=layers, heads=heads,  # older retrofits refuse a selection:
+                 format=SELECTIVE_FORMAT if layers is not None or heads is not None else 1)  # (they'd patch all)
     return PatchReport(
         model_type=config.model_type, norm=norm, options=dataclasses.asdict(opts), nope=bool(nope),
         modules=[name for name, _ in modules], base_attn_implementation=base, positions=positions,
-        params_added=params_added,
+        params_added=params_added, layers=layers, heads=heads, layer_count=len(attention_modules(model)),
         family="table" if family_of(config) else "generic", rope=describe_rope(rope_plan) if rope_plan else None,
         notes=[note for note in notes if note],
     )
@@ -315,7 +327,7 @@ def patch_from_record(model: nn.Module, record: dict) -> PatchReport:
     if rope:  # the checkpoint's config.json carries the extended values: start from the recorded originals
         reset_to_original(model, rope)
     report = patch(model, record["norm"], nope=bool(record.get("nope")), rope=rope and rope["parameters"],
-                   **(record.get("options") or {}))
+                   layers=record.get("layers"), heads=record.get("heads"), **(record.get("options") or {}))
     write_record(model, calibration=record.get("calibration"))
     report.calibration = record.get("calibration")
     return report

@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 from .errors import RetrofitError
 from .version import VERSION
 
-FORMAT = 1          # version of the config.retrofit record
-# The record's schema: field -> value of a new record until a caller sets it.
-FIELDS = {"format": FORMAT, "retrofit_version": VERSION, "norm": None, "options": {}, "nope": False,
-          "base_attn_implementation": None, "calibration": None, "rope": None}
+FORMAT = 2          # the newest version of the config.retrofit record this retrofit reads
+SELECTIVE_FORMAT = 2  # a record with layers or heads (format 1 readers would patch every layer and head: refused)
+# The record's schema: field -> value of a new record until a caller sets it. layers / heads: the selected
+# attention-module and query-head indices (sorted ints, retrofit.selection), None = all.
+FIELDS = {"format": 1, "retrofit_version": VERSION, "norm": None, "options": {}, "nope": False,
+          "base_attn_implementation": None, "calibration": None, "rope": None, "layers": None, "heads": None}
 
 
 def _config(target):
@@ -65,6 +67,20 @@ def drop_record(target) -> None:
         del config.retrofit
 
 
+def describe_selection(indices: list[int] | None, count: int | None = None) -> str:
+    """[16, 17, ..., 29] -> '16-29'; [0, 4, 8] -> '0,4,8' (ranges compressed; readable by parse_selection)."""
+    if indices is None:
+        return "all"
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return text if count is None else f"{text} ({len(indices)} of {count})"
+
+
 @dataclass
 class PatchReport:
     """What `patch` did. `str()` is the table `retrofit patch` prints, `repr()` one line, `as_dict()` for JSON;
@@ -82,6 +98,9 @@ class PatchReport:
     calibration: dict | None = None
     notes: list[str] = field(default_factory=list)
     rope: str | None = None  # describe_rope of the RoPE extension, e.g. "yarn x4 (orig 8192)"
+    layers: list[int] | None = None  # the selected attention modules' indices (None: all)
+    heads: list[int] | None = None  # the selected query heads per patched layer (None: all)
+    layer_count: int | None = None  # attention modules in the model (patched or not)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -97,18 +116,27 @@ class PatchReport:
         rows = [
             ("model type", f"{self.model_type} ({'in retrofit table' if self.family == 'table' else 'generic'})"),
             ("norm", f"{self.norm} ({opts})"),
-            ("attention modules", f"{len(self.modules)} patched over {self.base_attn_implementation}"),
+            ("attention modules", f"{len(self.modules)}{self._of_layers()} patched over "
+                                  f"{self.base_attn_implementation}"),
             ("parameters added", f"{self.params_added:,}"),
             ("positions", f"{self.positions if self.nope else 'kept'}"),
-        ] + ([("rope", self.rope)] if self.rope else [])
+        ] + ([("heads", f"{describe_selection(self.heads)} only (the others unchanged)")] if self.heads else []) \
+            + ([("rope", self.rope)] if self.rope else [])
         return rows + [("note", n) for n in self.notes]
+
+    def _of_layers(self) -> str:
+        if self.layers is None:
+            return ""
+        return f" of {self.layer_count} (layers {describe_selection(self.layers)})"
 
     def __str__(self) -> str:
         return "\n".join(f"{name:<17} {value}" for name, value in self._rows())
 
     def __repr__(self) -> str:
         extras = "".join(f", {what}" for what in ("nope" if self.nope else "", self.rope and f"rope {self.rope}",
-                                                   self.calibration and "calibrated") if what)
+                                                   self.calibration and "calibrated",
+                                                   self.layers and f"layers {describe_selection(self.layers)}",
+                                                   self.heads and f"heads {describe_selection(self.heads)}") if what)
         return (f"<PatchReport {self.norm} on {self.model_type}: {len(self.modules)} attention modules over "
                 f"{self.base_attn_implementation}, {self.params_added:,} parameters added{extras}>")
 

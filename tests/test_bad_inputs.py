@@ -392,6 +392,23 @@ CASES = [
      r"recovery.schedule.shape loss needs costs: at least 2 zero-shot probe losses"),
     ("train-schedule-beyond-no-floor", "train {recipe} patch.mode=beyond recovery.schedule.steps=1 --out {out}",
      r"recovery.schedule.start 8: avnorm mode=beyond takes no floor"),
+    # round 4 (selective): --layers / --heads (the tiny model has 2 layers of 4 heads)
+    ("patch-layers-out-of-range", "patch {model} --norm avnorm --layers 1-5 --out {out}",
+     r"--layers: index 2 is out of range; this model has 2 layers \(0-1\)$"),
+    ("patch-heads-out-of-range", "patch {model} --norm ssmax --heads 0,4 --out {out}",
+     r"--heads: index 4 is out of range; this model has 4 heads \(0-3\)$"),
+    ("patch-heads-not-per-head", "patch {model} --norm psoftmax --heads 0 --out {out}",
+     r"--heads: psoftmax has no per-head parameters; --heads applies to avnorm, softmax1, ssmax$"),
+    ("patch-layers-empty", "patch {model} --norm avnorm --layers , --out {out}",
+     r"--layers: the selection ',' is empty; select at least one: N, A-B, A-, A-B:STEP or :STEP"),
+    ("patch-layers-malformed", "patch {model} --norm avnorm --layers 1..3 --out {out}",
+     r"--layers: cannot read '1..3'; write N, A-B, A-, A-B:STEP or :STEP, joined by ',' or '\+'"),
+    ("patch-layers-backwards", "patch {model} --norm avnorm --layers 3-1 --out {out}",
+     r"--layers: '3-1' is an empty range \(write A-B with A <= B, a step >= 1\)$"),
+    ("train-patch-layers-malformed", "train {recipe} patch.layers=1..3 --out {out}",
+     r"patch.layers: cannot read '1..3'; write N, A-B"),
+    ("train-patch-heads-not-per-head", "train {recipe} patch.norm=psoftmax patch.heads=0 --out {out}",
+     r"patch.heads: psoftmax has no per-head parameters; patch.heads applies to avnorm, softmax1, ssmax$"),
 ]
 
 

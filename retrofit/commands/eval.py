@@ -82,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trials", type=int, default=8, help="passkey trials / counting sequences per length")
     parser.add_argument("--alphabet", type=int, default=None, help="counting alphabet (default: the run's recipe)")
     parser.add_argument("--patch", metavar="NORM[:KEY=VALUE,...]", default=None,
-                        help="patch every model before evaluating it, e.g. avnorm:kind=rms or ssmax:scale=beyond")
+                        help="patch every model before evaluating it, e.g. avnorm:kind=rms or ssmax:scale=beyond; "
+                             "avnorm:layers=16-29,heads=0+3 patches layers 16-29, heads 0 and 3 ('+' joins items)")
     parser.add_argument("--rope", metavar="TYPE:FACTOR[,KEY=VALUE...]", default=None,
                         help="extend every model's RoPE before evaluating it: yarn:4, dynamic:4, linear:4 "
                              "(with --patch, or alone: softmax attention)")

@@ -22,13 +22,16 @@ import torch
 
 from ..atomic import atomic_folder
 from ..calibrate import calibrate
+from ..costs import describe_costs, head_costs, layer_costs, selection_loss, suggest
 from ..errors import RetrofitError, read_utf8
 from ..hub import check_repo, find_token, push
-from ..load import is_hub_id, load, load_tokenizer
+from ..load import is_hub_id, load, load_config, load_tokenizer
 from ..norms import NORMS, make_options
 from ..patch import patch
+from ..record import describe_selection, read_record
 from ..recovery.probe import describe_spread, head_spread, knob_losses
 from ..rope import normalize_rope
+from ..selection import parse_selection
 from . import check_counts, check_out, check_text_files
 
 
@@ -56,6 +59,12 @@ def add_arguments(parser):
     parser.add_argument("--norm", required=True,
                         help="softmax | avnorm | psoftmax | ssmax | softmax1 (see `retrofit norms`)")
     parser.add_argument("--nope", action="store_true", help="also remove positional information")
+    parser.add_argument("--layers", metavar="SEL", default=None,
+                        help="patch only these attention layers (0-based, model order): 16-29, 0,3, 0-29:4 or :4 "
+                             "(every 4th), 16- (to the last); the others keep the original attention")
+    parser.add_argument("--heads", metavar="SEL", default=None,
+                        help="avnorm/ssmax/softmax1: act on these query heads only (same syntax); the others keep "
+                             "the original attention")
     parser.add_argument("--rope", metavar="TYPE:FACTOR[,KEY=VALUE...]", default=None,
                         help="extend RoPE: yarn:4, dynamic:4, linear:4, llama3:8,low_freq_factor=1,high_freq_factor=4 "
                              "(KEY: any of the type's keys, original = original_max_position_embeddings)")
@@ -73,6 +82,8 @@ def add_arguments(parser):
                         help="tokens of --calibration-text to use (default 8192)")
     parser.add_argument("--check-text", metavar="FILE", help="print the loss on this text before and after patching")
     parser.add_argument("--check-tokens", type=int, default=512, help="tokens of --check-text to use (default 512)")
+    parser.add_argument("--rank-k", type=int, default=None, metavar="K",
+                        help="with --check-text: suggest --layers (and --heads) for the K cheapest (default: half)")
     parser.add_argument("--schedule-values", metavar="T,T,...", default=None,
                         help="with --check-text: the loss at these recovery-schedule positions (0 = the original "
                              "model, 1 = the norm) and the per-head spread, before any training")
@@ -114,6 +125,42 @@ def _positions(text: str) -> list[float]:
     return values
 
 
+def _check_selection(args) -> None:
+    """--layers / --heads: the syntax, an empty selection, heads of a norm without per-head parameters and (when the
+    config names the counts) an index out of range fail before loading; retrofit.patch checks the range again."""
+    for flag, spec in (("layers", args.layers), ("heads", args.heads)):
+        if spec is not None:
+            parse_selection(spec, None, f"--{flag}")
+    if args.heads is not None and not NORMS[args.norm].per_head:
+        per_head = ", ".join(n for n, cls in sorted(NORMS.items()) if cls.per_head)
+        raise RetrofitError(f"--heads: {args.norm} has no per-head parameters; --heads applies to {per_head}")
+    if args.layers is None and args.heads is None:
+        return
+    try:  # the range too, from the config: before loading the weights (a text-only config names both counts)
+        config = load_config(args.source)
+    except (RetrofitError, OSError, ValueError):
+        return  # load() reports what is wrong with the source
+    counts = {"layers": getattr(config, "num_hidden_layers", None),
+              "heads": getattr(config, "num_attention_heads", None)}
+    for flag, spec in (("layers", args.layers), ("heads", args.heads)):
+        if spec is not None and isinstance(counts[flag], int):
+            parse_selection(spec, counts[flag], f"--{flag}")
+
+
+def _rank(model, ids: torch.Tensor, k: int | None) -> None:
+    """Rank the patched layers (then heads, for per-head norms) by their zero-shot cost on `ids`, cheapest first,
+    and suggest --layers / --heads for the k cheapest: one forward per layer or head, and one per suggestion."""
+    rankings = [("layer", "--layers", layer_costs)] + ([("head", "--heads", head_costs)]
+                                                       if NORMS[read_record(model)["norm"]].per_head else [])
+    for what, flag, measure in rankings:
+        baseline, costs = measure(model, ids)
+        print(describe_costs(costs, what, baseline))
+        chosen = suggest(costs, min(k or max(1, len(costs) // 2), len(costs)))
+        loss = selection_loss(model, ids, *((chosen, None) if what == "layer" else (None, chosen)))
+        print(f"suggested: {flag} {describe_selection(chosen)} (the {len(chosen)} cheapest {what}s together: loss "
+              f"{loss:.4f}, {loss - baseline:+.4f})")
+
+
 def save_atomically(model, tokenizer, out: str) -> None:
     """Write to a temporary sibling folder, then rename: a crash never leaves a half-written model."""
     with atomic_folder(out, "--out") as tmp:
@@ -123,12 +170,13 @@ def save_atomically(model, tokenizer, out: str) -> None:
 
 
 def run(args) -> int:
-    check_counts(args, positive=("calibrate_tokens", "check_tokens"))
+    check_counts(args, positive=("calibrate_tokens", "check_tokens", "rank_k"))
     args.out = check_out(args.out, "--out")  # new or empty; `~` expanded, once
     check_text_files([args.calibration_text] if args.calibration_text else [], "--calibration-text")
     check_text_files([args.check_text] if args.check_text else [], "--check-text")
     options = {k: getattr(args, k) for k in NORM_FLAGS if getattr(args, k) is not None}
     make_options(args.norm, **options)  # fail on a bad norm, option or rope before loading anything
+    _check_selection(args)
     if args.rope is not None:
         normalize_rope(args.rope)
         if args.nope:
@@ -149,7 +197,7 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.source) if (needs_tokens or args.out or args.push_to_hub) else None
     check = _read_tokens(tokenizer, args.check_text, args.check_tokens) if args.check_text else None
     before = text_loss(model, check) if check is not None else None
-    report = patch(model, args.norm, nope=args.nope, rope=args.rope, **options)
+    report = patch(model, args.norm, nope=args.nope, rope=args.rope, layers=args.layers, heads=args.heads, **options)
     if args.calibration_text:
         ids = _read_tokens(tokenizer, args.calibration_text, args.calibrate_tokens)
         report.calibration = calibrate(model, (c[None] for c in ids.split(512)))
@@ -166,6 +214,7 @@ def run(args) -> int:
             if even and all(abs(a - b) < 1e-9 for a, b in zip(positions, even)):  # evenly spaced 0..1: usable
                 print(f"  recovery.schedule.costs for shape: loss: [{', '.join(f'{c:.4f}' for _, _, c in rows)}]")
             print(describe_spread(head_spread(model, check[None])))
+        _rank(model, check[None], args.rank_k)
     if args.out:
         save_atomically(model, tokenizer, args.out)
         print(f"saved to {args.out}  (load with retrofit.from_pretrained({args.out!r}))")
@@ -180,6 +229,8 @@ def _push(model, tokenizer, args) -> None:
              for k in NORM_FLAGS if getattr(args, k) is not None]
     command = " ".join(["retrofit patch", Path(args.source).name if not is_hub_id(args.source) else args.source,
                         f"--norm {args.norm}", *(["--nope"] if args.nope else []),
+                        *([f"--layers {args.layers}"] if args.layers else []),
+                        *([f"--heads {args.heads}"] if args.heads else []),
                         *([f"--rope {args.rope}"] if args.rope else []), *flags,
                         *(["--calibration-text FILE"] if args.calibration_text else [])])
     with tempfile.TemporaryDirectory(prefix="retrofit-patch-") as tmp:

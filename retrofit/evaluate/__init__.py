@@ -200,12 +200,14 @@ def _patch_on_the_fly(lm, wanted: dict, name: str) -> None:
     """Patch an unpatched model as `wanted` says; keep a model that already carries it; refuse any other."""
     record = patch_record(lm)
     if record is None:
-        patch_model(lm, wanted["norm"] or "softmax", rope=wanted["rope"], **wanted["options"])
+        patch_model(lm, wanted["norm"] or "softmax", rope=wanted["rope"], layers=wanted.get("layers"),
+                    heads=wanted.get("heads"), **wanted["options"])
         return
     if not same_rope(record.get("rope"), wanted["rope"]):
         raise RetrofitError(f"{name} is already patched with rope {describe_rope(record)}, not "
                             f"{describe_rope(wanted['rope'])}: evaluate it without --rope, or its unpatched base")
-    same_norm = record["norm"] == wanted["norm"] and record.get("options") == wanted["options"]
+    same_norm = record["norm"] == wanted["norm"] and record.get("options") == wanted["options"] \
+        and not (wanted.get("layers") or wanted.get("heads"))  # a selection is for unpatched models too
     if wanted["norm"] is not None and not same_norm:
         raise RetrofitError(f"{name} is already patched with {record['norm']} {record.get('options')}; --patch "
                             "applies to unpatched models: evaluate it without --patch")

@@ -19,6 +19,7 @@ from ..lengths import parse_lengths
 from ..norms import make_options
 from ..recipe.schema import knob
 from ..rope import normalize_rope
+from ..selection import parse_selection
 from .ruler import ruler_options
 
 TASKS = ("lm", "passkey", "counting", "niah", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
@@ -116,7 +117,10 @@ def _eval_patch(patch, rope, calibration=None) -> dict | None:
     norm = options.pop("norm", None)
     if patch is not None and not norm:
         raise RetrofitError("the evaluation patch needs a norm, e.g. --patch avnorm:kind=rms (see `retrofit norms`)")
+    selection = {k: options.pop(k) for k in ("layers", "heads") if options.get(k) is not None}  # retrofit.selection
+    for key, spec in selection.items():  # '+' joins items here: --patch splits its options on commas
+        parse_selection(spec, None, f"the evaluation patch's {key}")
     if norm is not None:
         options = dataclasses.asdict(make_options(norm, **options))
-    return {"norm": norm, "options": options, "rope": normalize_rope(rope) if rope is not None else None,
+    return {"norm": norm, "options": options, "rope": normalize_rope(rope) if rope is not None else None, **selection,
             **({"calibrate": calibration} if calibration else {})}

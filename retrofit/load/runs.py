@@ -35,9 +35,10 @@ from torch import nn
 
 from ..errors import RetrofitError
 from ..norms import make_options
-from ..patch import is_patched, patch, patch_record, unpatch
+from ..patch import attention_modules, is_patched, patch, patch_record, unpatch
 from ..recipe import PatchSection, Recipe, load_recipe
 from ..rope import normalize_rope
+from ..selection import parse_selection
 from .adapters import ADAPTER_CONFIG, is_adapter, load_adapter
 from .checkpoint import checkpoint_or_plain
 from .models import load_tokenizer, model_from_config, training_dtype
@@ -159,11 +160,22 @@ def apply_patch(model: nn.Module, section: PatchSection):
     wanted = {"norm": section.norm, "nope": section.nope,
               "options": dataclasses.asdict(make_options(section.norm, **section.options))}
     record = patch_record(lm)
-    if record and all(record.get(k) == v for k, v in wanted.items()) and same_rope(record.get("rope"), section.rope):
+    if record and all(record.get(k) == v for k, v in wanted.items()) and same_rope(record.get("rope"), section.rope) \
+            and _same_selection(lm, record, section):
         return None
     if is_patched(lm):
         unpatch(lm)
-    return patch(lm, section.norm, nope=section.nope, rope=section.rope, **section.options)
+    return patch(lm, section.norm, nope=section.nope, rope=section.rope, layers=section.layers, heads=section.heads,
+                 **section.options)
+
+
+def _same_selection(lm: nn.Module, record: dict, section: PatchSection) -> bool:
+    """Whether the recorded layers/heads (resolved indices, None = all) are what patch.layers/heads select."""
+    layers = None if section.layers is None else \
+        parse_selection(section.layers, len(attention_modules(lm)), "patch.layers")
+    heads = None if section.heads is None else \
+        parse_selection(section.heads, lm.config.num_attention_heads, "patch.heads")
+    return record.get("layers") == layers and record.get("heads") == heads
 
 
 def same_rope(record: dict | None, spec) -> bool:

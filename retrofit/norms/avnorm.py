@@ -57,6 +57,7 @@ class AVNorm(Norm):
     summary = "per-head RMS/LayerNorm of each head's attention output (retrofittable)"
     formula = "y_h = g_h * norm_d(A_h V_h), norm = rms | layer (per head) | global (all heads)"
     acts_on_output = True  # a pre-hook on the output projection: any attention implementation (retrofit.patch)
+    per_head = True  # heads= selects heads; the others pass through unchanged (Norm.keep_unselected)
     knob, knob_identity = "floor", 8.0  # f = 8: within ~0.01 nats of the original on SmolLM2 (f = inf is exact)
 
     @dataclass

@@ -58,11 +58,31 @@ class Norm(nn.Module):
     # which the norm is (or is within 1e-6 of) the original model. None: this norm has no such knob.
     knob: ClassVar[str | None] = None
     knob_identity: ClassVar[float | None] = None
+    # True: the norm acts per head (per-head parameters or a per-head value), so `retrofit.patch(..., heads=)` can
+    # select heads; the unselected heads keep the original attention (see select_heads).
+    per_head: ClassVar[bool] = False
 
     def __init__(self, options: Any, shape: AttentionShape):
         super().__init__()
         self.options = options
         self.shape = shape
+        self.register_buffer("head_mask", None, persistent=False)  # (H,) bool: the selected heads; None = all
+
+    def select_heads(self, heads: list[int] | None) -> None:
+        """Act on `heads` only (query-head indices); None = every head. Not in the state_dict: config.retrofit
+        records the selection and the patch rebuilds it. The parameters keep their full (H,) shape."""
+        if heads is None or len(heads) == self.shape.num_heads:
+            self.head_mask = None
+            return
+        mask = torch.zeros(self.shape.num_heads, dtype=torch.bool)
+        mask[list(heads)] = True
+        self.head_mask = mask
+
+    def keep_unselected(self, out: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+        """(B, T, H, D) outputs: the norm's on the selected heads, `original` (bitwise) on the others."""
+        if self.head_mask is None:
+            return out
+        return torch.where(self.head_mask.to(out.device).view(-1, 1), out.to(original.dtype), original)
 
     @property
     def has_parameters(self) -> bool:
@@ -135,7 +155,8 @@ class ProjectionHook:
             return None  # bypassed, or a norm that acts inside attention took this one's place
         x = args[0]
         heads = norm.shape.num_heads
-        return (child(x.view(*x.shape[:-1], heads, x.shape[-1] // heads)).reshape(x.shape), *args[1:])
+        x = x.view(*x.shape[:-1], heads, x.shape[-1] // heads)
+        return (norm.keep_unselected(child(x), x).reshape(args[0].shape), *args[1:])
 
     def __deepcopy__(self, memo):
         return ProjectionHook(memo.get(id(self.owner)))

@@ -32,6 +32,7 @@ class Softmax1(Norm):
     summary = "softmax+1: a (optionally learned) sink logit in the denominator"
     formula = "a = exp(s) / (exp(b_h) + sum_j exp(s_j)), b_h = 0 or learned"
     knob, knob_identity = "sink", -30.0
+    per_head = True  # heads= selects heads; the others keep plain softmax, no sink (patch: Norm.keep_unselected)
 
     @dataclass
     class Options:

@@ -54,6 +54,7 @@ class SSMax(Norm):
     formula = "a = softmax(f(n) * q.k / sqrt(d)); f = s_h*log n | max(1, log n/log L) | 1 + beta*log(1+floor((n-1)/L))"
     scales_queries_by_position = True
     knob, knob_identity = "blend", 0.0
+    per_head = True  # heads= selects heads; the others keep plain softmax logits (patch: Norm.keep_unselected)
 
     @dataclass
     class Options:

@@ -20,6 +20,7 @@ from transformers import CONFIG_MAPPING
 from ..errors import RetrofitError, closest, shown
 from ..norms import NORMS, make_options
 from ..rope import normalize_rope
+from ..selection import parse_selection
 from .schema import knob, need
 
 
@@ -94,6 +95,10 @@ class PatchSection:
     rope: str | dict | None = knob(None, "extend RoPE (retrofit.rope): 'yarn:4', 'dynamic:4', 'linear:4', 'llama3:8,"
                                          "low_freq_factor=1,high_freq_factor=4' or a mapping {rope_type: yarn, factor: "
                                          "4}; with norm softmax, the training-free baseline; null = RoPE as loaded")
+    layers: str | int | list | None = knob(None, "patch only these attention layers (0-based): '16-29', '0,3', "
+                                                 "':4' (every 4th), [16, 17]; null = every layer")
+    heads: str | int | list | None = knob(None, "avnorm/ssmax/softmax1: act on these query heads only (same "
+                                                "syntax); null = every head")
     options: dict = knob(factory=dict, doc="the norm's options, written flat beside `norm` (patch.p: 2); see "
                                            "`retrofit norms`; unset = the norm's default")
 
@@ -105,7 +110,8 @@ class PatchSection:
         self.options = {k: v for k, v in self.options.items() if v is not None}  # null = the norm's default
         if self.norm is None:
             given = list(self.options)
-            need(not given and not self.nope and not self.calibrate_tokens and self.rope is None,
+            need(not given and not self.nope and not self.calibrate_tokens and self.rope is None
+                 and self.layers is None and self.heads is None,
                  f"patch: {', '.join(given) or 'nope/calibrate_tokens/rope'} given but patch.norm is null; set "
                  "patch.norm (softmax keeps attention unchanged)")
             return
@@ -113,6 +119,14 @@ class PatchSection:
             normalize_rope(self.rope)  # unknown type (closest match), bad factor or key -> a one-line error
             need(not self.nope, "patch: rope and nope together make no sense (nope removes the rotary embedding); "
                                 "choose one")
+        for key in ("layers", "heads"):  # the syntax and an empty selection now; the range once the model is loaded
+            if getattr(self, key) is not None:
+                parse_selection(getattr(self, key), None, f"patch.{key}")
+        need(self.heads is None or NORMS[self.norm].per_head,
+             f"patch.heads: {self.norm} has no per-head parameters; patch.heads applies to "
+             f"{', '.join(n for n, cls in sorted(NORMS.items()) if cls.per_head)}")
+        need(self.layers is None or not self.nope, "patch: nope removes positions from the whole model; it cannot be "
+                                                   "limited to patch.layers")
         made = make_options(self.norm, **self.options)  # unknown norm / option of another norm / bad value -> error
         self.options = {k: getattr(made, k) for k in self.options}  # as the norm reads them (p: 2 -> 2.0)
         need(self.calibrate_tokens is None or self.calibrate_tokens >= 0,

@@ -1,0 +1,121 @@
+"""Zero-shot cost of a patch per layer and per head, so a user can choose `layers=` / `heads=` (issue #30).
+
+    costs = layer_costs(model, ids)      # model patched (and calibrated) as it will be used; ids (1, T)
+    costs = head_costs(model, ids)       # per-head norms (avnorm, ssmax, softmax1)
+    print(describe_costs(costs, "layer", baseline))
+
+The cost of layer i is the next-token loss on `ids` with only layer i's norm acting, minus the original model's
+loss; of head h, with only head h acting in every patched layer (heads= selects the same heads in every selected
+layer). One forward per layer or head, on the norms the model already carries — their calibrated gains and
+options as patched — by masking heads (Norm.keep_unselected): a norm whose mask selects no head is, bitwise, the
+original attention, exactly as if that layer were left out by `layers=`. The caller caps the tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from .errors import RetrofitError
+from .norms.base import CHILD, Norm
+from .patch import attention_modules
+
+
+@dataclass(frozen=True)
+class Cost:
+    index: int   # layer index (model order) or head index
+    loss: float  # next-token loss with only this one acting
+    cost: float  # loss - the original model's loss
+
+
+def _norms(model) -> list[tuple[int, Norm]]:
+    """(layer index, norm) of every patched attention module, in model order."""
+    found = [(i, m._modules[CHILD]) for i, (_, m) in enumerate(attention_modules(model)) if CHILD in m._modules]
+    if not found or not all(isinstance(norm, Norm) for _, norm in found):
+        raise RetrofitError("ranking layers and heads needs a model patched by retrofit.patch (no PEFT wrapper)")
+    return found
+
+
+@contextlib.contextmanager
+def _masks(norms: list[Norm]):
+    """Restore every norm's own head mask on exit."""
+    saved = [norm.head_mask for norm in norms]
+    try:
+        yield
+    finally:
+        for norm, mask in zip(norms, saved):
+            norm.head_mask = mask
+
+
+def _mask(norm: Norm, heads) -> torch.Tensor:
+    """(H,) bool on the CPU (keep_unselected moves it to the output's device)."""
+    mask = torch.zeros(norm.shape.num_heads, dtype=torch.bool)
+    mask[list(heads)] = True
+    return mask
+
+
+@torch.no_grad()
+def _loss(model, ids: torch.Tensor) -> float:
+    return float(model(input_ids=ids, labels=ids, use_cache=False).loss)
+
+
+def _own_heads(norm: Norm) -> list[int]:
+    """The heads this norm acts on as patched (its heads= selection, or all)."""
+    if norm.head_mask is None:
+        return list(range(norm.shape.num_heads))
+    return [int(h) for h in norm.head_mask.nonzero().flatten()]
+
+
+@torch.no_grad()
+def selection_loss(model, ids: torch.Tensor, layers: list[int] | None, heads: list[int] | None = None) -> float:
+    """The loss with only `layers` (indices among the patched ones; None = all) acting, on `heads` (None = each
+    norm's own selection); the norms' masks are restored after."""
+    norms = _norms(model)
+    with _masks([n for _, n in norms]):
+        for index, norm in norms:
+            acting = layers is None or index in layers
+            norm.head_mask = _mask(norm, (heads if heads is not None else _own_heads(norm)) if acting else ())
+        return _loss(model, ids)
+
+
+def layer_costs(model, ids: torch.Tensor) -> tuple[float, list[Cost]]:
+    """(the loss with no norm acting, the cost of each patched layer alone), cheapest first. No norm acting is the
+    original model unless the patch also changed positions (rope=, nope), which stay on for every forward."""
+    baseline = selection_loss(model, ids, [])
+    costs = []
+    for index, _ in _norms(model):
+        loss = selection_loss(model, ids, [index])
+        costs.append(Cost(index, loss, loss - baseline))
+    return baseline, sorted(costs, key=lambda c: (c.cost, c.index))
+
+
+def head_costs(model, ids: torch.Tensor) -> tuple[float, list[Cost]]:
+    """(the loss with no norm acting, the cost of each head alone in every patched layer), cheapest first."""
+    norms = _norms(model)
+    if not type(norms[0][1]).per_head:
+        raise RetrofitError(f"{norms[0][1].name} has no per-head parameters: its heads cannot be ranked")
+    baseline = selection_loss(model, ids, [])
+    heads = sorted(set().union(*(_own_heads(n) for _, n in norms)))
+    costs = []
+    for head in heads:
+        loss = selection_loss(model, ids, None, [head])
+        costs.append(Cost(head, loss, loss - baseline))
+    return baseline, sorted(costs, key=lambda c: (c.cost, c.index))
+
+
+def describe_costs(costs: list[Cost], what: str, baseline: float) -> str:
+    """The ranking table, cheapest first (what: 'layer' or 'head')."""
+    lines = [f"zero-shot cost per {what} (loss with only that {what} patched - {baseline:.4f} with none), "
+             "cheapest first:", f"  {what:>5}  {'loss':>8}  {'cost':>8}"]
+    lines += [f"  {c.index:>5}  {c.loss:>8.4f}  {c.cost:>+8.4f}" for c in costs]
+    return "\n".join(lines)
+
+
+def suggest(costs: list[Cost], k: int) -> list[int]:
+    """The k cheapest indices, sorted (what `--layers` / `--heads` takes, via describe_selection)."""
+    return sorted(c.index for c in costs[:k])
+
+
+__all__ = ["Cost", "describe_costs", "head_costs", "layer_costs", "selection_loss", "suggest"]

@@ -3,7 +3,8 @@
     retrofit experiment recipes/llama-avnorm-retrofit.yaml --out runs/smollm2
     retrofit demo                                   # recipes/demo.yaml: offline, CPU, minutes
 
-1. Base: pretrain the recipe's model from its config with softmax attention (experiment.base_steps),
+1. Base: pretrain the recipe's model from its config with softmax attention (experiment.base_steps; its patch
+   experiment.base_patch, e.g. a NoPE base),
    or take a pretrained source as it is (base_steps: 0).
 2. Arms: from that one base, finetune each arm (its own `patch`) for the same steps, data and seed,
    evaluating at a schedule of finetune steps (the retrofit recovery curve).
@@ -82,8 +83,10 @@ def run_base(recipe: Recipe, exp: ExperimentSection, out: Path) -> str | None:
     if _finished(base_dir):
         print(f"[experiment] base: {base_dir} is finished, skipping")
         return str(base_dir)
-    print(f"[experiment] base: training {exp.base_steps} steps with softmax attention -> {base_dir}")
-    stage = _stage_recipe(recipe, base_dir, patch=PatchSection(), steps=exp.base_steps)
+    what = "softmax attention" if exp.base_patch.norm is None else \
+        f"{exp.base_patch.norm}{' without positions' if exp.base_patch.nope else ''}"
+    print(f"[experiment] base: training {exp.base_steps} steps with {what} -> {base_dir}")
+    stage = _stage_recipe(recipe, base_dir, patch=copy.deepcopy(exp.base_patch), steps=exp.base_steps)
     train(stage, resume=base_dir.exists())
     return str(base_dir)
 

@@ -79,6 +79,9 @@ class ExperimentSection:
     arms: list[ArmSection] = knob(factory=list, doc="the finetune arms, all from the same base")
     base_steps: int = knob(0, "steps to (pre)train the base with softmax attention; 0 = the model as loaded "
                                "(with model.config: no base, every arm trains from the same seeded init)")
+    base_patch: PatchSection = knob(factory=PatchSection,
+                                    doc="the patch the base pretrains with; unset = softmax with the model's positions "
+                                        "(a NoPE base: {norm: softmax, nope: true}, the AVnorm post's NoPE runs)")
     eval_base: bool = knob(True, "evaluate the base next to the arms; false skips it (e.g. a pretrained base "
                                  "measured elsewhere: one model fewer at every length)")
     finetune_steps: int = knob(100, "optimizer steps of every arm")
@@ -107,6 +110,9 @@ class ExperimentSection:
         if self.base_steps < 0 or self.finetune_steps < 1:
             raise RetrofitError("experiment.base_steps must be >= 0 and finetune_steps >= 1")
         check_lr(self.finetune_lr, "experiment.finetune_lr")
+        if self.base_patch.norm is not None and self.base_steps == 0:
+            raise RetrofitError("experiment.base_patch applies to a base pretrained here: set experiment.base_steps "
+                                "> 0, or remove base_patch (the arms' own patch applies to a loaded base)")
         if self.recovery_lengths is not None and not (self.recovery_lengths
                                                       and all(isinstance(n, int) and n >= 2
                                                               for n in self.recovery_lengths)):

@@ -175,7 +175,7 @@ def test_counting_psoftmax_runs_small(tmp_path):
     overrides = ["data.seq_len=16", "train.init_len=8", "train.double_every=1", "train.batch_size=4",
                  "train.micro_batch_size=4", "train.warmup_steps=1", "train.progress=false", "eval.batches=1",
                  "eval.batch_size=2", "eval.lengths=[16,64]", "experiment.finetune_steps=2",
-                 "experiment.recovery_at=[0,1]"]
+                 "experiment.recovery_at=[0,1]", "experiment.eval_sequences=3"]
     recipe = load_recipe(RECIPES / "counting-psoftmax.yaml", overrides)
     arms = [a.name for a in recipe.section("experiment").arms]
     results = experiment.run_experiment(recipe, tmp_path / "count", progress=False)
@@ -184,5 +184,11 @@ def test_counting_psoftmax_runs_small(tmp_path):
     models = {m["name"]: m for m in results["evaluation"]["models"]}
     assert set(models) == set(arms)  # base_steps 0: no base, every arm from the same seeded init
     for m in models.values():
-        assert [r["length"] for r in m["counting"]] == [16, 64]
+        assert [(r["length"], r["sequences"]) for r in m["counting"]] == [(16, 3), (64, 3)]  # eval_sequences
         assert all(math.isfinite(r["mse"]) and math.isfinite(r["l1"]) for r in m["counting"])
+    # the seed replicates: each arm trained with its own seed (init and data), the others with train.seed
+    seeds = {a: load_recipe(tmp_path / "count" / "arms" / a / "recipe.yaml").train.seed for a in arms}
+    assert seeds == {"p1": 0, "p2": 0, "p1-s1": 1, "p2-s1": 1}
+    first = {n: load(str(tmp_path / "count" / "arms" / a)).state_dict() for n, a in (("s0", "p1"), ("s1", "p1-s1"))}
+    key = next(k for k in first["s0"] if k.endswith("q_proj.weight"))
+    assert not torch.equal(first["s0"][key], first["s1"][key])  # another init, not a copy

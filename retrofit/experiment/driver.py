@@ -101,6 +101,8 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
     stage = _stage_recipe(recipe, arm_dir, patch=arm.patch, steps=exp.finetune_steps,
                           lr=arm.lr if arm.lr is not None else exp.finetune_lr, warmup=exp.finetune_warmup,
                           at_steps=at, source=base, recovery=arm.recovery, lengths=exp.recovery_lengths)
+    if arm.seed is not None:  # a replicate: its own data order (and init, from scratch), all else the same
+        stage.train = dataclasses.replace(stage.train, seed=arm.seed)
     change = arm_change(arm_dir, stage, out)
     if change is not None:  # an edited arm: its old model (or checkpoints) would be reported under the new settings
         if not remove_owned(arm_dir, arms):
@@ -243,12 +245,18 @@ def _previous_evaluation(path: Path, recipe: Recipe, exp: ExperimentSection) -> 
     previous = json.loads(path.read_text())
     same = (previous.get("data", {}).get("files") == [str(p) for p in exp.eval_data or []]
             and previous.get("settings", {}).get("max_tokens") == exp.eval_max_tokens
-            and previous.get("train_len") == (exp.train_len or recipe.data.seq_len))
+            and previous.get("train_len") == (exp.train_len or recipe.data.seq_len)
+            and previous.get("settings", {}).get("counting") == _counting_options(exp))
     if not same:
         return None
     for entry in previous["models"]:
         entry.setdefault("evaluated_at", path.stat().st_mtime)
     return previous
+
+
+def _counting_options(exp: ExperimentSection) -> dict | None:
+    """evaluate_counting's options the experiment sets (None: its defaults)."""
+    return {"sequences": exp.eval_sequences} if exp.eval_sequences is not None else None
 
 
 def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: ExperimentSection, progress: bool,
@@ -277,7 +285,7 @@ def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: Expe
             t0 = time.perf_counter()
             spec = EvalSpec(names=[name], data=exp.eval_data, lengths=allowed,
                             train_len=exp.train_len or recipe.data.seq_len, max_tokens=exp.eval_max_tokens,
-                            tokenizer=recipe.model.tokenizer, progress=progress,
+                            tokenizer=recipe.model.tokenizer, progress=progress, counting=_counting_options(exp),
                             dtype=training_dtype(recipe.model.dtype))  # the base as the arms: same dtype
             one = evaluate_models([source], spec)
             one["models"][0] |= {"checkpoint": _within(source, out), "evaluated_at": time.time(),

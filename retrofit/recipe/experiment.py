@@ -65,6 +65,8 @@ class ArmSection:
     name: str = knob("arm", "folder and label of the arm, e.g. softmax, avnorm-rms, psoftmax-p2")
     patch: PatchSection = knob(factory=PatchSection, doc="the arm's attention patch; norm softmax = the control")
     lr: float | None = knob(None, "finetune learning rate of this arm; null = experiment.finetune_lr")
+    seed: int | None = knob(None, "this arm's train.seed (its data order, and its init when it trains from scratch): "
+                                  "arms that differ only in seed replicate one; null = train.seed")
     recovery: RecoverySection | None = knob(None, "this arm's recovery (schedule, distillation, patch_lr; see the "
                                                   "recovery section); null = plain finetune. The top-level recovery "
                                                   "section is not applied to arms: each arm says its own")
@@ -96,6 +98,8 @@ class ExperimentSection:
                                    "without an arm of that name reports no gaps")
     eval_data: list[str] | None = knob(None, "lm: text (or .json token) files for the length evaluation")
     eval_max_tokens: int | None = knob(None, "lm: cap on tokens evaluated per length (null = all windows)")
+    eval_sequences: int | None = knob(None, "counting: generated sequences per evaluation length (the units of its "
+                                            "intervals); null = evaluate_counting's default, 8")
     train_len: int | None = knob(None, "the length marked as 'trained' in the report; null = data.seq_len")
     reference: ReferenceSection | None = knob(None, "a published loss table to compare directions with "
                                                     "(retrofit.experiment.reference): file, control, arms, note")
@@ -113,6 +117,8 @@ class ExperimentSection:
         if self.base_patch.norm is not None and self.base_steps == 0:
             raise RetrofitError("experiment.base_patch applies to a base pretrained here: set experiment.base_steps "
                                 "> 0, or remove base_patch (the arms' own patch applies to a loaded base)")
+        if self.eval_sequences is not None and self.eval_sequences < 1:
+            raise RetrofitError(f"experiment.eval_sequences must be >= 1 (or null), got {self.eval_sequences}")
         if self.recovery_lengths is not None and not (self.recovery_lengths
                                                       and all(isinstance(n, int) and n >= 2
                                                               for n in self.recovery_lengths)):

@@ -352,6 +352,14 @@ CASES = [
     # round 3 (house): --calibrate is --calibration-text's old name, still read and checked under the new one
     ("patch-calibrate-old-name", "patch {model} --norm avnorm --calibrate {missing}",
      r"--calibration-text .*no-such-thing: no such file"),
+    # round 4 (posts): `retrofit tokenizer train`
+    ("tokenizer-vocab-too-small", "tokenizer train --data {text} --vocab-size 100 --out {out}",
+     r"^retrofit tokenizer: error: --vocab-size must be >= 257 \(256 bytes \+ <\|endoftext\|>\), got 100$"),
+    ("tokenizer-vocab-zero", "tokenizer train --data {text} --vocab-size 0 --out {out}",
+     r"--vocab-size must be >= 257 \(256 bytes \+ <\|endoftext\|>\), got 0$"),
+    ("tokenizer-data-missing", "tokenizer train --data {missing} --out {out}", r"--data .*no-such-thing"),
+    ("tokenizer-out-users-folder", "tokenizer train --data {text} --out {folder}",
+     r"--out .*/folder exists and is not empty; choose another --out or remove it"),
 ]
 
 

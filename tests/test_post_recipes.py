@@ -97,9 +97,14 @@ def test_the_post_recipes_load(name):
         assert max(load_recipe(RECIPES / f"{name}.yaml").eval.lengths) >= 16 * exp.train_len
 
 
-def test_base_patch_needs_a_pretrained_base():
-    with pytest.raises(RetrofitError, match="experiment.base_patch applies to a base pretrained here"):
-        load_recipe(RECIPES / "avnorm-post-nope.yaml", ["experiment.base_steps=0"])
+@pytest.mark.parametrize("recipe,override,match", [
+    ("avnorm-post-nope", "experiment.base_steps=0", "experiment.base_patch applies to a base pretrained here"),
+    ("counting-psoftmax", "experiment.eval_sequences=0", "experiment.eval_sequences must be >= 1"),
+    ("counting-psoftmax", "experiment.arms=[{name: p1, seed: x}]", "seed"),
+])
+def test_the_new_experiment_keys_refuse_bad_values(recipe, override, match):
+    with pytest.raises(RetrofitError, match=match):
+        load_recipe(RECIPES / f"{recipe}.yaml", [override])
 
 
 def _reference(path: Path) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import check_counts, check_out, check_text_files
+from . import check_out, check_text_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,9 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from ..data.bpe import train_bpe
+    from ..data.bpe import check_vocab_size, train_bpe
 
-    check_counts(args, positive=("vocab_size",))
+    check_vocab_size(args.vocab_size)  # before the files are read
     check_text_files(args.data, "--data")
     out = check_out(args.out, "--out", empty=True)
     folder = train_bpe(args.data, args.vocab_size, out)

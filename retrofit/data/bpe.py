@@ -24,13 +24,17 @@ EOS = "<|endoftext|>"
 SMALLEST = 256 + 1  # the 256 byte symbols and EOS: a smaller vocabulary cannot hold every text
 
 
+def check_vocab_size(vocab_size: int) -> None:
+    if vocab_size < SMALLEST:
+        raise RetrofitError(f"--vocab-size must be >= {SMALLEST} (256 bytes + {EOS}), got {vocab_size}")
+
+
 def train_bpe(files: list, vocab_size: int, out) -> Path:
     """Train a byte-level BPE of `vocab_size` tokens (EOS included) on `files` and save it to `out` (new or
     empty; written whole or not at all). Returns the folder."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < SMALLEST:
-        raise RetrofitError(f"--vocab-size must be >= {SMALLEST} (256 bytes + {EOS}), got {vocab_size}")
+    check_vocab_size(vocab_size)
     if not files:
         raise RetrofitError("--data needs at least one text file")
     for path in files:

@@ -33,6 +33,7 @@ COMMANDS = {
     "diagnose": ("retrofit.commands.diagnose", "the paper's attention diagnostics on any model"),
     "push": ("retrofit.commands.push", "push a patched checkpoint or run to the Hugging Face Hub"),
     "bench": ("retrofit.commands.bench", "benchmarks: attention kernels, training loop, evaluation"),
+    "tokenizer": ("retrofit.commands.tokenizer", "train a small byte-level BPE tokenizer on text files"),
 }
 
 

@@ -409,6 +409,14 @@ CASES = [
      r"patch.layers: cannot read '1..3'; write N, A-B"),
     ("train-patch-heads-not-per-head", "train {recipe} patch.norm=psoftmax patch.heads=0 --out {out}",
      r"patch.heads: psoftmax has no per-head parameters; patch.heads applies to avnorm, softmax1, ssmax$"),
+    # round 4 (posts): `retrofit tokenizer train`
+    ("tokenizer-vocab-too-small", "tokenizer train --data {text} --vocab-size 100 --out {out}",
+     r"^retrofit tokenizer: error: --vocab-size must be >= 257 \(256 bytes \+ <\|endoftext\|>\), got 100$"),
+    ("tokenizer-vocab-zero", "tokenizer train --data {text} --vocab-size 0 --out {out}",
+     r"--vocab-size must be >= 257 \(256 bytes \+ <\|endoftext\|>\), got 0$"),
+    ("tokenizer-data-missing", "tokenizer train --data {missing} --out {out}", r"--data .*no-such-thing"),
+    ("tokenizer-out-users-folder", "tokenizer train --data {text} --out {folder}",
+     r"--out .*/folder exists and is not empty; choose another --out or remove it"),
 ]
 
 

@@ -3,7 +3,8 @@
     retrofit experiment recipes/llama-avnorm-retrofit.yaml --out runs/smollm2
     retrofit demo                                   # recipes/demo.yaml: offline, CPU, minutes
 
-1. Base: pretrain the recipe's model from its config with softmax attention (experiment.base_steps),
+1. Base: pretrain the recipe's model from its config with softmax attention (experiment.base_steps; its patch
+   experiment.base_patch, e.g. a NoPE base),
    or take a pretrained source as it is (base_steps: 0).
 2. Arms: from that one base, finetune each arm (its own `patch`) for the same steps, data and seed,
    evaluating at a schedule of finetune steps (the retrofit recovery curve).
@@ -82,8 +83,10 @@ def run_base(recipe: Recipe, exp: ExperimentSection, out: Path) -> str | None:
     if _finished(base_dir):
         print(f"[experiment] base: {base_dir} is finished, skipping")
         return str(base_dir)
-    print(f"[experiment] base: training {exp.base_steps} steps with softmax attention -> {base_dir}")
-    stage = _stage_recipe(recipe, base_dir, patch=PatchSection(), steps=exp.base_steps)
+    what = "softmax attention" if exp.base_patch.norm is None else \
+        f"{exp.base_patch.norm}{' without positions' if exp.base_patch.nope else ''}"
+    print(f"[experiment] base: training {exp.base_steps} steps with {what} -> {base_dir}")
+    stage = _stage_recipe(recipe, base_dir, patch=copy.deepcopy(exp.base_patch), steps=exp.base_steps)
     train(stage, resume=base_dir.exists())
     return str(base_dir)
 
@@ -98,6 +101,8 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
     stage = _stage_recipe(recipe, arm_dir, patch=arm.patch, steps=exp.finetune_steps,
                           lr=arm.lr if arm.lr is not None else exp.finetune_lr, warmup=exp.finetune_warmup,
                           at_steps=at, source=base, recovery=arm.recovery, lengths=exp.recovery_lengths)
+    if arm.seed is not None:  # a replicate: its own data order (and init, from scratch), all else the same
+        stage.train = dataclasses.replace(stage.train, seed=arm.seed)
     change = arm_change(arm_dir, stage, out)
     if change is not None:  # an edited arm: its old model (or checkpoints) would be reported under the new settings
         if not remove_owned(arm_dir, arms):
@@ -242,6 +247,7 @@ def _previous_evaluation(path: Path, recipe: Recipe, exp: ExperimentSection) -> 
     same = (previous.get("data", {}).get("files") == [str(p) for p in exp.eval_data or []]
             and previous.get("settings", {}).get("max_tokens") == exp.eval_max_tokens
             and previous.get("train_len") == (exp.train_len or recipe.data.seq_len)
+            and previous.get("settings", {}).get("counting") == _counting_options(exp)
             # written before #28 (no intervals): capped windows were chosen another way, per-window losses absent
             and "intervals" in previous.get("settings", {}))
     if not same:
@@ -249,6 +255,11 @@ def _previous_evaluation(path: Path, recipe: Recipe, exp: ExperimentSection) -> 
     for entry in previous["models"]:
         entry.setdefault("evaluated_at", path.stat().st_mtime)
     return previous
+
+
+def _counting_options(exp: ExperimentSection) -> dict | None:
+    """evaluate_counting's options the experiment sets (None: its defaults)."""
+    return {"sequences": exp.eval_sequences} if exp.eval_sequences is not None else None
 
 
 def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: ExperimentSection, progress: bool,
@@ -277,7 +288,7 @@ def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: Expe
             t0 = time.perf_counter()
             spec = EvalSpec(names=[name], data=exp.eval_data, lengths=allowed,
                             train_len=exp.train_len or recipe.data.seq_len, max_tokens=exp.eval_max_tokens,
-                            tokenizer=recipe.model.tokenizer, progress=progress,
+                            tokenizer=recipe.model.tokenizer, progress=progress, counting=_counting_options(exp),
                             dtype=training_dtype(recipe.model.dtype))  # the base as the arms: same dtype
             one = evaluate_models([source], spec)
             one["models"][0] |= {"checkpoint": _within(source, out), "evaluated_at": time.time(),

@@ -65,6 +65,8 @@ class ArmSection:
     name: str = knob("arm", "folder and label of the arm, e.g. softmax, avnorm-rms, psoftmax-p2")
     patch: PatchSection = knob(factory=PatchSection, doc="the arm's attention patch; norm softmax = the control")
     lr: float | None = knob(None, "finetune learning rate of this arm; null = experiment.finetune_lr")
+    seed: int | None = knob(None, "this arm's train.seed (its data order, and its init when it trains from scratch): "
+                                  "arms that differ only in seed replicate one; null = train.seed")
     recovery: RecoverySection | None = knob(None, "this arm's recovery (schedule, distillation, patch_lr; see the "
                                                   "recovery section); null = plain finetune. The top-level recovery "
                                                   "section is not applied to arms: each arm says its own")
@@ -79,6 +81,9 @@ class ExperimentSection:
     arms: list[ArmSection] = knob(factory=list, doc="the finetune arms, all from the same base")
     base_steps: int = knob(0, "steps to (pre)train the base with softmax attention; 0 = the model as loaded "
                                "(with model.config: no base, every arm trains from the same seeded init)")
+    base_patch: PatchSection = knob(factory=PatchSection,
+                                    doc="the patch the base pretrains with; unset = softmax with the model's positions "
+                                        "(a NoPE base: {norm: softmax, nope: true}, the AVnorm post's NoPE runs)")
     eval_base: bool = knob(True, "evaluate the base next to the arms; false skips it (e.g. a pretrained base "
                                  "measured elsewhere: one model fewer at every length)")
     finetune_steps: int = knob(100, "optimizer steps of every arm")
@@ -93,6 +98,8 @@ class ExperimentSection:
                                    "without an arm of that name reports no gaps")
     eval_data: list[str] | None = knob(None, "lm: text (or .json token) files for the length evaluation")
     eval_max_tokens: int | None = knob(None, "lm: cap on tokens evaluated per length (null = all windows)")
+    eval_sequences: int | None = knob(None, "counting: generated sequences per evaluation length (the units of its "
+                                            "intervals); null = evaluate_counting's default, 8")
     train_len: int | None = knob(None, "the length marked as 'trained' in the report; null = data.seq_len")
     reference: ReferenceSection | None = knob(None, "a published loss table to compare directions with "
                                                     "(retrofit.experiment.reference): file, control, arms, note")
@@ -107,6 +114,11 @@ class ExperimentSection:
         if self.base_steps < 0 or self.finetune_steps < 1:
             raise RetrofitError("experiment.base_steps must be >= 0 and finetune_steps >= 1")
         check_lr(self.finetune_lr, "experiment.finetune_lr")
+        if self.base_patch.norm is not None and self.base_steps == 0:
+            raise RetrofitError("experiment.base_patch applies to a base pretrained here: set experiment.base_steps "
+                                "> 0, or remove base_patch (the arms' own patch applies to a loaded base)")
+        if self.eval_sequences is not None and self.eval_sequences < 1:
+            raise RetrofitError(f"experiment.eval_sequences must be >= 1 (or null), got {self.eval_sequences}")
         if self.recovery_lengths is not None and not (self.recovery_lengths
                                                       and all(isinstance(n, int) and n >= 2
                                                               for n in self.recovery_lengths)):

@@ -111,7 +111,7 @@ def test_reference_is_chosen_or_refused_before_anything_loads():
 
 
 def test_experiment_report_prints_intervals_and_the_paired_gap_to_the_control(tmp_path):
-    from retrofit.experiment.driver import _with_comparisons
+    from retrofit.evaluate.compare import with_comparisons as _with_comparisons
     from retrofit.experiment.report import write_experiment_report
     model = tiny_model("llama", seed=0)
     spec = EvalSpec(tokens=[_tokens(400, seed=k) for k in range(2)], lengths=[16], max_tokens=96,

@@ -77,3 +77,12 @@ def paired_row(row: dict, base: dict) -> dict:
     ci95 = bootstrap_mean(diffs)
     return {"difference": float(diffs.mean()), "ci95": ci95, "windows": int(diffs.size),
             "covers_zero": covers_zero(ci95), "paired": True}
+
+
+def with_comparisons(evaluation: dict, reference: str | None) -> dict:
+    """`evaluation` with fresh paired differences to `reference` when it is one of its models (else the first
+    model): an experiment's gap to its control arm. Entries reused from before intervals are compared unpaired."""
+    names = [m["name"] for m in evaluation["models"]]
+    comparisons = paired_comparisons(evaluation, reference if reference in names else None)
+    evaluation = {k: v for k, v in evaluation.items() if k != "comparisons"}  # a reused file's are stale
+    return evaluation | ({"schema": "retrofit.eval/2", "comparisons": comparisons} if comparisons else {})

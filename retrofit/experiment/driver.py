@@ -30,7 +30,8 @@ import torch
 
 from ..atomic import atomic_write_text, make_output, owned_folder, remove_owned
 from ..errors import RetrofitError, shown
-from ..evaluate import EvalSpec, evaluate_models, paired_comparisons
+from ..evaluate import EvalSpec, evaluate_models
+from ..evaluate.compare import with_comparisons
 from ..evaluate.report import write_report
 from ..load import load, load_config, training_dtype
 from ..positions import learned_position_limit
@@ -301,16 +302,7 @@ def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: Expe
             atomic_write_text(saved, json.dumps(dict(merged, models=merged["models"] + later), indent=1) + "\n")
     if merged is None:
         raise RetrofitError("no model could be evaluated at any of eval.lengths")
-    return _with_comparisons(merged, exp.control), reused
-
-
-def _with_comparisons(evaluation: dict, control: str | None) -> dict:
-    """The evaluation with paired differences to the control arm (else the first model) on the same windows:
-    the gap-to-control report's intervals. Entries reused from before intervals are compared unpaired."""
-    names = [m["name"] for m in evaluation["models"]]
-    comparisons = paired_comparisons(evaluation, control if control in names else None)
-    evaluation = {k: v for k, v in evaluation.items() if k != "comparisons"}  # a reused file's are stale
-    return evaluation | ({"schema": "retrofit.eval/2", "comparisons": comparisons} if comparisons else {})
+    return with_comparisons(merged, exp.control), reused
 
 
 def _recorded_times(out: Path) -> dict:

@@ -35,7 +35,6 @@ beyond L the base kernel's output is returned as it is (the same tensor).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +43,7 @@ from torch import nn
 from ..errors import RetrofitError, closest
 from ..kernels.masks import visible_counts
 from . import register_norm
-from .base import Norm, option, visible_keys
+from .base import Norm, finite_number, option, visible_keys
 
 KINDS = ("rms", "layer", "global")
 MODES = ("always", "beyond")
@@ -185,13 +184,7 @@ class AVNorm(Norm):
 
 
 def _number(value, name: str) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise RetrofitError(f"avnorm {name} must be a number, got {value!r}") from None
-    if not math.isfinite(value):
-        raise RetrofitError(f"avnorm {name} must be finite, got {value!r}")
-    return value
+    return finite_number(value, f"avnorm {name}")
 
 
 def _check_beyond(opts) -> None:

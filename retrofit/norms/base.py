@@ -8,6 +8,7 @@ A norm is an `nn.Module` attached to one attention module as its `retrofit` chil
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -246,3 +247,14 @@ def kernel_call(kernel, module, query, key, value, attention_mask, *extra, scali
                  enable_gqa=key.shape[1] != query.shape[1], softcap=softcap,
                  dropout_p=dropout if module.training else 0.0)  # (B, H, Tq, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+def finite_number(value, what: str, hint: str = "") -> float:
+    """float(value) for a norm option, else a one-line error naming it (`hint` says what a good value is)."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise RetrofitError(f"{what} must be a finite number, got {value!r}{hint}") from None
+    if not math.isfinite(value):
+        raise RetrofitError(f"{what} must be finite{hint}, got {value!r}")
+    return value

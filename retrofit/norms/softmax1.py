@@ -14,7 +14,6 @@ out = softmax_out * sigmoid(LSE(s) - b_h) (`retrofit.kernels.softmax1_attention`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 from ..errors import RetrofitError
 from ..kernels import softmax1_attention
 from . import register_norm
-from .base import Norm, kernel_call, model_sink, option
+from .base import Norm, finite_number, kernel_call, model_sink, option
 
 
 @register_norm
@@ -81,10 +80,4 @@ class Softmax1(Norm):
 
 
 def _sink(value) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise RetrofitError(f"softmax1 sink must be a finite number, got {value!r}") from None
-    if not math.isfinite(value):
-        raise RetrofitError(f"softmax1 sink must be finite (-30 is the original softmax to 1e-6), got {value!r}")
-    return value
+    return finite_number(value, "softmax1 sink", " (-30 is the original softmax to 1e-6)")

@@ -168,7 +168,12 @@ def test_every_committed_results_json_validates_and_renders(tmp_path):
             validate(results)
             write_report(results, out)
             text = (out / "results.md").read_text()
-            assert "No intervals" in text and "±" not in text.split("## Loss by context length")[1][:2000], path
+            table = text.split("## Loss by context length")[1][:2000] if "## Loss by context length" in text else ""
+            if results.get("settings", {}).get("intervals"):  # written with intervals: they are shown
+                has_lm = any(m.get("lengths") for m in results["models"])
+                assert "Intervals: 95%" in text and ("±" in table or not has_lm), path
+            else:  # written before them: said, and no ± invented
+                assert "No intervals" in text and "±" not in table, path
 
 
 def test_loss_plot_draws_a_band_only_where_there_are_intervals():

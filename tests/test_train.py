@@ -130,6 +130,38 @@ def test_two_cpu_processes_match_one_process(tmp_path):
     assert abs(two_eval["eval/l1@64"] - one.evals[6]["eval/l1@64"]) <= 1e-5
 
 
+class _Ending:
+    """What end_processes reads of an accelerator: its trackers and how many processes run."""
+
+    def __init__(self, processes):
+        self.num_processes, self.trackers = processes, []
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    yield torch.distributed.distributed_c10d._get_default_store()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_the_group_goes_down_only_once_every_process_has_counted_itself_in(one_process_group, monkeypatch):
+    """The CI hang: a peer still inside the final collective when rank 0 destroyed the group. A process now leaves
+    only when the store counts every process; here the second process counts itself in before this one ends."""
+    monkeypatch.setattr(build, "_EXITS", [0])
+    one_process_group.add("retrofit/exit/1", 1)  # the peer, already past its last collective
+    build.end_processes(_Ending(2), timeout_s=30)
+    assert not torch.distributed.is_initialized()
+    assert one_process_group.add("retrofit/exit/1", 0) == 2
+
+
+def test_a_peer_that_never_finishes_is_one_line_not_a_hang(one_process_group, monkeypatch):
+    monkeypatch.setattr(build, "_EXITS", [0])
+    with pytest.raises(RetrofitError, match="another process did not finish within 0 s"):
+        build.end_processes(_Ending(2), timeout_s=0.2)
+    assert torch.distributed.is_initialized()  # never torn down under a peer that may still be in a collective
+
+
 # ---- kill and resume -----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

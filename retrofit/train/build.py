@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -79,6 +80,36 @@ def accumulation(train: TrainSection, processes: int) -> int:
         raise RetrofitError(f"train.batch_size {train.batch_size} is not a multiple of micro_batch_size "
                             f"{train.micro_batch_size} x {processes} process(es); change one of them")
     return train.batch_size // per_step
+
+
+_EXITS = [0]  # how many runs this process has ended: every process ends the same runs, so the key agrees
+
+
+def end_processes(accelerator: Accelerator, timeout_s: float = 600.0) -> None:
+    """End a run: finish the trackers, then take the process group down only once every process is past its last
+    collective.
+
+    accelerate's end_training destroys the group right after the final barrier. Under gloo a process can return from
+    that barrier while its peer still waits for the barrier's last message; when the first then tears the group down,
+    the peer waited forever (seen once in CI: two CPU processes, rank 0 finished, rank 1 never printed). So every
+    process first counts itself in on the rendezvous store, which outlives the group, and waits for the others.
+    """
+    for tracker in accelerator.trackers:
+        tracker.finish()
+    if not torch.distributed.is_initialized():
+        return
+    if accelerator.num_processes > 1:
+        _EXITS[0] += 1
+        store = torch.distributed.distributed_c10d._get_default_store()
+        key = f"retrofit/exit/{_EXITS[0]}"
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(key, 0) < accelerator.num_processes:
+            if time.monotonic() > deadline:
+                raise RetrofitError(f"another process did not finish within {timeout_s:.0f} s of this one; "
+                                    "see its log for the error")
+            time.sleep(0.01)
+    torch.distributed.destroy_process_group()
 
 
 # ---- the model -------------------------------------------------------------------------------------------------------

@@ -274,7 +274,7 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
         record_knob(model)  # the final knob value into config.retrofit: a reload is what was trained
     notify("end", result.steps, model=acc.unwrap_model(model))
     result.model = save_final(acc, model, run_dir, tokenizer, recipe, result, from_recipe)
-    acc.end_training()
+    build.end_processes(acc)
     return result
 
 

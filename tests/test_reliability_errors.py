@@ -287,6 +287,22 @@ def test_an_edited_arm_not_made_by_retrofit_is_refused_naming_the_change(experim
     assert {p: p.stat().st_mtime_ns for p in (out / "arms" / "psoftmax").rglob("*")} == before
 
 
+@pytest.mark.parametrize("change, named", [
+    ("experiment.base_steps=5", "train.steps: 4 -> 5"),
+    ('experiment.base_patch={"norm": "softmax", "nope": true}', "patch.nope: False -> True"),
+])
+def test_a_changed_base_is_refused_not_reused_under_its_arms(experiment_p2, tmp_path, change, named):
+    """Every arm starts from the base, so a base trained with other settings is a new experiment: refused in one
+    line naming the change, and nothing in DIR is touched."""
+    out = tmp_path / "run"
+    shutil.copytree(experiment_p2, out)
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    with pytest.raises(RetrofitError) as err:
+        run_experiment(DEMO_RECIPE, out, [*EXPERIMENT, _arms('"p": 2.0'), change], progress=False)
+    assert str(err.value).startswith(f"{out / 'base'} was trained with other settings (") and named in str(err.value)
+    assert "\n" not in str(err.value) and "pass a new --out" in str(err.value)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
 def test_tables_label_an_arm_from_its_checkpoint(tmp_path):
     """A psoftmax arm whose schedule ends at p=1.5 was trained (and is saved) as p=1.5: so it is labelled."""
     arm = ('experiment.arms=[{"name": "psoftmax", "patch": {"norm": "psoftmax", "p": 2.0, "gain": 1.0}, '

@@ -207,6 +207,27 @@ def test_recipe_patch_layers_and_heads():
     assert report.layers == [3] and report.heads is None and retrofit.patch_record(model)["heads"] is None
 
 
+
+def test_an_experiment_arm_reports_its_selection(tmp_path):
+    """The experiment's report labels an arm by what its checkpoint recorded, layers and heads included; a
+    whole-model arm's label has neither; a failed arm (no checkpoint) is labelled from its recipe."""
+    from retrofit.experiment.labels import trained_patch
+    from retrofit.recipe import ArmSection, PatchSection
+    selective = ArmSection(name="sel", patch=PatchSection(norm="avnorm", layers="2-", heads="0+1"))
+    model = four_layers("llama")
+    retrofit.patch(model, "avnorm", layers="2-", heads="0+1")
+    model.save_pretrained(tmp_path / "sel")
+    (tmp_path / "sel" / "result.json").write_text("{}")  # a finished run
+    label = trained_patch(tmp_path / "sel", selective)
+    assert (label["norm"], label["layers"], label["heads"]) == ("avnorm", [2, 3], [0, 1])
+    assert trained_patch(tmp_path / "failed", selective)["layers"] == "2-"
+    whole = four_layers("llama")
+    retrofit.patch(whole, "avnorm")
+    whole.save_pretrained(tmp_path / "whole")
+    (tmp_path / "whole" / "result.json").write_text("{}")
+    label = trained_patch(tmp_path / "whole", ArmSection(name="whole", patch=PatchSection(norm="avnorm")))
+    assert label["norm"] == "avnorm" and "layers" not in label and "heads" not in label
+
 @pytest.mark.parametrize("section, message", [
     (dict(norm="psoftmax", heads=0), "patch.heads: psoftmax has no per-head parameters; patch.heads applies to "
                                      "avnorm, softmax1, ssmax"),

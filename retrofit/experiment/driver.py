@@ -46,8 +46,9 @@ from ..recipe import (
     save_recipe,
     to_plain,
 )
-from ..rope import describe_rope, normalize_rope
+from ..rope import describe_rope
 from ..train import read_log, train
+from .labels import trained_patch
 from .reference import load_reference
 from .report import write_experiment_report
 
@@ -81,15 +82,28 @@ def run_base(recipe: Recipe, exp: ExperimentSection, out: Path) -> str | None:
     if exp.base_steps == 0:
         return recipe.model.source
     base_dir = out / "base"
+    stage = _base_stage(recipe, exp, out)
     if _finished(base_dir):
         print(f"[experiment] base: {base_dir} is finished, skipping")
         return str(base_dir)
     what = "softmax attention" if exp.base_patch.norm is None else \
         f"{exp.base_patch.norm}{' without positions' if exp.base_patch.nope else ''}"
     print(f"[experiment] base: training {exp.base_steps} steps with {what} -> {base_dir}")
-    stage = _stage_recipe(recipe, base_dir, patch=copy.deepcopy(exp.base_patch), steps=exp.base_steps)
     train(stage, resume=base_dir.exists())
     return str(base_dir)
+
+
+def _base_stage(recipe: Recipe, exp: ExperimentSection, out: Path) -> Recipe:
+    return _stage_recipe(recipe, out / "base", patch=copy.deepcopy(exp.base_patch), steps=exp.base_steps)
+
+
+def check_base(recipe: Recipe, exp: ExperimentSection, out: Path) -> None:
+    """Refuse, before DIR is written to, a base trained with other settings: every arm starts from it, so a changed
+    base is a new experiment, not a resume."""
+    change = arm_change(out / "base", _base_stage(recipe, exp, out), out) if exp.base_steps > 0 else None
+    if change is not None:
+        raise RetrofitError(f"{out / 'base'} was trained with other settings ({change}) and every arm starts from "
+                            "it; pass a new --out, or restore the base's settings (experiment.base_steps, base_patch)")
 
 
 def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, out: Path) -> dict:
@@ -141,8 +155,8 @@ _SAME_MODEL = ("name", "output.", "train.progress", "train.log_every", "eval.")
 
 
 def arm_change(arm_dir: Path, stage: Recipe, out: Path) -> str | None:
-    """How the arm's recipe differs from the one its folder was trained with ('patch.p: 2.0 -> 3.0'), or None
-    when it does not or there is nothing to compare. The base is compared by its place in DIR, so a moved
+    """How a stage's recipe (an arm's, the base's) differs from the one its folder was trained with ('patch.p: 2.0 ->
+    3.0'), or None when it does not or there is nothing to compare. The base is compared by its place in DIR, so a moved
     experiment folder still matches."""
     saved_path = arm_dir / "recipe.yaml"
     if not saved_path.is_file():
@@ -162,31 +176,6 @@ def arm_change(arm_dir: Path, stage: Recipe, out: Path) -> str | None:
         return None
     return ", ".join(f"{k}: {shown(saved.get(k), 40)} -> {shown(current.get(k), 40)}" for k in keys[:3]) + \
         (", ..." if len(keys) > 3 else "")
-
-
-def trained_patch(arm_dir: Path, arm: ArmSection) -> dict:
-    """The arm's patch as its checkpoint records it (config.retrofit: what was trained, e.g. p at the end of a
-    schedule), for the report's labels; the recipe's settings when there is no checkpoint (a failed arm)."""
-    config = arm_dir / "config.json"
-    if not (config.is_file() and _finished(arm_dir)):
-        return arm.patch.options | {"norm": arm.patch.norm, "nope": arm.patch.nope} \
-            | ({"rope": arm.patch.rope} if arm.patch.rope is not None else {})
-    record = json.loads(config.read_text()).get("retrofit")
-    if not isinstance(record, dict):
-        return {"norm": None, "nope": False}  # an arm left unpatched
-    return dict(record.get("options") or {}) | {"norm": record.get("norm"), "nope": bool(record.get("nope"))} \
-        | ({"rope": _trained_rope(record["rope"], arm.patch.rope)} if record.get("rope") is not None else {})
-
-
-def _trained_rope(plan: dict, written):
-    """The rope a checkpoint was trained with, as the recipe wrote it ('yarn:4') when the two agree (every key the
-    recipe set has the trained value; the plan adds what the model filled in, such as the original positions),
-    else the checkpoint's own parameters."""
-    trained = plan.get("parameters", plan) if isinstance(plan, dict) else plan
-    if written is None or not isinstance(trained, dict):
-        return trained
-    agree = all(k in trained and trained[k] == v for k, v in normalize_rope(written).items())  # values may be lists
-    return written if agree else trained
 
 
 def recovery_points(run_dir: Path) -> dict[int, dict]:
@@ -355,6 +344,7 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
                             "use `retrofit train` for a single run")
     reference = load_reference(exp.reference, [a.name for a in exp.arms]) if exp.reference else None
     out = make_output(out_dir, "--out")  # new, empty or made by retrofit (a re-run resumes it)
+    check_base(recipe, exp, out)
     save_recipe(recipe, out / "recipe.yaml")
     clock, failures, recovery = _Clock(out), {}, {}
     start = time.perf_counter()

@@ -145,18 +145,16 @@ def one_process_group(tmp_path):
         torch.distributed.destroy_process_group()
 
 
-def test_the_group_goes_down_only_once_every_process_has_counted_itself_in(one_process_group, monkeypatch):
+def test_the_group_goes_down_only_once_every_process_has_counted_itself_in(one_process_group):
     """The CI hang: a peer still inside the final collective when rank 0 destroyed the group. A process now leaves
     only when the store counts every process; here the second process counts itself in before this one ends."""
-    monkeypatch.setattr(build, "_EXITS", [0])
-    one_process_group.add("retrofit/exit/1", 1)  # the peer, already past its last collective
+    one_process_group.add(build.EXIT_KEY, 1)  # the peer, already past its last collective
     build.end_processes(_Ending(2), timeout_s=30)
     assert not torch.distributed.is_initialized()
-    assert one_process_group.add("retrofit/exit/1", 0) == 2
+    assert one_process_group.add(build.EXIT_KEY, 0) == 2
 
 
-def test_a_peer_that_never_finishes_is_one_line_not_a_hang(one_process_group, monkeypatch):
-    monkeypatch.setattr(build, "_EXITS", [0])
+def test_a_peer_that_never_finishes_is_one_line_not_a_hang(one_process_group):
     with pytest.raises(RetrofitError, match="another process did not finish within 0 s"):
         build.end_processes(_Ending(2), timeout_s=0.2)
     assert torch.distributed.is_initialized()  # never torn down under a peer that may still be in a collective

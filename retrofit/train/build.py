@@ -82,7 +82,7 @@ def accumulation(train: TrainSection, processes: int) -> int:
     return train.batch_size // per_step
 
 
-_EXITS = [0]  # how many runs this process has ended: every process ends the same runs, so the key agrees
+EXIT_KEY = "retrofit/exit"  # on the rendezvous store: each process adds 1 when it ends a run
 
 
 def end_processes(accelerator: Accelerator, timeout_s: float = 600.0) -> None:
@@ -99,12 +99,11 @@ def end_processes(accelerator: Accelerator, timeout_s: float = 600.0) -> None:
     if not torch.distributed.is_initialized():
         return
     if accelerator.num_processes > 1:
-        _EXITS[0] += 1
-        store = torch.distributed.distributed_c10d._get_default_store()
-        key = f"retrofit/exit/{_EXITS[0]}"
-        store.add(key, 1)
+        store, n = torch.distributed.distributed_c10d._get_default_store(), accelerator.num_processes
+        arrived = store.add(EXIT_KEY, 1)
+        everyone = -(-arrived // n) * n  # this round is complete at the next multiple of n (runs in one group agree)
         deadline = time.monotonic() + timeout_s
-        while store.add(key, 0) < accelerator.num_processes:
+        while store.add(EXIT_KEY, 0) < everyone:
             if time.monotonic() > deadline:
                 raise RetrofitError(f"another process did not finish within {timeout_s:.0f} s of this one; "
                                     "see its log for the error")

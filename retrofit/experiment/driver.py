@@ -82,14 +82,13 @@ def run_base(recipe: Recipe, exp: ExperimentSection, out: Path) -> str | None:
     if exp.base_steps == 0:
         return recipe.model.source
     base_dir = out / "base"
-    stage = _base_stage(recipe, exp, out)
     if _finished(base_dir):
         print(f"[experiment] base: {base_dir} is finished, skipping")
         return str(base_dir)
     what = "softmax attention" if exp.base_patch.norm is None else \
         f"{exp.base_patch.norm}{' without positions' if exp.base_patch.nope else ''}"
     print(f"[experiment] base: training {exp.base_steps} steps with {what} -> {base_dir}")
-    train(stage, resume=base_dir.exists())
+    train(_base_stage(recipe, exp, out), resume=base_dir.exists())
     return str(base_dir)
 
 

@@ -71,6 +71,46 @@ def test_patch_cli_rope_is_printed_saved_and_reloaded(llama_folder, tmp_path, ca
         torch.testing.assert_close(loaded(ids).logits, expected(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+def _finetuned_checkpoint(folder, norm, **options):
+    """A tiny llama with moved weights (a finetune's stand-in) saved patched as retrofit's experiment arms save."""
+    model = tiny_model("llama", max_position_embeddings=L)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    plain = copy.deepcopy(model)
+    retrofit.patch(model, norm, **options)
+    model.save_pretrained(folder)
+    return plain
+
+
+def test_patch_cli_replaces_a_checkpoints_parameter_free_patch(tmp_path, capsys):
+    """An arm finetuned under softmax + YaRN, re-patched with AVNorm beyond L + dynamic NTK: exactly its finetuned
+    weights under the new patch, as if the new patch had been put on the plain weights; YaRN is gone."""
+    plain = _finetuned_checkpoint(tmp_path / "arm", "softmax", rope="yarn:4")
+    out = tmp_path / "arm-avnorm-beyond"
+    assert main(["patch", str(tmp_path / "arm"), "--norm", "avnorm", "--mode", "beyond", "--exponent", "0.3",
+                 "--rope", "dynamic:4", "--out", str(out)]) == 0
+    assert "replaced" in capsys.readouterr().out
+    record = json.loads((out / "config.json").read_text())["retrofit"]
+    assert record["norm"] == "avnorm" and record["rope"]["parameters"]["rope_type"] == "dynamic"
+    retrofit.patch(plain, "avnorm", mode="beyond", exponent=0.3, rope="dynamic:4")
+    loaded = retrofit.from_pretrained(str(out))
+    ids = torch.randint(3, VOCAB, (1, 48), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, plain.eval()(ids).logits)
+
+
+def test_patch_cli_refuses_to_drop_a_checkpoints_trained_patch_parameters(tmp_path, capsys):
+    _finetuned_checkpoint(tmp_path / "arm", "avnorm", kind="rms")
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["patch", str(tmp_path / "arm"), "--norm", "softmax", "--out", str(out)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # above it only transformers' loading bars (\r)
+    assert last.startswith("retrofit patch: error: ") and "trained patch parameters" in last
+    assert "unpatched base" in last
+    assert not out.exists()
+
+
 # ---- 7. bad input: one line, exit 2 --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv,message", [

@@ -27,10 +27,10 @@ from ..errors import RetrofitError, read_utf8
 from ..hub import check_repo, find_token, push
 from ..load import is_hub_id, load, load_config, load_tokenizer
 from ..norms import NORMS, make_options
-from ..patch import patch
+from ..patch import CHILD, is_patched, patch, unpatch
 from ..record import describe_selection, read_record
 from ..recovery.probe import describe_spread, head_spread, knob_losses
-from ..rope import normalize_rope
+from ..rope import describe_rope, normalize_rope
 from ..selection import parse_selection
 from . import check_counts, check_out, check_text_files
 
@@ -161,6 +161,23 @@ def _rank(model, ids: torch.Tensor, k: int | None) -> None:
               f"{loss:.4f}, {loss - baseline:+.4f})")
 
 
+def _unpatch_parameter_free(model, source: str) -> str | None:
+    """A checkpoint retrofit patched with a patch that has no parameters (softmax, ssmax scale=beyond, a RoPE
+    extension: e.g. an experiment's control arm) is its finetuned weights under a function of them: replace that
+    patch. One with trained patch parameters (gains, exponents, sinks) is refused: replacing would drop them."""
+    if not is_patched(model):
+        return None
+    record = read_record(model) or {}
+    trained = sum(p.numel() for m in model.modules() if CHILD in m._modules for p in m._modules[CHILD].parameters())
+    if trained:
+        raise RetrofitError(f"{source} is already patched with {record.get('norm')} and carries {trained} trained "
+                            "patch parameters that a new patch would drop: patch its unpatched base instead")
+    rope = record.get("rope")
+    unpatch(model)
+    return (f"replaced {source}'s own patch ({record.get('norm')}" + (f", rope {describe_rope(record)}" if rope else "")
+            + ", no parameters): the weights are the checkpoint's, the patch is the one above")
+
+
 def save_atomically(model, tokenizer, out: str) -> None:
     """Write to a temporary sibling folder, then rename: a crash never leaves a half-written model."""
     with atomic_folder(out, "--out") as tmp:
@@ -197,11 +214,14 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.source) if (needs_tokens or args.out or args.push_to_hub) else None
     check = _read_tokens(tokenizer, args.check_text, args.check_tokens) if args.check_text else None
     before = text_loss(model, check) if check is not None else None
+    replaced = _unpatch_parameter_free(model, args.source)
     report = patch(model, args.norm, nope=args.nope, rope=args.rope, layers=args.layers, heads=args.heads, **options)
     if args.calibration_text:
         ids = _read_tokens(tokenizer, args.calibration_text, args.calibrate_tokens)
         report.calibration = calibrate(model, (c[None] for c in ids.split(512)))
     print(report)
+    if replaced:
+        print(replaced)
     if check is not None:
         after = text_loss(model, check)
         print(f"loss on {args.check_text} ({check.numel()} tokens): original {before:.4f}, "

@@ -14,6 +14,7 @@ original head output over mean RMS of the full p-softmax output.
 AVNorm mode=beyond has no gain: each head's exponent b_h is fitted instead, from the mean output RMS per number of
 visible keys n on text inside L: the least-squares slope of log r_h(n) on log n over n in [max(2, N // 16), N]
 (N = min(longest text, L)), so that (n / L)^b_h holds r_h at r_h(L) beyond L. Clamped to avnorm.EXPONENT_RANGE.
+A text is cut into rows of L for it (text_rows); a recipe calibrates on its training blocks (data.seq_len).
 """
 
 from __future__ import annotations
@@ -66,6 +67,19 @@ def fit_exponents(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     xc, yc = x - x.mean(0), y - y.mean(0)
     slope = (xc * yc).sum(0) / (xc * xc).sum(0)
     return (-slope).clamp(*EXPONENT_RANGE)
+
+
+def row_length(model: nn.Module, rows: int = 512) -> int:
+    """Tokens per calibration row: `rows` for gains (a mean over tokens), but as long as L for AVNorm mode=beyond,
+    whose fit spans n in [N // 16, N] of the longest row: 512-token rows would fit n in [32, 512] and extrapolate
+    that slope 64x to 32K; rows of L fit it where it is used, just inside L."""
+    lengths = [n.ref_len for n in calibrated_norms(model) if _by_length(n)]
+    return max([rows, *lengths]) if lengths else rows
+
+
+def text_rows(model: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """(T,) token ids -> calibrate()'s batches: (1, t) rows of row_length(model) tokens (the last may be shorter)."""
+    return [row[None] for row in ids.split(row_length(model)) if len(row) > 1]
 
 
 def _unpack(batch):

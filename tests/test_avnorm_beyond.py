@@ -235,3 +235,16 @@ def test_a_recipe_calibrates_and_trains_the_exponents_and_the_run_reloads_as_tra
     ids = random_ids(2, 40)
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, result.model.eval()(ids).logits)
+
+
+def test_text_calibration_rows_reach_L_for_the_exponent_and_stay_512_for_gains():
+    """`retrofit patch --calibration-text` and eval variants: the exponent's fit spans n in [N // 16, N] of the
+    longest row, so rows are L long (here 1024 > 512); a gain is a mean over tokens, 512-token rows as before."""
+    from retrofit.calibrate import text_rows
+    ids = torch.arange(3000) % 50 + 3
+    _, beyond = patched("llama", calibrate=False, ref_len=1024)
+    assert [r.shape for r in text_rows(beyond, ids)] == [(1, 1024), (1, 1024), (1, 952)]
+    gains = tiny_model("llama")
+    retrofit.patch(gains, "avnorm", kind="rms")
+    assert [r.shape[1] for r in text_rows(gains, ids)] == [512] * 5 + [440]
+    assert torch.equal(torch.cat([r[0] for r in text_rows(beyond, ids)]), ids)

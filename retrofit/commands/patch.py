@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_folder
-from ..calibrate import calibrate
+from ..calibrate import calibrate, text_rows
 from ..costs import describe_costs, head_costs, layer_costs, selection_loss, suggest
 from ..errors import RetrofitError, read_utf8
 from ..hub import check_repo, find_token, push
@@ -218,7 +218,7 @@ def run(args) -> int:
     report = patch(model, args.norm, nope=args.nope, rope=args.rope, layers=args.layers, heads=args.heads, **options)
     if args.calibration_text:
         ids = _read_tokens(tokenizer, args.calibration_text, args.calibrate_tokens)
-        report.calibration = calibrate(model, (c[None] for c in ids.split(512)))
+        report.calibration = calibrate(model, text_rows(model, ids))
     print(report)
     if replaced:
         print(replaced)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..calibrate import calibrate
+from ..calibrate import calibrate, text_rows
 from ..errors import RetrofitError, check_token_ids
 from ..lengths import parse_lengths
 from ..load import CountingModel, language_model, load, load_tokenizer
@@ -192,8 +192,7 @@ def _calibrate_on_the_fly(lm, spec: dict, tokenizer, name: str) -> dict:
     if tokenizer is None:
         raise RetrofitError(f"no tokenizer for {name} to read the calibration text with: pass --tokenizer")
     ids = torch.tensor(tokenize_files(tokenizer, [spec["data"]])[0][:spec.get("tokens", 8192)], dtype=torch.long)
-    batches = [row[None] for row in ids.split(512) if len(row) > 1]
-    return calibrate(lm, batches)
+    return calibrate(lm, text_rows(lm, ids))
 
 
 def _patch_on_the_fly(lm, wanted: dict, name: str) -> None:

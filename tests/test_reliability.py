@@ -65,6 +65,24 @@ def test_an_unsafe_arm_name_is_refused_before_anything_is_created(name, tmp_path
     assert (tmp_path / "precious.txt").read_text() == "user data"
 
 
+@pytest.mark.parametrize("verb", ["experiment", "demo"])
+@pytest.mark.parametrize("flag", [True, False])
+def test_no_progress_turns_off_training_and_evaluation_bars(verb, flag, tmp_path, monkeypatch):
+    from retrofit.commands import experiment as command
+    seen = {}
+
+    def fake_run(recipe, out, progress=True):
+        seen.update(train=recipe.train.progress, eval=progress)
+        return {}
+
+    monkeypatch.setattr(command, "run_experiment", fake_run)
+    monkeypatch.setattr(command, "_print_summary", lambda results, out: None)
+    monkeypatch.setattr(command.torch, "set_num_threads", lambda n: None)  # demo's; the fixture's 1 thread stays
+    argv = [verb, *([str(experiment.DEMO_RECIPE)] if verb == "experiment" else []), "--out", str(tmp_path / "x")]
+    assert main(argv + (["--no-progress"] if flag else [])) == 0
+    assert seen == {"train": not flag, "eval": not flag}
+
+
 def test_run_arm_rechecks_a_name_changed_after_loading(tmp_path):
     recipe = load_recipe(experiment.DEMO_RECIPE)
     exp = recipe.section("experiment")

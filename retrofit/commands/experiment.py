@@ -23,22 +23,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="YAML recipe with an experiment section")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. experiment.finetune_steps=50")
     parser.add_argument("--out", required=True, help="experiment folder (re-run to resume)")
+    _add_progress(parser)
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides of recipes/demo.yaml")
     parser.add_argument("--out", default="runs/demo", help="experiment folder (default runs/demo)")
+    _add_progress(parser)
+
+
+def _add_progress(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars, training or evaluation (train.progress=false): for logs and files")
 
 
 def run(args) -> int:
-    _print_summary(run_experiment(_checked_recipe(args.recipe, args), args.out), Path(args.out))
+    recipe = _checked_recipe(args.recipe, args)
+    _print_summary(run_experiment(recipe, args.out, progress=not args.no_progress), Path(args.out))
     return 0
 
 
 def _checked_recipe(path, args):
     """The recipe with its overrides, refused before anything is written when --out or memory cannot do."""
     args.out = check_out(args.out, "--out", empty=False)  # an experiment folder (made by retrofit) is resumed
-    recipe = load_recipe(path, args.overrides)
+    recipe = load_recipe(path, [*args.overrides, *(["train.progress=false"] if args.no_progress else [])])
     check_recipe(recipe)
     return recipe
 
@@ -46,7 +54,8 @@ def _checked_recipe(path, args):
 def run_demo(args) -> int:
     """`retrofit demo`: the embedded default experiment (recipes/demo.yaml), offline, on the CPU."""
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    _print_summary(run_experiment(_checked_recipe(DEMO_RECIPE, args), args.out), Path(args.out))
+    recipe = _checked_recipe(DEMO_RECIPE, args)
+    _print_summary(run_experiment(recipe, args.out, progress=not args.no_progress), Path(args.out))
     return 0
 
 

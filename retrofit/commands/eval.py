@@ -8,6 +8,7 @@
     retrofit eval runs/x --tasks niah,vt,cwe --data book.txt --lengths 4096,...,32768 --samples 8 --depths 0,0.5,1
     retrofit eval --list-tasks                        # one line per task: what it is, how it is scored
     retrofit eval --export-harness ruler/ --tasks niah --lengths 4096 --tokenizer runs/x   # lm-eval local tasks
+    retrofit eval --merge eval-16k/results.json eval-32k/results.json --reference a --out eval/  # pair, no re-scoring
 
 --patch NORM[:KEY=VALUE,...] and --rope TYPE:FACTOR[,KEY=VALUE...] patch every model on the fly before it is
 evaluated (--rope alone keeps softmax attention); a model already patched is kept if it carries that patch.
@@ -32,6 +33,7 @@ from ..diagnose import parse_patch
 from ..errors import RetrofitError
 from ..evaluate import EvalSpec, check_variants, evaluate_models, evaluation_names
 from ..evaluate.compare import comparison_references
+from ..evaluate.merge import merge_results
 from ..evaluate.report import (
     APPROX_LEGEND,
     comparison_table_markdown,
@@ -94,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto (default): each model in the dtype it was saved in")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--merge", nargs="+", metavar="RESULTS", default=None,
+                        help="no models: put finished results.json files side by side (a model in several gets all "
+                             "its rows) and recompute the paired differences (--reference) into --out, re-scoring "
+                             "nothing")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
                                  "alphabet", "samples"))
     if args.export_harness:
         return export_command(args, _depths(args.depths))
+    if args.merge:
+        return _merge(args)
     if not args.models:
         raise RetrofitError("retrofit eval needs at least one model (or --list-tasks, or --export-harness DIR)")
     args.out = check_out(args.out, "--out", empty=False)  # results (made by retrofit) are rewritten in place
@@ -138,13 +146,30 @@ def _evaluate(models: list[str], spec: EvalSpec, out) -> list[Path]:
     """evaluate_models with the command line's settings, then the report into --out (printing the tables)."""
     results = evaluate_models(models, spec)
     paths = write_report(results, out)
+    _print_tables(results)
+    return paths
+
+
+def _merge(args) -> int:
+    """--merge: finished evaluations as one report (retrofit.evaluate.merge), nothing re-scored."""
+    if args.models:
+        raise RetrofitError("--merge takes results.json files, not models: drop the models, or --merge")
+    args.out = check_out(args.out, "--out", empty=False)
+    results = merge_results(args.merge, args.reference)  # every file is read and checked before --out is made
+    with output_folder(args.out, "--out"):
+        paths = write_report(results, args.out)
+    _print_tables(results)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _print_tables(results: dict) -> None:
     if any(m["lengths"] for m in results["models"]):
         print(loss_table_markdown(results) + "\n\n" + cost_table_markdown(results))
     for reference in comparison_references(results):
         if comparison_table_markdown(results, reference):
             print(f"\nPaired differences to {reference}\n" + comparison_table_markdown(results, reference) + "\n"
                   + APPROX_LEGEND)
-    return paths
 
 
 def _depths(text: str) -> list[float]:

@@ -64,6 +64,23 @@ def test_report_files_contain_every_model_and_length(tmp_path):
     assert "![loss_vs_length.png](loss_vs_length.png)" in markdown
 
 
+def test_csv_carries_the_loss_interval_and_ruler_rows(tmp_path):
+    results = fake_results()
+    results["models"][1]["lengths"][0]["ci95"] = [3.1, 3.3]
+    results["models"][1]["ruler"] = [{"task": "niah", "length": 16, "depth": 0.5, "score": 0.75, "samples": 4,
+                                      "scores": [1, 1, 1, 0], "ci95": [0.3, 0.95], "metric": "string_match_all"},
+                                     {"task": "cwe", "length": 32, "depth": None, "score": 0.5, "samples": 2,
+                                      "scores": [0.4, 0.6]}]
+    write_report(results, tmp_path / "eval")
+    rows = list(csv.DictReader(open(tmp_path / "eval" / "results.csv")))
+    loss = [r for r in rows if r["model"] == "avnorm" and r["metric"] == "loss" and r["length"] == str(LENGTHS[0])]
+    assert [(r["ci95_lo"], r["ci95_hi"]) for r in loss] == [("3.1", "3.3")]
+    ruler = [(r["task"], r["metric"], r["length"], r["depth"], r["value"], r["count"], r["ci95_lo"], r["ci95_hi"])
+             for r in rows if r["task"] in ("niah", "cwe")]
+    assert ruler == [("niah", "string_match_all", "16", "0.5", "0.75", "4", "0.3", "0.95"),
+                     ("cwe", "score", "32", "", "0.5", "2", "", "")]
+
+
 def test_tables_without_optional_tasks_or_training_length():
     results = fake_results()
     results["train_len"] = None

@@ -21,7 +21,7 @@ def tidy_rows(results: dict) -> list[dict]:
             for metric in ("loss", "time_s", "tokens_per_s", "peak_memory_mb"):
                 if metric in r:
                     rows.append({**base, "task": "lm", "metric": metric, "length": r["length"], "value": r[metric],
-                                 "count": r["tokens"]})
+                                 "count": r["tokens"], **_bounds(r.get("ci95") if metric == "loss" else None)})
             for b in r["by_position"]:
                 rows.append({**base, "task": "lm", "metric": "loss_by_position", "length": r["length"],
                              "position_start": b["start"], "position_end": b["end"], "value": b["loss"],
@@ -37,6 +37,10 @@ def tidy_rows(results: dict) -> list[dict]:
                 rows.append({**base, "task": "counting", "metric": "l1_by_position", "length": r["length"],
                              "position_start": b["start"], "position_end": b["end"], "value": b["l1"],
                              "count": b["tokens"]})
+        for r in m.get("ruler", []):  # count: samples (the interval's unit)
+            rows.append({**base, "task": r["task"], "metric": r.get("metric", "score"), "length": r["length"],
+                         "depth": "" if r.get("depth") is None else r["depth"], "value": r["score"],
+                         "count": r["samples"], **_bounds(r.get("ci95"))})
     for c in (results.get("comparisons") or {}).get("rows", []):
         rows.append({"model": c["model"], "depth": "", "position_start": "", "position_end": "", "task": "lm",
                      "metric": f"loss_minus_{c.get('reference', results['comparisons']['reference'])}",

@@ -36,6 +36,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .errors import RetrofitError, closest
 from .families import family_of
+from .record import read_record, write_record
 
 # The keys transformers' `_validate_<type>_rope_parameters` accepts (required, optional), minus rope_type.
 # original_max_position_embeddings is filled in when absent; partial_rotary_factor is carried over.
@@ -254,6 +255,22 @@ def _check_reloadable(config, record: dict) -> None:
     if any(p.get("rope_type") != record["parameters"]["rope_type"] for p in got):
         raise RetrofitError(f"{type(config).__name__} rewrites rope type {record['parameters']['rope_type']!r} "
                             f"to {got[0].get('rope_type')!r} when loading; this model cannot keep it")
+
+
+def extend_rope(model: nn.Module, spec) -> dict:
+    """Add a RoPE extension to a model retrofit patched without one, keeping its norm and trained parameters: e.g.
+    an arm finetuned at 512 tokens with AVNorm, evaluated with dynamic NTK x4 beyond its 8192 positions (dynamic
+    NTK is the original RoPE inside them, so inside they are the arm itself). Recorded, so unpatch restores it."""
+    record = read_record(model) if hasattr(model, "config") else None
+    if record is None:
+        raise RetrofitError("extend_rope adds a RoPE extension to a patched model; patch an unpatched one with "
+                            "retrofit.patch(model, 'softmax', rope=...)")
+    if record.get("rope"):
+        raise RetrofitError(f"this model already extends RoPE ({describe_rope(record)}): evaluate it as it is")
+    plan = plan_rope(model, spec, nope=bool(record.get("nope")))
+    apply_rope(model, plan)
+    write_record(model, rope=plan)
+    return plan
 
 
 def apply_rope(model: nn.Module, record: dict) -> list[str]:

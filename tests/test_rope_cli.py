@@ -26,6 +26,7 @@ from retrofit.evaluate.report import length_marks, loss_table_markdown, validate
 from retrofit.hub.publish import patch_has_parameters
 from retrofit.load import apply_patch, load
 from retrofit.recipe import PatchSection, load_recipe
+from retrofit.rope import extend_rope
 from tests.tiny import VOCAB, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,6 +80,10 @@ def _finetuned_checkpoint(folder, norm, **options):
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     plain = copy.deepcopy(model)
     retrofit.patch(model, norm, **options)
+    with torch.no_grad():  # the patch's own parameters trained too (AVNorm gains)
+        for n, p in model.named_parameters():
+            if ".retrofit." in n:
+                p.add_(torch.linspace(0.1, 0.9, p.numel()).view_as(p))
     model.save_pretrained(folder)
     return plain
 
@@ -236,6 +241,33 @@ def test_eval_keeps_a_model_with_the_same_rope_and_refuses_another(llama_folder,
     (tmp_path / "tokens.json").write_text(json.dumps(_tokens()))  # valid data: the rope is what is wrong
     assert main(["eval", str(out), "--data", str(tmp_path / "tokens.json"), "--rope", "yarm:4"]) == 2
     assert "did you mean 'yarn'" in capsys.readouterr().err
+
+
+def test_eval_rope_extends_a_patched_arm_keeping_its_trained_norm(tmp_path):
+    """An AVNorm arm finetuned without an extension, evaluated with --rope dynamic:4: its own trained gains under
+    dynamic NTK, exactly the plain weights patched with both; inside L it is the arm itself (dynamic: the identity)."""
+    plain = _finetuned_checkpoint(tmp_path / "arm", "avnorm", kind="rms")
+    saved = retrofit.from_pretrained(str(tmp_path / "arm"))
+    gains = {n: p.detach().clone() for n, p in saved.named_parameters() if ".retrofit." in n}
+    assert gains and all((g != 1).all() for g in gains.values())
+    retrofit.patch(plain, "avnorm", kind="rms", rope="dynamic:4")
+    with torch.no_grad():
+        for n, p in plain.named_parameters():
+            if n in gains:
+                p.copy_(gains[n])
+    docs = _tokens()
+    extended = evaluate_models([str(tmp_path / "arm")], EvalSpec(tokens=docs, lengths=[L, 4 * L], rope="dynamic:4",
+                                                                progress=False))
+    expected = evaluate_models([plain], EvalSpec(tokens=docs, lengths=[L, 4 * L], progress=False))
+    as_trained = evaluate_models([str(tmp_path / "arm")], EvalSpec(tokens=docs, lengths=[L], progress=False))
+    mine, theirs = extended["models"][0], expected["models"][0]
+    assert mine["rope"] == f"dynamic x4 (orig {L})"
+    assert [r["window_losses"] for r in mine["lengths"]] == [r["window_losses"] for r in theirs["lengths"]]
+    assert mine["lengths"][0]["window_losses"] == as_trained["models"][0]["lengths"][0]["window_losses"]
+    with pytest.raises(RetrofitError, match="patch an unpatched one"):
+        extend_rope(tiny_model("llama", max_position_embeddings=L), "dynamic:4")
+    with pytest.raises(RetrofitError, match="already extends RoPE"):
+        extend_rope(plain, "yarn:4")
 
 
 def test_eval_bad_patch_fails_before_loading(tmp_path):

@@ -35,7 +35,7 @@ from ..memory import PeakMemory
 from ..patch import patch as patch_model
 from ..patch import patch_record
 from ..positions import position_limit
-from ..rope import describe_rope
+from ..rope import describe_rope, extend_rope
 from .compare import check_references, paired_comparisons
 from .intervals import METHOD
 from .losses import (
@@ -201,6 +201,9 @@ def _patch_on_the_fly(lm, wanted: dict, name: str) -> None:
     if record is None:
         patch_model(lm, wanted["norm"] or "softmax", rope=wanted["rope"], layers=wanted.get("layers"),
                     heads=wanted.get("heads"), **wanted["options"])
+        return
+    if record.get("rope") is None and wanted["rope"] is not None and wanted["norm"] is None:
+        extend_rope(lm, wanted["rope"])  # --rope alone on a patched model without one: its norm stays, as trained
         return
     if not same_rope(record.get("rope"), wanted["rope"]):
         raise RetrofitError(f"{name} is already patched with rope {describe_rope(record)}, not "

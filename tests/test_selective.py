@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import yaml
 
 import retrofit
 from retrofit.errors import RetrofitError
@@ -364,3 +365,27 @@ def test_adapter_round_trip_keeps_the_selection(tmp_path, norm, options):
     assert record["layers"] == [1] and record["heads"] == [0, 2]
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, expected)
+
+
+@pytest.mark.parametrize("verb, override, message", [
+    ("train", "patch.layers=7", "patch.layers: index 7 is out of range; this model has 4 layers (0-3)"),
+    ("train", "patch.heads=9", "patch.heads: index 9 is out of range; this model has 4 heads (0-3)"),
+    ("experiment", 'experiment.arms=[{name: sel, patch: {norm: avnorm, layers: "2-5"}}]',
+     "experiment arm sel: patch.layers: index 4 is out of range; this model has 4 layers (0-3)"),
+])
+def test_a_recipe_selection_out_of_range_fails_before_the_weights_load(verb, override, message, tmp_path, capsys):
+    """From the model's config, before anything loads: one line, exit 2, no loading bar above it, nothing written."""
+    from retrofit.cli import main
+    four_layers("llama").save_pretrained(tmp_path / "model")
+    (tmp_path / "book.txt").write_text("Some text to train on. " * 50)
+    recipe = {"name": "sel", "model": {"source": str(tmp_path / "model")}, "patch": {"norm": "avnorm"},
+              "data": {"task": "lm", "files": [str(tmp_path / "book.txt")], "seq_len": 16},
+              "train": {"steps": 1, "batch_size": 1, "micro_batch_size": 1}, "eval": {"lengths": [16]},
+              "experiment": {"arms": [{"name": "softmax", "patch": {"norm": "softmax"}}]}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main([verb, str(tmp_path / "r.yaml"), override, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not out.exists()

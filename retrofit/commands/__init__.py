@@ -108,6 +108,11 @@ def check_recipe(recipe) -> None:
             return  # building the model reports a bad config in its own words
     else:
         return
+    patches = [(recipe.patch, "patch")]
+    exp = recipe.section("experiment")
+    patches += [(arm.patch, f"experiment arm {arm.name}: patch") for arm in (exp.arms if exp is not None else [])]
+    check_selection_counts(config, [(getattr(section, key), key, f"{where}.{key}")
+                                    for section, where in patches for key in ("layers", "heads")])
     device = device_for_memory()
     # half-precision weights or mixed precision ("auto" may pick bf16) keep 2-byte activations: the lower bound
     size = 4 if m.dtype in ("auto", "float32") and recipe.train.precision == "fp32" else 2  # auto trains in fp32
@@ -119,6 +124,18 @@ def check_recipe(recipe) -> None:
     check_fits(config, longest * recipe.eval.batch_size, training=False, device=device, dtype_bytes=size,
                what=f"evaluation at length {longest:,} x eval.batch_size {recipe.eval.batch_size}",
                lower="eval.lengths or eval.batch_size")
+
+
+def check_selection_counts(config, selections) -> None:
+    """(spec, "layers" | "heads", label) selections against the config's layer and head counts, before the weights
+    load: an index past them fails in one line (the patch checks the attention modules' own count again)."""
+    from ..selection import parse_selection
+
+    counts = {"layers": getattr(config, "num_hidden_layers", None),
+              "heads": getattr(config, "num_attention_heads", None)}
+    for spec, kind, label in selections:
+        if spec is not None and isinstance(counts[kind], int):
+            parse_selection(spec, counts[kind], label)
 
 
 def check_eval_memory(sources, lengths, batch_tokens: int, device=None, dtype=None) -> None:

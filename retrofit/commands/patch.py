@@ -32,7 +32,7 @@ from ..record import describe_selection, read_record
 from ..recovery.probe import describe_spread, head_spread, knob_losses
 from ..rope import describe_rope, normalize_rope
 from ..selection import parse_selection
-from . import check_counts, check_out, check_text_files
+from . import check_counts, check_out, check_selection_counts, check_text_files
 
 
 def norm_flags() -> dict[str, dict]:
@@ -140,11 +140,7 @@ def _check_selection(args) -> None:
         config = load_config(args.source)
     except (RetrofitError, OSError, ValueError):
         return  # load() reports what is wrong with the source
-    counts = {"layers": getattr(config, "num_hidden_layers", None),
-              "heads": getattr(config, "num_attention_heads", None)}
-    for flag, spec in (("layers", args.layers), ("heads", args.heads)):
-        if spec is not None and isinstance(counts[flag], int):
-            parse_selection(spec, counts[flag], f"--{flag}")
+    check_selection_counts(config, [(args.layers, "layers", "--layers"), (args.heads, "heads", "--heads")])
 
 
 def _rank(model, ids: torch.Tensor, k: int | None) -> None:

@@ -26,7 +26,6 @@ from retrofit.evaluate.report import length_marks, loss_table_markdown, validate
 from retrofit.hub.publish import patch_has_parameters
 from retrofit.load import apply_patch, load
 from retrofit.recipe import PatchSection, load_recipe
-from retrofit.rope import extend_rope
 from tests.tiny import VOCAB, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -265,9 +264,9 @@ def test_eval_rope_extends_a_patched_arm_keeping_its_trained_norm(tmp_path):
     assert [r["window_losses"] for r in mine["lengths"]] == [r["window_losses"] for r in theirs["lengths"]]
     assert mine["lengths"][0]["window_losses"] == as_trained["models"][0]["lengths"][0]["window_losses"]
     with pytest.raises(RetrofitError, match="patch an unpatched one"):
-        extend_rope(tiny_model("llama", max_position_embeddings=L), "dynamic:4")
+        retrofit.extend_rope(tiny_model("llama", max_position_embeddings=L), "dynamic:4")
     with pytest.raises(RetrofitError, match="already extends RoPE"):
-        extend_rope(plain, "yarn:4")
+        retrofit.extend_rope(plain, "yarn:4")
 
 
 def test_eval_bad_patch_fails_before_loading(tmp_path):

@@ -64,6 +64,23 @@ def test_a_model_added_later_is_paired_with_the_earlier_ones(tmp_path):
     assert rows[0]["ci95"] == together["comparisons"]["rows"][0]["ci95"]
 
 
+def test_a_model_is_one_model_whether_or_not_a_flag_restated_its_patch(tmp_path):
+    """The same checkpoint evaluated with a --rope it already carries and without: one model, both rows."""
+    model = tiny_model("llama")
+    retrofit.patch(model, "softmax", rope="dynamic:4")
+    model.save_pretrained(tmp_path / "ckpt")
+    source = str(tmp_path / "ckpt")
+    parts = []
+    for folder, length, rope in (("flag", 8, "dynamic:4"), ("plain", 16, None)):
+        results = evaluate_models([source], EvalSpec(tokens=_docs(), lengths=[length], names=["m"], rope=rope,
+                                                     max_windows=3, progress=False))
+        write_report(results, tmp_path / folder)
+        parts.append(tmp_path / folder / "results.json")
+    merged = merge_results(parts)
+    assert [m["name"] for m in merged["models"]] == ["m"]
+    assert [r["length"] for r in merged["models"][0]["lengths"]] == [8, 16]
+
+
 def test_cli_merge_writes_the_report_and_prints_the_tables(tmp_path, capsys):
     a, b = _models()
     parts = [_run([a, b], ["a", "b"], [n], tmp_path, f"at{n}") for n in (8, 16)]

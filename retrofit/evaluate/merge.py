@@ -20,7 +20,9 @@ from .compare import paired_comparisons
 from .report import validate
 
 ROWS = ("lengths", "passkey", "counting", "ruler")  # a model's per-task row lists
-SAME_MODEL = ("source", "model_type", "tokenizer", "retrofit", "eval_patch")  # what makes two entries one model
+# What makes two entries one model: the weights' source and the patch in effect (`retrofit`, read after any on-the-fly
+# patch; not `eval_patch`, which only says how it got there: a --rope the model already carries changes nothing).
+SAME_MODEL = ("source", "model_type", "tokenizer", "retrofit", "rope")
 
 
 def read_results(path) -> dict:

@@ -104,6 +104,16 @@ def test_patch_cli_replaces_a_checkpoints_parameter_free_patch(tmp_path, capsys)
         assert torch.equal(loaded(ids).logits, plain.eval()(ids).logits)
 
 
+def test_patch_cli_keeps_a_nope_checkpoint_without_positions(tmp_path, capsys):
+    _finetuned_checkpoint(tmp_path / "arm", "softmax", nope=True)
+    capsys.readouterr()
+    assert main(["patch", str(tmp_path / "arm"), "--norm", "softmax1", "--out", str(tmp_path / "out")]) == 2
+    assert "trained without positions (nope)" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+    assert main(["patch", str(tmp_path / "arm"), "--norm", "softmax1", "--nope", "--out", str(tmp_path / "ok")]) == 0
+    assert json.loads((tmp_path / "ok" / "config.json").read_text())["retrofit"]["nope"] is True
+
+
 def test_patch_cli_refuses_to_drop_a_checkpoints_trained_patch_parameters(tmp_path, capsys):
     _finetuned_checkpoint(tmp_path / "arm", "avnorm", kind="rms")
     out = tmp_path / "out"

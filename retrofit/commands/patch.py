@@ -157,7 +157,7 @@ def _rank(model, ids: torch.Tensor, k: int | None) -> None:
               f"{loss:.4f}, {loss - baseline:+.4f})")
 
 
-def _unpatch_parameter_free(model, source: str) -> str | None:
+def _unpatch_parameter_free(model, source: str, nope: bool) -> str | None:
     """A checkpoint retrofit patched with a patch that has no parameters (softmax, ssmax scale=beyond, a RoPE
     extension: e.g. an experiment's control arm) is its finetuned weights under a function of them: replace that
     patch. One with trained patch parameters (gains, exponents, sinks) is refused: replacing would drop them."""
@@ -168,6 +168,9 @@ def _unpatch_parameter_free(model, source: str) -> str | None:
     if trained:
         raise RetrofitError(f"{source} is already patched with {record.get('norm')} and carries {trained} trained "
                             "patch parameters that a new patch would drop: patch its unpatched base instead")
+    if record.get("nope") and not nope:
+        raise RetrofitError(f"{source} was trained without positions (nope); a patch without --nope would give them "
+                            "back to weights that never saw them: add --nope")
     rope = record.get("rope")
     unpatch(model)
     return (f"replaced {source}'s own patch ({record.get('norm')}" + (f", rope {describe_rope(record)}" if rope else "")
@@ -210,7 +213,7 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.source) if (needs_tokens or args.out or args.push_to_hub) else None
     check = _read_tokens(tokenizer, args.check_text, args.check_tokens) if args.check_text else None
     before = text_loss(model, check) if check is not None else None
-    replaced = _unpatch_parameter_free(model, args.source)
+    replaced = _unpatch_parameter_free(model, args.source, args.nope)
     report = patch(model, args.norm, nope=args.nope, rope=args.rope, layers=args.layers, heads=args.heads, **options)
     if args.calibration_text:
         ids = _read_tokens(tokenizer, args.calibration_text, args.calibrate_tokens)

@@ -1,4 +1,5 @@
-"""Recipes: YAML files whose keys are the fields of the section dataclasses (recipe/sections.py).
+"""Recipes: YAML files whose keys are the fields of the section dataclasses (recipe/sections.py; `model` in
+recipe/model.py).
 
     recipe = load_recipe("recipes/train-tiny-counting.yaml", ["train.steps=200", "patch.norm=psoftmax", "patch.p=2"])
     recipe.train.steps                      # 200
@@ -24,13 +25,13 @@ from ..atomic import atomic_write_text
 from ..errors import RetrofitError, closest, shown
 from ..norms import NORMS, make_options
 from .experiment import ArmSection, ExperimentSection, ReferenceSection, check_arm_name
+from .model import ModelSection
 from .schema import apply_overrides, build, knob, load_yaml, need, to_plain
 from .schema import documentation as _documentation
 from .sections import (
     CountingOptions,
     DataSection,
     EvalSection,
-    ModelSection,
     OutputSection,
     PasskeyOptions,
     PatchSection,

@@ -1,8 +1,10 @@
 """The recipe's sections: one dataclass each, whose fields are the YAML keys (with their documentation).
 
-    model    what to load (source) or build (config)     patch   the attention patch (options pass through)
-    data     what to train on                            train   the optimization (peft: LoRA)
-    eval     periodic evaluation                         output  where results go
+    patch    the attention patch (options pass through)  data    what to train on (packing: concat | documents)
+    train    the optimization (peft: LoRA)               eval    periodic evaluation
+    output   where results go                            recovery  schedules, distillation (issue #14)
+
+`model` (what to load or build, checked against transformers' config classes) is recipe/model.py.
 
 Wrong types and impossible values fail in `__post_init__`, before any model is loaded.
 """
@@ -10,72 +12,15 @@ Wrong types and impossible values fail in `__post_init__`, before any model is l
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from transformers import CONFIG_MAPPING
-
-from ..errors import RetrofitError, closest, shown
+from ..errors import closest, shown
 from ..norms import NORMS, make_options
 from ..rope import normalize_rope
 from ..selection import parse_selection
 from .schema import knob, need
-
-
-@dataclass
-class ModelSection:
-    source: str | None = knob(None, "Hub id, local folder (plain or retrofit checkpoint, or a finished "
-                                    "`retrofit train` run folder: how a finetune starts from a pretrained base run) "
-                                    "or .gguf file; "
-                                    "null = build from `config` and pretrain from scratch")
-    config: dict | None = knob(None, "with source null: `model_type` (any AutoConfig type) plus its sizes, "
-                                     "e.g. {model_type: llama, hidden_size: 64, num_hidden_layers: 2}")
-    tokenizer: str | None = knob(None, "tokenizer Hub id or folder; null = the source's own (text tasks need one)")
-    revision: str | None = knob(None, "Hub revision (branch, tag or commit) of source")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
-        "auto", "dtype the weights train in. auto: float32 master weights whatever the source was saved in (a bf16 "
-                "model is upcast on load, exactly; the run saves float32); bfloat16/float16: the weights themselves "
-                "train in half precision (updates below a weight's precision are lost). Use train.precision for "
-                "mixed precision")
-    attn_implementation: Literal["sdpa", "eager"] = knob("sdpa", "kernel the patch wraps; sdpa is faster, eager "
-                                                                "for models without an sdpa path")
-
-    def __post_init__(self):
-        need(self.source is None or self.config is None,
-              "model: set either source (a pretrained model) or config (from scratch), not both")
-        need(self.source is not None or self.config is not None,
-              "model: set source (Hub id, folder or .gguf) or config (model_type and sizes) to pretrain from scratch")
-        if self.config is not None:
-            _check_model_config(self.config)
-
-
-def _check_model_config(config: dict) -> None:
-    """model_type must be an AutoConfig type and every key a field of that config (a typo is silently kept
-    otherwise)."""
-    model_type = config.get("model_type")
-    need(isinstance(model_type, str), "model.config needs model_type (e.g. gpt2, llama)")
-    need(model_type in CONFIG_MAPPING, f"model.config.model_type {model_type!r} is not a transformers model type"
-          f"{closest(model_type, CONFIG_MAPPING.keys())}")
-    cls = CONFIG_MAPPING[model_type]
-    valid = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {})) | set(inspect.signature(cls).parameters)
-    for key in config:
-        need(key in valid, f"model.config: {model_type} has no config key {shown(key)}{closest(key, valid)}")
-    for key, value in config.items():  # hidden_size: -64 builds a config, then fails deep in torch.empty
-        need(key not in SIZE_KEYS or not isinstance(value, int) or isinstance(value, bool) or value >= 1,
-             f"model.config.{key} must be >= 1, got {value}")
-    try:  # the config class checks types itself (transformers 5: strict dataclasses): hidden_size: abc
-        cls(**{k: v for k, v in config.items() if k != "model_type"})
-    except Exception as err:  # noqa: BLE001 - whatever the config class raises is a bad model.config
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[-1].strip()[:160]
-        raise RetrofitError(f"model.config is not a valid {model_type} config ({reason}); fix that value") from None
-
-
-# model.config keys that are sizes or counts: each must be >= 1 (a negative one fails deep inside torch)
-SIZE_KEYS = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-             "head_dim", "vocab_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions",
-             "n_inner", "n_ctx"}
 
 
 @dataclass
@@ -196,6 +141,11 @@ class DataSection:
                                "val_split, or else held out from the start of the training data (deterministic)")
     max_docs: int | None = knob(None, "lm, not streaming: read at most this many documents (quick runs); null = all")
     shuffle: bool = knob(True, "lm, not streaming: reshuffle training blocks every epoch (seeded)")
+    packing: Literal["concat", "documents"] = knob(
+        "concat", "lm, not streaming: concat = documents joined with EOS and cut into seq_len blocks (attention and "
+                  "positions run across documents); documents = whole documents packed into each row (best fit, the "
+                  "rest padded and unscored), positions restarting at every document and attention confined to it "
+                  "for every norm; a document longer than seq_len is split at seq_len. Validation stays concat")
     cache_dir: str | None = knob(None, "datasets cache folder; null = the datasets default")
     counting: CountingOptions = knob(factory=CountingOptions, doc="counting task options")
     passkey: PasskeyOptions = knob(factory=PasskeyOptions, doc="passkey task options")
@@ -208,9 +158,14 @@ class DataSection:
             need((self.dataset is None) != (self.files is None),
                   "data: the lm task needs exactly one of data.dataset (Hub) or data.files (local)")
             need(self.val_files is None or self.val_split is None, "data: set val_files or val_split, not both")
+            need(self.packing == "concat" or not self.streaming,
+                 "data.packing: documents needs the whole corpus in memory; set data.streaming: false (or packing: "
+                 "concat to stream)")
         else:
             need(self.dataset is None and self.files is None,
                   f"data: the {self.task} task is generated; remove data.dataset/data.files")
+            need(self.packing == "concat", f"data.packing packs text documents; the {self.task} task is generated: "
+                                           "remove data.packing")
 
 
 @dataclass

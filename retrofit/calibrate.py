@@ -96,7 +96,9 @@ def calibrate(model: nn.Module, batches, *, max_batches: int | None = None) -> d
     (AVNorm mode=beyond: its exponent, fitted on RMS by length; see the module docstring).
 
     For kind=rms (and layer) the normalized RMS is ~1, so the gain is the head's mean output RMS.
-    Padding (attention_mask == 0) is excluded. Returns a summary, also recorded in config.retrofit.
+    Padding (attention_mask == 0) is excluded; a batch with position_ids and no attention_mask is packed
+    documents (retrofit/data/packing.py), each attending within itself. Returns a summary, also recorded in
+    config.retrofit.
     """
     norms = calibrated_norms(model)
     if not norms:
@@ -117,8 +119,13 @@ def calibrate(model: nn.Module, batches, *, max_batches: int | None = None) -> d
                 break
             ids, mask = _unpack(batch)
             ids = ids.to(device)
-            mask = torch.ones_like(ids) if mask is None else mask.to(device)
-            model(input_ids=ids, attention_mask=mask, use_cache=False)
+            positions = batch.get("position_ids") if isinstance(batch, dict) else None
+            if positions is not None and mask is None:  # packed documents (data/packing.py): the resets mask
+                model(input_ids=ids, position_ids=positions.to(device), use_cache=False)
+                mask = torch.ones_like(ids)
+            else:
+                mask = torch.ones_like(ids) if mask is None else mask.to(device)
+                model(input_ids=ids, attention_mask=mask, use_cache=False)
             valid = mask.bool()[..., None]  # (B, T, 1)
             for i, n in enumerate(norms):
                 rms_in, rms_out = n.calibration.pop()  # (B, T, H) each; mode=beyond: (visible keys, RMS)

@@ -9,11 +9,14 @@
     passkey_batch(tokenizer, batch_size=4, length=2048, depth=0.5, seed=0)
 
 Text is tokenized with the model's tokenizer, documents joined with EOS after each, and cut into
-blocks of `seq_len` tokens. The validation set is deterministic: `val_files`/`val_split`, or else the
-first `val_blocks` blocks of the stream (held out before any shuffling). Every process builds the same
-global batch and trains on its slice, so a run's numbers do not depend on the number of processes.
+blocks of `seq_len` tokens (`data.packing: concat`), or packed whole into rows with position ids restarting
+at every document (`documents`, data/packing.py). The validation set is deterministic and concatenated in both:
+`val_files`/`val_split`, or else the first `val_blocks` blocks of the stream (held out before any shuffling).
+Every process builds the same global batch and trains on its slice, so a run's numbers do not depend on the
+number of processes.
 
-Batches are dicts. `lm`: input_ids (B, T), labels (B, T) = input_ids (the loss predicts t+1 from t).
+Batches are dicts. `lm`: input_ids (B, T), labels (B, T) = input_ids (the loss predicts t+1 from t); packed
+documents add position_ids (B, T), labels -100 on each document's first token and the padding.
 `passkey`: input_ids, labels (-100 except the answer tokens). `counting`: input_ids, counts (B, T) float,
 the running count of the target symbol (position 0, which holds the target, carries no count).
 """

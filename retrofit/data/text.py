@@ -3,10 +3,13 @@
     data = build_lm(recipe.data, tokenizer, seed=0, val_len=1024)
 
 Text is tokenized with the model's tokenizer, documents joined with EOS after each, and cut into
-blocks of `seq_len` tokens. The validation set is deterministic: `val_files`/`val_split`, or else the
-first `val_blocks` blocks of the stream (held out before any shuffling). Every process builds the same
-global batch and trains on its slice, so a run's numbers do not depend on the number of processes.
-`lm` batches: input_ids (B, T), labels (B, T) = input_ids (the loss predicts t+1 from t).
+blocks of `seq_len` tokens (`data.packing: concat`), or packed whole into rows with position ids restarting
+at every document (`documents`, data/packing.py). The validation set is deterministic and concatenated in both:
+`val_files`/`val_split`, or else the first `val_blocks` blocks of the stream (held out before any shuffling).
+Every process builds the same global batch and trains on its slice, so a run's numbers do not depend on the
+number of processes.
+`lm` batches: input_ids (B, T), labels (B, T) = input_ids (the loss predicts t+1 from t); packed documents
+add position_ids (B, T) and label -100 on each document's first token and on the padding.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from ..errors import RetrofitError, check_utf8
 from ..recipe import DataSection
+from .packing import pack_documents, packed_batch
 from .tasks import seeded_generator
 
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -95,32 +99,38 @@ def documents(rows, text_field: str, max_docs: int | None = None):
             yield text
 
 
-def _tokenize(tokenizer, texts: list[str], eos: int) -> list[int]:
+def _tokenize(tokenizer, texts: list[str], eos: int, lengths: list[int] | None = None) -> list[int]:
+    """The texts' tokens with EOS after each, back to back; each document's length (EOS included) appended to
+    `lengths` when given."""
     out = []
     for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
         out.extend(ids)
         out.append(eos)
+        if lengths is not None:
+            lengths.append(len(ids) + 1)
     return out
 
 
-def tokenize_all(texts, tokenizer, eos: int, chunk: int = 256) -> torch.Tensor:
-    """Every text tokenized with EOS after each, concatenated: (N,) int64."""
+def tokenize_all(texts, tokenizer, eos: int, chunk: int = 256, lengths: list[int] | None = None) -> torch.Tensor:
+    """Every text tokenized with EOS after each, concatenated: (N,) int64. With `lengths` (a list), each
+    document's token count (EOS included) is appended to it, in order."""
     parts, batch = [], []
     for text in texts:
         batch.append(text)
         if len(batch) == chunk:
-            parts.append(torch.tensor(_tokenize(tokenizer, batch, eos), dtype=torch.int64))
+            parts.append(torch.tensor(_tokenize(tokenizer, batch, eos, lengths), dtype=torch.int64))
             batch = []
     if batch:
-        parts.append(torch.tensor(_tokenize(tokenizer, batch, eos), dtype=torch.int64))
+        parts.append(torch.tensor(_tokenize(tokenizer, batch, eos, lengths), dtype=torch.int64))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 class TokenBlocks:
-    """Blocks held in memory; position = blocks consumed; a seeded reshuffle every epoch."""
+    """Blocks held in memory; position = blocks consumed; a seeded reshuffle every epoch. A block is (seq_len,)
+    token ids, or with data.packing documents (3, seq_len): ids, position ids, labels (data/packing.py)."""
 
     def __init__(self, blocks: torch.Tensor, shuffle: bool, seed: int):
-        self.blocks, self.shuffle, self.seed = blocks, shuffle, seed  # (N, seq_len)
+        self.blocks, self.shuffle, self.seed = blocks, shuffle, seed  # (N, seq_len) or (N, 3, seq_len)
         self.consumed, self._perm = 0, (None, None)
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -211,7 +221,9 @@ class LMData:
 
     def batch(self, step: int, rows: int, length: int) -> dict:
         """`rows` sequences of `length` cut from rows*length/seq_len blocks (staged lengths keep tokens constant)."""
-        blocks = self.train.take(rows * length // self.seq_len)  # (n, seq_len)
+        blocks = self.train.take(rows * length // self.seq_len)  # (n, seq_len), packed documents (n, 3, seq_len)
+        if blocks.dim() == 3:
+            return packed_batch(blocks, rows, length)
         ids = blocks.reshape(rows, length)
         return {"input_ids": ids, "labels": ids}
 
@@ -224,6 +236,10 @@ class LMData:
     def calibration(self, tokens: int, length: int) -> list[dict]:
         n = max(1, -(-tokens // length))
         source = self.train.peek(n) if isinstance(self.train, TokenBlocks) else self.val[:, :length]
+        if source.dim() == 3:  # packed documents: each attends within its own document, as it trains
+            rows = packed_batch(source[:n, :, :length], len(source[:n]), length)
+            return [{"input_ids": i, "position_ids": p} for i, p in
+                    zip(rows["input_ids"].split(8), rows["position_ids"].split(8), strict=True)]
         ids = source[:n, :length]
         return [{"input_ids": c} for c in ids.split(8)]
 
@@ -244,6 +260,18 @@ def _eos(tokenizer) -> int:
 def _blocks(tokens: torch.Tensor, length: int) -> torch.Tensor:
     n = len(tokens) // length
     return tokens[: n * length].view(n, length)
+
+
+def _packed_after(tokens: torch.Tensor, lengths: list[int], held: int, seq_len: int, eos: int) -> torch.Tensor:
+    """data.packing documents: the documents after the first `held` tokens (validation), packed whole
+    (data/packing.py); the document that validation cut into is skipped, so no training token was validated on."""
+    start, first = 0, 0
+    while start < held and first < len(lengths):
+        start, first = start + lengths[first], first + 1
+    rest = lengths[first:]
+    if not rest:
+        return torch.zeros(0, 3, seq_len, dtype=torch.int64)
+    return pack_documents(tokens[start:], rest, seq_len, eos)
 
 
 def build_lm(section: DataSection, tokenizer, *, seed: int, val_len: int) -> LMData:
@@ -269,11 +297,15 @@ def build_lm(section: DataSection, tokenizer, *, seed: int, val_len: int) -> LMD
             val = stream.take(section.val_blocks, val_len)
         stream.ensure(seq_len)  # fail now, not at step 1, on an empty stream
         return LMData(stream, val, seq_len)
-    tokens = tokenize_all(documents(rows, section.text_field, section.max_docs), tokenizer, eos)
+    lengths: list[int] = []
+    tokens = tokenize_all(documents(rows, section.text_field, section.max_docs), tokenizer, eos, lengths=lengths)
     held = 0 if separate_val else section.val_blocks * val_len
     if not separate_val:
         val = _blocks(tokens[:held], val_len)
-    train = _blocks(tokens[held:], seq_len)
+    if section.packing == "documents":
+        train = _packed_after(tokens, lengths, held, seq_len, eos)
+    else:
+        train = _blocks(tokens[held:], seq_len)
     if len(train) == 0:
         raise RetrofitError(f"data {what} gave {len(tokens)} tokens: not enough for {section.val_blocks} validation "
                             f"blocks of {val_len} and one training block of {seq_len}; add text or lower "

@@ -30,9 +30,18 @@ def loss_sum(model: nn.Module, batch: dict, task: str) -> torch.Tensor:
     if task == "counting":
         pred = model(batch["input_ids"])                      # (B, T)
         return (pred[:, 1:] - batch["counts"][:, 1:]).abs().sum()
-    logits = model(input_ids=batch["input_ids"], use_cache=False).logits  # (B, T, V)
+    logits = model(**model_inputs(batch), use_cache=False).logits  # (B, T, V)
     return F.cross_entropy(logits.flatten(0, 1).float(), next_tokens(batch["labels"]).flatten(), ignore_index=-100,
                            reduction="sum")
+
+
+MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
+
+
+def model_inputs(batch: dict) -> dict:
+    """The batch's keys the model takes: position_ids carry packed documents (data/packing.py), whose mask
+    transformers builds from their resets only with no attention_mask and no cache (use_cache=False)."""
+    return {k: batch[k] for k in MODEL_INPUTS if k in batch}
 
 
 def recovery_loss_sum(model: nn.Module, batch: dict, task: str, recovery, step: int) -> torch.Tensor:
@@ -73,7 +82,7 @@ def evaluate(model: nn.Module, data, task: str, lengths: list[int], batches: int
                 err = model(part["input_ids"])[:, 1:] - part["counts"][:, 1:]  # (b, T-1)
                 values = [err.abs().sum(), err.numel(), err.pow(2).sum(), len(err)]
             else:
-                logits = model(input_ids=part["input_ids"], use_cache=False).logits  # (b, T, V)
+                logits = model(**model_inputs(part), use_cache=False).logits  # (b, T, V)
                 labels = next_tokens(part["labels"])
                 mask = labels != -100
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,

@@ -194,6 +194,18 @@ def test_packing_is_checked_in_the_recipe(tmp_path):
                                                                                "packing": "document"}})
 
 
+def test_an_implementation_that_would_attend_across_documents_is_refused(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    spec = lm_recipe(corpus, tmp_path / "run", steps=1)
+    spec["data"]["packing"] = "documents"
+    spec["patch"] = {"norm": None}
+    model = tiny_model("llama")
+    model.config._attn_implementation = "flash_attention_2"  # only its varlen path (batch 1) reads the resets
+    with pytest.raises(RetrofitError, match="flash_attention_2.*attend to each other"):
+        train(recipe_from_dict(spec), model=model)
+    assert not (tmp_path / "run" / "log.jsonl").exists()
+
+
 def test_a_documents_recipe_trains_end_to_end_and_evaluates_like_concat(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     lines = (corpus / "text.txt").read_text().splitlines()  # one .txt file is one document: 200 of them instead

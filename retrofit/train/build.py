@@ -126,6 +126,20 @@ def check_lengths(model: nn.Module, recipe: Recipe) -> None:
                             f"data.counting.alphabet ({recipe.data.counting.alphabet})")
 
 
+# Implementations whose mask function builds each packed row's block-causal mask from its position-id resets
+# (transformers' create_causal_mask). flash-attention reads the resets only from one flattened row (its varlen path
+# runs at batch size 1, transformers' _is_packed_sequence): rows of several documents would attend across them.
+PACKED_MASKS = ("sdpa", "eager", "flex_attention", "retrofit", "retrofit_eager")
+
+
+def check_packing(model: nn.Module, recipe: Recipe) -> None:
+    """data.packing documents needs an implementation that confines attention to each document (PACKED_MASKS)."""
+    implementation = language_model(model).config._attn_implementation
+    if recipe.data.packing == "documents" and implementation not in PACKED_MASKS:
+        raise RetrofitError(f"data.packing documents: attention implementation {implementation!r} would let a row's "
+                            "documents attend to each other; load the model with sdpa or eager")
+
+
 def check_vocabulary(model: nn.Module, tokenizer) -> None:
     """The tokenizer's ids fit the model's embedding (a mismatched model.tokenizer is an IndexError in step 1)."""
     if tokenizer is not None and hasattr(tokenizer, "get_vocab"):

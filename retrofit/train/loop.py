@@ -82,6 +82,7 @@ def setup(recipe: Recipe, accelerator, *, model=None, tokenizer=None, data=None)
         tokenizer = recipe_tokenizer(recipe)
     report = apply_patch(model, recipe.patch)
     build.check_lengths(model, recipe)
+    build.check_packing(model, recipe)
     build.check_vocabulary(model, tokenizer if recipe.data.task != "counting" else None)
     model = build.wrap_task(model, recipe.data.task)
     if data is None:

@@ -7,12 +7,13 @@ document's loss and gradients equal that document run alone, for every norm, on 
 from __future__ import annotations
 
 import collections
+import json
 
 import pytest
 import torch
 
 import retrofit
-from retrofit.data import build_data
+from retrofit.data import StreamBlocks, StreamDocuments, build_data
 from retrofit.data.packing import pack_documents, packed_batch, plan_rows
 from retrofit.errors import RetrofitError
 from retrofit.recipe import DataSection, recipe_from_dict
@@ -160,33 +161,65 @@ def test_avnorm_calibrated_on_packed_rows_equals_calibration_on_each_document_al
 
 # ---- the data pipeline and the recipe -------------------------------------------------------------------------------
 
+def corpus_of_documents(folder) -> tuple[dict, list[list[int]]]:
+    """60 short JSONL documents (14..28 tokens: none is split at 32) and their ids with EOS."""
+    tok = char_tokenizer()
+    docs = [f"document {i} " + "ab " * (i % 5 + 1) for i in range(60)]
+    (folder / "d.jsonl").write_text("\n".join('{"text": "%s"}' % d for d in docs))
+    ids = [tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for d in docs]
+    return dict(files=[str(folder / "d.jsonl")], seq_len=32, val_blocks=2, shuffle=False), ids
+
+
+def training_documents(ids: list[list[int]], held: int) -> collections.Counter:
+    """The documents after the first `held` tokens (validation) and the one validation cut into."""
+    first = next(i for i in range(len(ids)) if sum(map(len, ids[: i + 1])) >= held) + 1
+    return collections.Counter(tuple(d) for d in ids[first:])
+
+
+def documents_in(blocks: torch.Tensor) -> collections.Counter:
+    return collections.Counter(tuple(s[0].tolist()) for row in blocks for s in segments(row)
+                               if not (s[2] == -100).all())
+
+
 def test_build_data_packs_whole_documents_after_the_same_validation(tmp_path):
     tok = char_tokenizer()
-    docs = [f"document {i} " + "ab " * (i % 5 + 1) for i in range(60)]  # 14..28 tokens: none is split
-    (tmp_path / "d.jsonl").write_text("\n".join('{"text": "%s"}' % d for d in docs))
-    common = dict(files=[str(tmp_path / "d.jsonl")], seq_len=32, val_blocks=2, shuffle=False)
+    common, ids = corpus_of_documents(tmp_path)
     concat = build_data(lm_section(tmp_path, **common), tok, seed=0, eval_lengths=[48])
     packed = build_data(lm_section(tmp_path, packing="documents", **common), tok, seed=0, eval_lengths=[48])
     assert torch.equal(concat.val, packed.val)  # validation stays concatenated: comparable across packings
     assert concat.eval_batches(48, 1, 2)[0].keys() == packed.eval_batches(48, 1, 2)[0].keys() == {"input_ids",
                                                                                                    "labels"}
-    held = 2 * 48
-    ids = [tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for d in docs]
-    first = next(i for i in range(len(ids)) if sum(map(len, ids[: i + 1])) >= held) + 1  # validation's documents
-    expected = collections.Counter(tuple(d) for d in ids[first:])
-    blocks = packed.train.blocks
-    found = collections.Counter(tuple(s[0].tolist()) for row in blocks for s in segments(row)
-                                if not (s[2] == -100).all())
-    assert found == expected
+    assert documents_in(packed.train.blocks) == training_documents(ids, held=2 * 48)
     batch = packed.batch(0, rows=4, length=16)
     assert batch.keys() == {"input_ids", "position_ids", "labels"} and batch["input_ids"].shape == (4, 16)
     calib = packed.calibration(64, 32)
     assert calib[0].keys() == {"input_ids", "position_ids"}
 
 
+def test_a_streamed_corpus_packs_the_same_documents_and_resumes_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(StreamBlocks.__init__, "__defaults__", (5,))  # 5 documents a read: many reads ...
+    monkeypatch.setattr(StreamDocuments.__init__, "__kwdefaults__", {"reads_ahead": 1})  # ... and packs
+    tok = char_tokenizer()
+    common, ids = corpus_of_documents(tmp_path)
+    section = lm_section(tmp_path, packing="documents", streaming=True, **common)
+    data = build_data(section, tok, seed=0, eval_lengths=[48])
+    concat = build_data(lm_section(tmp_path, streaming=True, **common), tok, seed=0, eval_lengths=[48])
+    assert torch.equal(data.val, concat.val)
+    assert isinstance(data.train, StreamDocuments) and data.train.docs_per_read == 5
+    first = data.batch(0, rows=2, length=32)
+    state = json.loads(json.dumps(data.state_dict()))  # what a checkpoint's meta.json holds
+    rest = []
+    with pytest.raises(RetrofitError, match="ran out"):
+        while True:
+            rest.append(data.train.take(1))
+    resumed = build_data(section, tok, seed=0, eval_lengths=[48])
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.train.take(len(rest)), torch.cat(rest))  # exactly where it stopped
+    rows = torch.cat([torch.stack([first[k] for k in ("input_ids", "position_ids", "labels")], 1), *rest])
+    assert documents_in(rows) == training_documents(ids, held=2 * 48)  # nothing lost or repeated
+
+
 def test_packing_is_checked_in_the_recipe(tmp_path):
-    with pytest.raises(RetrofitError, match="streaming"):
-        DataSection(task="lm", dataset="x/y", streaming=True, packing="documents")
     with pytest.raises(RetrofitError, match="generated"):
         DataSection(task="counting", packing="documents")
     with pytest.raises(RetrofitError, match="packing"):

@@ -35,7 +35,7 @@ from .tasks import (
     passkey_batch,
     passkey_example,
 )
-from .text import LMData, StreamBlocks, TokenBlocks, build_lm, documents, open_texts, tokenize_all
+from .text import LMData, StreamBlocks, StreamDocuments, TokenBlocks, build_lm, documents, open_texts, tokenize_all
 
 
 def build_data(section: DataSection, tokenizer=None, *, seed: int = 0, eval_lengths=()):
@@ -51,6 +51,6 @@ def build_data(section: DataSection, tokenizer=None, *, seed: int = 0, eval_leng
 
 __all__ = [
     "PASSKEY_FILLER", "PASSKEY_INTRO", "PASSKEY_QUESTION", "CountingData", "LMData", "PasskeyData", "StreamBlocks",
-    "TokenBlocks", "build_data", "build_lm", "counting_batch", "documents", "open_texts", "passkey_batch",
-    "passkey_example", "tokenize_all",
+    "StreamDocuments", "TokenBlocks", "build_data", "build_lm", "counting_batch", "documents", "open_texts",
+    "passkey_batch", "passkey_example", "tokenize_all",
 ]

@@ -168,6 +168,7 @@ class StreamBlocks:
         self.dataset, self.text_field, self.tokenizer, self.eos = dataset, text_field, tokenizer, eos
         self.seq_len, self.docs_per_read = seq_len, docs_per_read
         self.buffer: list[int] = []
+        self.lengths: list[int] = []  # the documents in buffer, in order (the first one maybe partly taken)
         self.ds_state = None
         self.emitted = 0  # tokens handed out so far
         self._iter = None
@@ -189,7 +190,7 @@ class StreamBlocks:
         if not texts:
             return False
         self.ds_state = self.dataset.state_dict()
-        self.buffer.extend(_tokenize(self.tokenizer, texts, self.eos))
+        self.buffer.extend(_tokenize(self.tokenizer, texts, self.eos, self.lengths))
         return True
 
     def ensure(self, tokens: int) -> None:
@@ -203,14 +204,72 @@ class StreamBlocks:
         self.ensure(n * length)
         out, self.buffer = self.buffer[: n * length], self.buffer[n * length:]
         self.emitted += n * length
+        self._hand_out(n * length)
         return torch.tensor(out, dtype=torch.int64).view(n, length)
 
+    def _hand_out(self, taken: int) -> bool:
+        """Drop `taken` tokens from the front of self.lengths; True when that ends inside a document."""
+        inside = False
+        while taken and self.lengths:
+            step = min(taken, self.lengths[0])
+            inside = step < self.lengths[0]
+            self.lengths[0] -= step
+            taken -= step
+            if not self.lengths[0]:
+                self.lengths.pop(0)
+        return inside
+
     def state_dict(self) -> dict:
-        return {"dataset": self.ds_state, "buffer": list(self.buffer), "emitted": self.emitted}
+        return {"dataset": self.ds_state, "buffer": list(self.buffer), "emitted": self.emitted,
+                "lengths": list(self.lengths)}
 
     def load_state_dict(self, state: dict) -> None:
         self.ds_state, self.buffer, self._iter = state["dataset"], list(state["buffer"]), None
-        self.emitted = int(state["emitted"])
+        self.emitted, self.lengths = int(state["emitted"]), list(state.get("lengths", []))
+
+
+class StreamDocuments(StreamBlocks):
+    """data.packing documents on a stream: documents are read until they fill `reads_ahead` rows' worth of tokens,
+    then packed whole (best fit among them, data/packing.py) into rows handed out in order. take(n) returns rows
+    (n, 3, seq_len); take(n, length) cuts concatenated tokens as StreamBlocks does (validation held out from the
+    stream's start), and the document it cut into is skipped, so no training token was validated on."""
+
+    def __init__(self, *args, reads_ahead: int = 8, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reads_ahead, self.rows = reads_ahead, []  # rows: packed, not yet handed out; each 3 * seq_len ids
+        self.cut = False  # the buffer starts inside a document that a concatenated take cut into
+
+    def take(self, n: int, length: int | None = None) -> torch.Tensor:
+        if length is not None:
+            return super().take(n, length)
+        while len(self.rows) < n:
+            self._pack()
+        out, self.rows = self.rows[:n], self.rows[n:]
+        self.emitted += n * self.seq_len
+        return torch.tensor(out, dtype=torch.int64).view(n, 3, self.seq_len)
+
+    def _hand_out(self, taken: int) -> bool:
+        self.cut = super()._hand_out(taken)
+        return self.cut
+
+    def _pack(self) -> None:
+        if self.cut:
+            del self.buffer[: self.lengths.pop(0)]
+            self.cut = False
+        while len(self.buffer) < self.reads_ahead * self.seq_len and self._read():
+            pass
+        if not self.lengths:
+            raise RetrofitError(f"the streamed data ran out after {self.emitted} tokens; use more data or fewer steps")
+        packed = pack_documents(torch.tensor(self.buffer, dtype=torch.int64), self.lengths, self.seq_len, self.eos)
+        self.rows.extend(packed.view(len(packed), -1).tolist())
+        self.buffer, self.lengths = [], []
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "rows": [list(r) for r in self.rows], "cut": self.cut}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.rows, self.cut = [list(r) for r in state["rows"]], bool(state["cut"])
 
 
 class LMData:
@@ -292,7 +351,8 @@ def build_lm(section: DataSection, tokenizer, *, seed: int, val_len: int) -> LMD
             raise RetrofitError(f"validation data has fewer than {val_len} tokens; add text or shorten eval.lengths")
         val = torch.cat(val)
     if section.streaming:
-        stream = StreamBlocks(rows, section.text_field, tokenizer, eos, seq_len)
+        kind = StreamDocuments if section.packing == "documents" else StreamBlocks
+        stream = kind(rows, section.text_field, tokenizer, eos, seq_len)
         if not separate_val:
             val = stream.take(section.val_blocks, val_len)
         stream.ensure(seq_len)  # fail now, not at step 1, on an empty stream

@@ -142,10 +142,11 @@ class DataSection:
     max_docs: int | None = knob(None, "lm, not streaming: read at most this many documents (quick runs); null = all")
     shuffle: bool = knob(True, "lm, not streaming: reshuffle training blocks every epoch (seeded)")
     packing: Literal["concat", "documents"] = knob(
-        "concat", "lm, not streaming: concat = documents joined with EOS and cut into seq_len blocks (attention and "
+        "concat", "lm: concat = documents joined with EOS and cut into seq_len blocks (attention and "
                   "positions run across documents); documents = whole documents packed into each row (best fit, the "
                   "rest padded and unscored), positions restarting at every document and attention confined to it "
-                  "for every norm; a document longer than seq_len is split at seq_len. Validation stays concat")
+                  "for every norm; a document longer than seq_len is split at seq_len; streamed, they are packed 8 "
+                  "rows' worth at a time. Validation stays concat")
     cache_dir: str | None = knob(None, "datasets cache folder; null = the datasets default")
     counting: CountingOptions = knob(factory=CountingOptions, doc="counting task options")
     passkey: PasskeyOptions = knob(factory=PasskeyOptions, doc="passkey task options")
@@ -158,9 +159,6 @@ class DataSection:
             need((self.dataset is None) != (self.files is None),
                   "data: the lm task needs exactly one of data.dataset (Hub) or data.files (local)")
             need(self.val_files is None or self.val_split is None, "data: set val_files or val_split, not both")
-            need(self.packing == "concat" or not self.streaming,
-                 "data.packing: documents needs the whole corpus in memory; set data.streaming: false (or packing: "
-                 "concat to stream)")
         else:
             need(self.dataset is None and self.files is None,
                   f"data: the {self.task} task is generated; remove data.dataset/data.files")

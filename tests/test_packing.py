@@ -89,11 +89,12 @@ NORMS = [("softmax", {}), ("avnorm", {"kind": "rms"}), ("psoftmax", {"p": 2.0}),
 
 
 def _per_document(model, batch, spans):
-    """[(loss, {name: grad})] of each document's terms in the packed row, through the training loss."""
+    """[(loss, {name: grad})] of each document's terms in the packed rows, through the training loss.
+    spans: (row, start, end) of each document."""
     out = []
-    for lo, hi in spans:
+    for row, lo, hi in spans:
         labels = torch.full_like(batch["labels"], -100)
-        labels[:, lo:hi] = batch["labels"][:, lo:hi]
+        labels[row, lo:hi] = batch["labels"][row, lo:hi]
         model.zero_grad(set_to_none=True)
         loss = loss_sum(model, {**batch, "labels": labels}, "lm")
         loss.backward()
@@ -113,16 +114,16 @@ def _alone(model, ids):
 def test_a_packed_rows_documents_train_exactly_as_each_alone(model_type, attn, norm, options):
     model = tiny_model(model_type, attn_implementation=attn).float()
     retrofit.patch(model, norm, **options)
-    lengths = [9, 6, 13, 4]  # 32 tokens: 4 documents fill the row, no padding
+    lengths = [9, 6, 13, 4, 20, 7]  # 59 tokens: two rows, the second with 5 tokens of padding (EOS, id 2)
     tokens, _ = documents_of(lengths, seed=3)
-    rows = pack_documents(tokens, lengths, seq_len=32, pad=PAD)
-    assert len(rows) == 1
-    batch = packed_batch(rows, rows=1, length=32)
-    ids, pos = batch["input_ids"][0], batch["position_ids"][0]
-    starts = (pos == 0).nonzero().flatten().tolist()
-    spans = list(zip(starts, starts[1:] + [32], strict=True))
-    for (lo, hi), (loss, grads) in zip(spans, _per_document(model, batch, spans), strict=True):
-        ref_loss, ref_grads = _alone(model, ids[lo:hi])
+    rows = pack_documents(tokens, lengths, seq_len=32, pad=2)
+    batch = packed_batch(rows, rows=2, length=32)  # two rows with different documents: a mask per row
+    spans = [(r, lo, lo + len(s[0])) for r in range(2) for lo, s in zip(
+        (batch["position_ids"][r] == 0).nonzero().flatten().tolist(), segments(rows[r]), strict=True)
+        if not (s[2] == -100).all()]  # the padding is no document
+    assert sorted(hi - lo for _, lo, hi in spans) == sorted(lengths)
+    for (row, lo, hi), (loss, grads) in zip(spans, _per_document(model, batch, spans), strict=True):
+        ref_loss, ref_grads = _alone(model, batch["input_ids"][row, lo:hi])
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
         assert grads.keys() == ref_grads.keys() and grads
         for name, grad in grads.items():
@@ -135,7 +136,7 @@ def test_concatenated_rows_do_leak_across_documents():
     lengths = [9, 6, 13, 4]
     tokens, _ = documents_of(lengths, seed=3)
     batch = packed_batch(pack_documents(tokens, lengths, seq_len=32, pad=PAD), rows=1, length=32)
-    spans = [(9, 15)]
+    spans = [(0, 9, 15)]
     packed = _per_document(model, batch, spans)[0][0]
     concat = _per_document(model, {k: v for k, v in batch.items() if k != "position_ids"}, spans)[0][0]
     alone = _alone(model, batch["input_ids"][0, 9:15])[0]

@@ -183,7 +183,8 @@ def test_passkey_accuracy_matches_full_logits_greedy_check():
         labels = batch["labels"][:, 1:]
         correct = ((logits.argmax(-1) == labels) | (labels == -100)).all(1)
         assert r["accuracy"] == correct.float().mean().item()
-        assert r["correct"] == correct.sum().item() and r["ci95"] == evaluate.intervals.wilson(r["correct"], 3)
+        assert r["correct"] == correct.sum().item()
+        assert r["ci95"] == list(evaluate.intervals.proportion_interval(r["correct"], 3))
     results = evaluate_models([model], EvalSpec(tokenizer=tokenizer, lengths=[256], tasks=["passkey"],
                                                passkey={"depths": [0.5], "trials": 2}, progress=False))
     assert results["models"][0]["passkey"][0]["trials"] == 2 and results["models"][0]["lengths"] == []
@@ -202,7 +203,7 @@ def test_counting_runs_are_evaluated_on_counting():
     assert row["l1"] == pytest.approx(err.abs().mean().item(), rel=1e-6)
     assert row["mse"] == pytest.approx(err.pow(2).mean().item(), rel=1e-6)
     assert row["sequence_l1"] == pytest.approx(err.abs().mean(1).tolist(), rel=1e-6)  # one per sequence
-    assert row["ci95"] == evaluate.intervals.bootstrap_mean(row["sequence_l1"])
+    assert row["ci95"] == list(evaluate.intervals.mean_interval(row["sequence_l1"]))
     assert row["by_position"][0]["start"] == 1 and row["by_position"][-1]["end"] == 128
     with pytest.raises(RetrofitError, match="--tasks counting"):
         evaluate_models([model], EvalSpec(tokens=_tokens(), lengths=[16], tasks=["lm"], progress=False))

@@ -144,10 +144,10 @@ def test_rows_carry_the_mean_interval_and_every_sample(tok, monkeypatch):
     rows = evaluate_ruler(None, tok, prepared, progress=False)
     assert [(r["task"], r["depth"]) for r in rows] == [("niah", 0.0), ("niah", 1.0), ("vt", None)]
     assert rows[0]["scores"] == [0.0, 1.0, 0.0] and rows[0]["score"] == pytest.approx(1 / 3)
-    assert rows[0]["ci95"] == pytest.approx(retrofit.evaluate.intervals.wilson(1, 3))
+    assert rows[0]["ci95"] == pytest.approx(retrofit.evaluate.intervals.proportion_interval(1, 3))
     assert rows[1]["scores"] == [1.0, 0.0, 1.0]
-    assert rows[2]["scores"] == [0.8, 1.0, 0.8]  # vt: 4 of 5 variables named -> 0.8, a bootstrap interval
-    assert rows[2]["ci95"] == retrofit.evaluate.intervals.bootstrap_mean([0.8, 1.0, 0.8])
+    assert rows[2]["scores"] == [0.8, 1.0, 0.8]  # vt: 4 of 5 variables named -> 0.8, a t interval
+    assert rows[2]["ci95"] == list(retrofit.evaluate.intervals.mean_interval([0.8, 1.0, 0.8]))
 
 
 def _eval(model_dir, out, *extra):

@@ -4,9 +4,9 @@
     results["comparisons"] = paired_comparisons(results, reference="dynamic4,yarn4")   # to each, rows say which
 
 Two models scored on the same windows (equal `windows_sha1`) are compared window by window: the difference of
-their mean losses with a bootstrap interval over the per-window differences, which removes the variation between
-windows that both models share (a hard window is hard for both). Models on different windows get the difference
-of their means only, with no interval and the reason.
+their mean losses with a t interval over the per-window differences (retrofit.evaluate.intervals), which removes
+the variation between windows that both models share (a hard window is hard for both). Models on different windows
+get the difference of their means only, with no interval and the reason.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import RetrofitError
-from .intervals import bootstrap_mean, covers_zero
+from .intervals import as_list, covers_zero, mean_interval
 
 
 def check_references(reference, names: list[str]) -> list[str]:
@@ -74,7 +74,7 @@ def paired_row(row: dict, base: dict) -> dict:
         return {"difference": difference, "ci95": None, "windows": row["windows"], "covers_zero": None,
                 "paired": False, "reason": reason}
     diffs = np.asarray(row["window_losses"], dtype=np.float64) - np.asarray(base["window_losses"], dtype=np.float64)
-    ci95 = bootstrap_mean(diffs)
+    ci95 = as_list(mean_interval(diffs))
     return {"difference": float(diffs.mean()), "ci95": ci95, "windows": int(diffs.size),
             "covers_zero": covers_zero(ci95), "paired": True}
 

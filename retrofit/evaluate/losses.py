@@ -18,7 +18,7 @@ from ..errors import RetrofitError
 from ..logit_head import LOGIT_TRANSFORMS, chunk_slices, config_value, head_logits
 from ..memory import PeakMemory
 from ..positions import position_limit
-from .intervals import bootstrap_mean, wilson
+from .intervals import as_list, mean_interval, proportion_interval
 from .windows import bucket_rows, cut_windows, stack_windows, window_starts
 
 __all__ = ["LOGIT_TRANSFORMS", "check_head", "check_lengths", "config_value", "evaluate_counting", "evaluate_lengths",
@@ -116,7 +116,7 @@ def evaluate_lengths(model, documents: list, lengths: list[int], *, max_tokens=N
         row |= {"beyond_max_positions": bool(max_positions and length > max_positions),
                 "window_documents": window_documents,
                 "windows_by_document": [window_documents.count(d) for d in range(len(documents))],
-                "ci95": bootstrap_mean(row["window_losses"])}
+                "ci95": as_list(mean_interval(row["window_losses"]))}
         rows.append(row)
     return rows
 
@@ -167,7 +167,7 @@ def evaluate_passkey(model, tokenizer, lengths: list[int], *, depths=(0.0, 0.25,
                 wrong = head_logits(model, hidden[answer]).argmax(-1) != labels[i:i + step][answer]
                 hits += answer.shape[0] - answer.nonzero()[:, 0][wrong].unique().numel()
             rows.append({"length": length, "depth": float(depth), "accuracy": hits / trials, "trials": trials,
-                         "correct": hits, "ci95": wilson(hits, trials)})
+                         "correct": hits, "ci95": as_list(proportion_interval(hits, trials))})
     return rows
 
 
@@ -194,7 +194,7 @@ def evaluate_counting(model, lengths: list[int], *, sequences=8, alphabet=8, see
         mean_count = batch["counts"][:, 1:].double().mean().item()  # counts grow with length: L1 relative to this
         rows.append({"length": length, "l1": l1_sum.sum().item() / n, "mse": sq_sum.item() / n, "sequences": sequences,
                      "sequence_l1": torch.cat(per_sequence).tolist(),
-                     "ci95": bootstrap_mean(torch.cat(per_sequence).numpy()), "mean_count": mean_count,
+                     "ci95": as_list(mean_interval(torch.cat(per_sequence).numpy())), "mean_count": mean_count,
                      "relative_l1": l1_sum.sum().item() / n / max(mean_count, 1e-9),
                      "by_position": bucket_rows(l1_sum, sequences, "l1", skip_first=True)})
     return rows

@@ -5,10 +5,11 @@ tidy rows of results.csv. retrofit.evaluate.report re-exports them.
 
 from __future__ import annotations
 
-from .intervals import plus_minus
+from .intervals import bounds, covers_zero, plus_minus
 
 APPROX = "≈"
-APPROX_LEGEND = f"{APPROX}: the interval covers 0 — no difference shown."
+APPROX_LEGEND = (f"{APPROX}: the interval covers 0 — no difference shown (a difference is called only when its "
+                 "95% interval excludes 0); n: the units it stands on (windows; seeds in a seed table).")
 
 # ---- tables -------------------------------------------------------------------------------------------------
 
@@ -82,7 +83,7 @@ def model_limit(m: dict) -> int | None:
 def loss_table_markdown(results: dict, metric: str = "loss") -> str:
     """Rows models (named with their RoPE extension), columns lengths; the training length's column is
     marked, and values at lengths beyond a model's original positions carry a dagger. Losses print as
-    `3.397 ± 0.021` (half the 95% interval's width) where the row has one."""
+    `3.397 ± 0.021 (n=3)` (half the 95% interval's width, n windows) where the row has one."""
     train = results.get("train_len")
     header = ["model"] + [f"**{n}** (train)" if n == train else str(n) for n in results["lengths"]]
     rows = []
@@ -90,7 +91,8 @@ def loss_table_markdown(results: dict, metric: str = "loss") -> str:
         by_length = {r["length"]: r for r in m.get("lengths", [])}
         rows.append([model_label(m)] + [
             None if n not in by_length
-            else plus_minus(by_length[n][metric], by_length[n].get("ci95") if metric == "loss" else None)
+            else plus_minus(by_length[n][metric], by_length[n].get("ci95") if metric == "loss" else None,
+                            by_length[n].get("windows") if metric == "loss" else None)
             + (" †" * by_length[n]["beyond_max_positions"])
             for n in results["lengths"]])
     table = markdown_table(header, rows)
@@ -129,7 +131,7 @@ def position_table_markdown(results: dict, length: int | None = None) -> str:
 
 def task_table_markdown(results: dict, task: str, metric: str, column: str) -> str:
     """Rows models (x depth, for passkey), columns lengths: a passkey or counting metric, with its 95% interval
-    where the row has one (passkey: Wilson `0.750 (0.409–0.929)`; counting L1: `± half-width`)."""
+    and n where the row has one (passkey: Wilson `0.750 [0.409, 0.929] (n=10)`; counting L1: `± half-width (n=8)`)."""
     rows, lengths = [], sorted({r["length"] for m in results["models"] for r in m.get(task, [])})
     for m in results["models"]:
         keys = sorted({(r.get(column) if column else None) for r in m.get(task, [])}, key=lambda k: k or 0)
@@ -141,17 +143,16 @@ def task_table_markdown(results: dict, task: str, metric: str, column: str) -> s
 
 
 def _task_cell(row: dict, metric: str):
-    interval = row.get("ci95") if metric in ("accuracy", "l1") else None
-    if interval is None:
+    if metric not in ("accuracy", "l1"):
         return row[metric]
     if metric == "accuracy":  # Wilson is not symmetric: both ends
-        return f"{row[metric]:.3f} ({interval[0]:.3f}–{interval[1]:.3f})"
-    return plus_minus(row[metric], interval)
+        return bounds(row[metric], row.get("ci95"), row.get("trials"))
+    return plus_minus(row[metric], row.get("ci95"), row.get("sequences"))
 
 
 def comparison_table_markdown(results: dict, reference: str | None = None) -> str:
     """Rows models, columns lengths: each model's mean loss minus `reference`'s (default: the first reference) on
-    the same windows, `+0.012 ± 0.004`, with a trailing ≈ where the paired interval covers 0; `(unpaired)` where
+    the same windows, `+0.012 ± 0.004 (n=3)`, with a trailing ≈ where the paired interval covers 0; `(unpaired)` where
     the windows differ (no interval). Empty without comparisons."""
     comparisons = results.get("comparisons") or {}
     reference = reference or comparisons.get("reference")
@@ -168,8 +169,14 @@ def comparison_table_markdown(results: dict, reference: str | None = None) -> st
 def _difference_cell(c: dict) -> str:
     if c.get("ci95") is None:
         return f"{c['difference']:+.3f} (unpaired)" if c.get("paired") is False else f"{c['difference']:+.3f}"
-    text = f"{c['difference']:+.3f} ± {(c['ci95'][1] - c['ci95'][0]) / 2:.3f}"
-    return text + (f" {APPROX}" if c.get("covers_zero") else "")
+    return difference_cell(c["difference"], c["ci95"], c.get("windows"))
+
+
+def difference_cell(difference: float, interval, n: int | None) -> str:
+    """'+0.012 ± 0.004 (n=3)', with ' ≈' when the interval covers 0 (no difference shown); '+0.012 (n=1)' without
+    an interval (nothing shown either way)."""
+    text = ("+" if difference >= 0 else "") + plus_minus(difference, interval, n)
+    return text + (f" {APPROX}" if covers_zero(interval) else "")
 
 
 def windows_table_markdown(results: dict) -> str:

@@ -3,7 +3,8 @@
     rows = evaluate_ruler(model, tokenizer, [4096, 8192], tasks=["niah", "vt"], texts=[book], samples=8)
 
 One row per (task, length, depth for the niah tasks): `score` (mean of the per-sample scores), `samples`,
-`ci95` (Wilson when every score is 0 or 1, else the bootstrap of the mean), `scores` and `predictions` per sample.
+`ci95` (Wilson when every score is 0 or 1, else the t interval of the mean),
+`scores` and `predictions` per sample.
 Every niah, vt, cwe and fwe sample is scored by string_match_all (RULER's metric for them): the fraction of the
 references found in the generated text, case-insensitive. A sample's text is what greedy decoding produces
 within the task's max new tokens, cut at the first blank line (data.ruler.STOP) and at EOS.
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 
 from ..data.ruler import DEPTH_TASKS, TASKS, Haystack, instances
 from ..errors import RetrofitError
-from .intervals import bootstrap_mean, wilson
+from .intervals import as_list, mean_interval, proportion_interval
 from .losses import fresh_dynamic_rope
 from .ruler_metric import string_match_all
 
@@ -78,9 +79,9 @@ def score_row(task: str, length: int, depth, insts: list[dict], predictions: lis
     """The row of one (task, length, depth): mean score, its 95% interval, each sample's score and text."""
     scores = [string_match_all(p, i["outputs"]) for p, i in zip(predictions, insts)]
     binary = all(s in (0.0, 1.0) for s in scores)
-    ci = wilson(int(sum(scores)), len(scores)) if binary else bootstrap_mean(scores)
+    ci = proportion_interval(int(sum(scores)), len(scores)) if binary else mean_interval(scores)
     return {"task": task, "length": length, "depth": depth, "score": sum(scores) / len(scores),
-            "samples": len(scores), "ci95": ci, "metric": "string_match_all", "scores": scores,
+            "samples": len(scores), "ci95": as_list(ci), "metric": "string_match_all", "scores": scores,
             "predictions": predictions, "tokens": [i["tokens"] for i in insts]}
 
 

@@ -1,8 +1,10 @@
 """results.md tables of the RULER-style rows (models[].ruler): one table per task, a row per model (x depth for
-the niah tasks), a column per length, each cell `score [lo, hi]`: the mean and its 95% interval over the samples
+the niah tasks), a column per length, each cell `score [lo, hi] (n=6)`: the mean and its 95% interval over the samples
 (Wilson intervals of few samples are lopsided near 0 and 1, so both ends are printed, not a ±)."""
 
 from __future__ import annotations
+
+from .intervals import bounds
 
 # the JSON Schema of one row, merged into report.RESULTS_SCHEMA's model properties (docs/results-schema.md)
 RULER_ROW = {"type": "object", "required": ["task", "length", "score", "samples", "scores"],
@@ -29,7 +31,7 @@ def ruler_tables(results: dict) -> list[tuple[str, str]]:
         header = ["model"] + (["depth"] if depth else []) + [str(n) for n in lengths]
         body = []
         for name, d in keys:
-            cells = {r["length"]: _cell(r["score"], r.get("ci95")) for n, r in mine
+            cells = {r["length"]: _cell(r["score"], r.get("ci95"), r.get("samples")) for n, r in mine
                      if n == name and r.get("depth") == d}
             body.append([name] + ([f"{d:g}"] if depth else []) + [cells.get(n, "") for n in lengths])
         table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -38,5 +40,5 @@ def ruler_tables(results: dict) -> list[tuple[str, str]]:
     return tables
 
 
-def _cell(score: float, interval) -> str:
-    return f"{score:.2f}" if interval is None else f"{score:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
+def _cell(score: float, interval, samples) -> str:
+    return bounds(score, interval, samples, digits=2)

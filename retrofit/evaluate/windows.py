@@ -24,7 +24,7 @@ def window_starts(documents: list, length: int, max_tokens: int | None = None,
                   max_windows: int | None = None) -> list[tuple[int, int]]:
     """(document index, start) of each window, in document order. Uncapped: every non-overlapping window. Capped
     at N = max(1, max_tokens // length) windows: the N are dealt round-robin over the documents that have windows
-    left (so 3 windows from 3 documents are one from each, and the bootstrap sees variation between documents),
+    left (so 3 windows from 3 documents are one from each, and the interval sees variation between documents),
     and each document's share is evenly spaced within it; with one document this is the evenly spaced subset.
     `max_windows` caps the count the same way whatever the length (the smaller cap wins)."""
     per_document = [list(range(0, len(doc) - length, length + 1)) for doc in documents]

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from ..atomic import atomic_write_text
+from ..evaluate.intervals import plus_minus
 from ..evaluate.report import APPROX_LEGEND, comparison_table_markdown, line_plot, markdown_table
 from .reference import direction_markdown
 
@@ -28,23 +29,27 @@ def by_length(evaluation: dict, value: str | None = None) -> dict[str, dict[int,
     return {m["name"]: {r["length"]: r.get(value) for r in m.get(key) or []} for m in evaluation["models"]}
 
 
-def intervals_by_length(evaluation: dict) -> dict[str, dict[int, list]]:
-    """model name -> {length: ci95} of the default metric (loss, or counting L1), where the rows carry one."""
+def intervals_by_length(evaluation: dict) -> dict[str, dict[int, tuple]]:
+    """model name -> {length: (ci95, n)} of the default metric (loss, or counting L1): its interval (or None) and
+    the units it stands on (windows or sequences)."""
     key, _ = _metric(evaluation)
-    return {m["name"]: {r["length"]: r["ci95"] for r in m.get(key) or [] if r.get("ci95")}
+    units = "sequences" if key == "counting" else "windows"
+    return {m["name"]: {r["length"]: (r.get("ci95"), r.get(units)) for r in m.get(key) or []}
             for m in evaluation["models"]}
 
 
 def _fmt(x, interval=None) -> str:
+    """A value, with `± half-width (n=N)` when `interval` is a (ci95, n) pair."""
     if x is None:
         return "—"
-    text = f"{x:.3f}" if abs(x) < 1000 else f"{x:.3g}"
-    return text if interval is None else f"{text} ± {(interval[1] - interval[0]) / 2:.3f}"
+    if interval is not None and abs(x) < 1000:
+        return plus_minus(x, *interval)
+    return f"{x:.3f}" if abs(x) < 1000 else f"{x:.3g}"
 
 
 def comparison_table(results: dict, value: str | None = None) -> str:
     """Rows base + arms, columns lengths (the trained one starred), plus ratio of longest to trained; values
-    carry `± half-width` of their 95% interval where the evaluation has one."""
+    carry `± half-width (n=N)` of their 95% interval and the units it stands on."""
     evaluation = results["evaluation"]
     table = by_length(evaluation, value)
     intervals = intervals_by_length(evaluation) if value is None else {}  # ± only on the metric they measure

@@ -34,6 +34,7 @@ COMMANDS = {
     "push": ("retrofit.commands.push", "push a patched checkpoint or run to the Hugging Face Hub"),
     "bench": ("retrofit.commands.bench", "benchmarks: attention kernels, training loop, evaluation"),
     "tokenizer": ("retrofit.commands.tokenizer", "train a small byte-level BPE tokenizer on text files"),
+    "report": ("retrofit.commands.report", "judge finished results again: intervals, paired differences"),
 }
 
 

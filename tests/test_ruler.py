@@ -171,7 +171,7 @@ def test_the_tiny_model_runs_every_task_through_retrofit_eval(model_dir, tok, ca
     md = (model_dir / "out" / "results.md").read_text()
     assert md.count("## RULER ") == len(TASKS)
     lo, hi = rows[0]["ci95"]
-    assert f"| model | 0 | {rows[0]['score']:.2f} [{lo:.2f}, {hi:.2f}] |" in md  # niah at depth 0: mean [interval]
+    assert f"| model | 0 | {rows[0]['score']:.2f} [{lo:.2f}, {hi:.2f}] (n={rows[0]['samples']}) |" in md
     assert results["settings"]["ruler"]["samples"] == 1
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(results, RESULTS_SCHEMA)

@@ -15,18 +15,30 @@ import numpy as np
 
 from ..errors import RetrofitError
 from .intervals import as_list, covers_zero, mean_interval
+from .seeds import seed_summary
 
 
-def check_references(reference, names: list[str]) -> list[str]:
+def check_references(reference, names: list[str], arms: dict[str, str] | None = None) -> list[str]:
     """The references' names: None = the first model; a name, a comma list 'a,b' or a list of names, each one of
-    the models (else a one-line error). Empty when there are no models."""
+    the models (else a one-line error). With `arms` (model name -> arm, an experiment with seeds), an arm's name
+    stands for its run under every seed. Empty when there are no models."""
     if reference is None:
         return names[:1]
     wanted = [r.strip() for r in reference.split(",")] if isinstance(reference, str) else list(reference)
+    runs = {}
+    for name, arm in (arms or {}).items():
+        runs.setdefault(arm, []).append(name)
+    found = []
     for name in wanted:
-        if name not in names:
+        if name not in names and name not in runs:
             raise RetrofitError(f"--reference {name} is not one of the models: {', '.join(names)}")
-    return list(dict.fromkeys(wanted))
+        found += [name] if name in names else runs[name]
+    return list(dict.fromkeys(found))
+
+
+def model_arms(results: dict) -> dict[str, str]:
+    """model name -> arm, for the entries of an experiment with seeds (retrofit.evaluate.seeds)."""
+    return {m["name"]: m["arm"] for m in results["models"] if m.get("arm") is not None and m.get("seed") is not None}
 
 
 def check_reference(reference, names: list[str]) -> str | None:
@@ -38,17 +50,19 @@ def paired_comparisons(results: dict, reference=None) -> dict | None:
     """{"reference": FIRST, "references": [NAME, ...], "rows": [...]}: for each reference, one row per (other model,
     length both have), or None when fewer than two models have language-modelling rows. Each row: reference,
     model, length, difference (model - reference mean loss), ci95, windows, covers_zero, paired, and a reason
-    when not paired. `reference`: None (the first model), a name, 'a,b' or a list of names."""
+    when not paired. `reference`: None (the first model), a name, 'a,b' or a list of names (an arm's name: its run
+    under every seed). Two runs trained under different seeds are not compared (each is, with its own seed's)."""
     names = [m["name"] for m in results["models"]]
-    references = check_references(reference, names)
+    references = check_references(reference, names, model_arms(results))
     by_name = {m["name"]: {r["length"]: r for r in m.get("lengths") or []} for m in results["models"]}
+    seeds = {m["name"]: m.get("seed") for m in results["models"]}
     if not references or sum(1 for rows in by_name.values() if rows) < 2:
         return None
     rows = []
     for ref in references:
         for name in names:
-            if name == ref:
-                continue
+            if name == ref or None not in (seeds[name], seeds[ref]) and seeds[name] != seeds[ref]:
+                continue  # runs under other training seeds are compared within their own seed only
             for length, row in by_name[name].items():
                 base = by_name[ref].get(length)
                 if base is not None:
@@ -79,10 +93,21 @@ def paired_row(row: dict, base: dict) -> dict:
             "covers_zero": covers_zero(ci95), "paired": True}
 
 
-def with_comparisons(evaluation: dict, reference: str | None) -> dict:
-    """`evaluation` with fresh paired differences to `reference` when it is one of its models (else the first
-    model): an experiment's gap to its control arm. Entries reused from before intervals are compared unpaired."""
-    names = [m["name"] for m in evaluation["models"]]
-    comparisons = paired_comparisons(evaluation, reference if reference in names else None)
-    evaluation = {k: v for k, v in evaluation.items() if k != "comparisons"}  # a reused file's are stale
-    return evaluation | ({"schema": "retrofit.eval/2", "comparisons": comparisons} if comparisons else {})
+def judged(results: dict, reference=None) -> dict:
+    """`results` with its paired differences to `reference` (see paired_comparisons) and, for an experiment with
+    seeds, its summary over seeds (`seeds`, retrofit.evaluate.seeds; the control is the first reference's arm)
+    computed afresh from the stored per-window losses; stale ones dropped. An unknown reference is a one-line error."""
+    results = {k: v for k, v in results.items() if k not in ("comparisons", "seeds")}
+    comparisons = paired_comparisons(results, reference)
+    arms = model_arms(results)
+    references = check_references(reference, [m["name"] for m in results["models"]], arms)
+    summary = seed_summary(results, next((arms[r] for r in references if r in arms), None))
+    return results | ({"schema": "retrofit.eval/2", "comparisons": comparisons} if comparisons else {}) \
+        | ({"seeds": summary} if summary else {})
+
+
+def with_comparisons(evaluation: dict, reference) -> dict:
+    """`evaluation` judged (see judged) against `reference` (a model or an arm: the experiment's control) when it
+    is one of its models or arms, else the first model. Entries reused from before intervals are compared unpaired."""
+    known = reference in [m["name"] for m in evaluation["models"]] or reference in model_arms(evaluation).values()
+    return judged(evaluation, reference if known else None)

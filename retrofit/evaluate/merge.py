@@ -16,13 +16,13 @@ import json
 from pathlib import Path
 
 from ..errors import RetrofitError
-from .compare import paired_comparisons
+from .compare import judged
 from .report import validate
 
 ROWS = ("lengths", "passkey", "counting", "ruler")  # a model's per-task row lists
 # What makes two entries one model: the weights' source and the patch in effect (`retrofit`, read after any on-the-fly
 # patch; not `eval_patch`, which only says how it got there: a --rope the model already carries changes nothing).
-SAME_MODEL = ("source", "model_type", "tokenizer", "retrofit", "rope")
+SAME_MODEL = ("source", "model_type", "tokenizer", "retrofit", "rope", "arm", "seed")
 
 
 def read_results(path) -> dict:
@@ -63,10 +63,7 @@ def merge_results(paths: list, reference=None) -> dict:
                 model[key].sort(key=lambda r: (r["length"], r.get("task", ""), r.get("depth", 0)))
     merged["lengths"] = sorted({length for part in parts for length in part["lengths"]})
     merged["schema"] = max(part["schema"] for part in parts)
-    merged.pop("comparisons", None)
-    comparisons = paired_comparisons(merged, reference)
-    if comparisons is not None:
-        merged["comparisons"] = comparisons
+    merged = judged(merged, reference)  # paired differences (and the seed summary) from the per-window losses
     validate(merged)
     return merged
 

@@ -29,6 +29,7 @@ from .report_tables import (  # noqa: F401  (re-exported: experiment reports and
     model_label,
     model_limit,
     position_table_markdown,
+    seed_sections,
     task_table_markdown,
     tidy_rows,
     windows_table_markdown,
@@ -69,6 +70,7 @@ _MODEL = {
                    "dtype": _STR, "retrofit": {"type": ["object", "null"]}, "max_learned_positions": _INT_OR_NULL,
                    "max_position_embeddings": _INT_OR_NULL, "original_positions": _INT_OR_NULL, "rope": _STR,
                    "eval_patch": {"type": ["object", "null"]}, "memory_kind": {"enum": ["rss", "cuda_allocated"]},
+                   "arm": _STR, "seed": _INT,  # an experiment with seeds: the arm this run is of, its training seed
                    "lengths": {"type": "array", "items": _LENGTH_ROW},
                    "passkey": {"type": "array", "items": _PASSKEY_ROW},
                    "counting": {"type": "array", "items": _COUNTING_ROW},
@@ -87,7 +89,8 @@ RESULTS_SCHEMA = {
     "properties": {"schema": {"enum": SCHEMA_VERSIONS}, "train_len": _INT_OR_NULL,
                    "lengths": {"type": "array", "items": {"type": "integer", "minimum": 2}},
                    "data": {"type": "object"}, "settings": {"type": "object"},
-                   "models": {"type": "array", "items": _MODEL}, "comparisons": _COMPARISONS}}
+                   "models": {"type": "array", "items": _MODEL}, "comparisons": _COMPARISONS,
+                   "seeds": {"type": "object", "required": ["seeds", "arms", "differences"]}}}
 
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None), "integer": int,
           "number": (int, float)}
@@ -296,6 +299,7 @@ def results_markdown(results: dict, plots=()) -> str:
              ("Counting L1", task_table_markdown(results, "counting", "l1", None)),
              ("Counting MSE", task_table_markdown(results, "counting", "mse", None))]
     tasks += ruler_tables(results)  # the RULER-style tasks: evaluate/ruler_report.py
+    tasks += seed_sections(results)  # an experiment with seeds: over seeds, loss or counting L1
     for title, table in (lm if any(m.get("lengths") for m in results["models"]) else []) + tasks:
         if table:
             lines += ["", f"## {title}", "", table]
@@ -307,8 +311,8 @@ def _interval_lines(results: dict) -> list[str]:
     """How the intervals were made (results written before intervals: a line saying there are none)."""
     method = results.get("settings", {}).get("intervals")
     if not method:
-        return ["", "No intervals: these results were written before retrofit reported them (schema "
-                    f"{results.get('schema')})."]
+        return ["", "No intervals: these results do not keep the per-window values an interval is computed from "
+                    f"(written before retrofit reported intervals, schema {results.get('schema')}); n is shown."]
     return ["", f"Intervals: 95%, {method}. The unit of a loss interval is the window (L + 1 tokens of one "
                 "document); `± h` is half the interval's width."]
 

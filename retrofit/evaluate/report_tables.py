@@ -168,7 +168,8 @@ def comparison_table_markdown(results: dict, reference: str | None = None) -> st
 
 def _difference_cell(c: dict) -> str:
     if c.get("ci95") is None:
-        return f"{c['difference']:+.3f} (unpaired)" if c.get("paired") is False else f"{c['difference']:+.3f}"
+        return f"{c['difference']:+.3f} (unpaired, n={c.get('windows')})" if c.get("paired") is False \
+            else f"{c['difference']:+.3f}"
     return difference_cell(c["difference"], c["ci95"], c.get("windows"))
 
 
@@ -188,3 +189,32 @@ def windows_table_markdown(results: dict) -> str:
     rows = [[r["length"], r["windows"], " / ".join(map(str, r["windows_by_document"]))]
             for r in m["lengths"] if "windows_by_document" in r]
     return markdown_table(["length", "windows", "windows per document (in --data order)"], rows)
+
+
+def seed_sections(results: dict) -> list[tuple[str, str]]:
+    """An experiment with seeds (results['seeds'], retrofit.evaluate.seeds): each arm's mean loss over seeds and
+    its difference to the control, each with the interval over seeds (n = seeds; windows averaged within a seed)."""
+    summary = results.get("seeds")
+    if not summary:
+        return []
+    lengths = sorted({r["length"] for r in summary["arms"]})
+    arms = list(dict.fromkeys(r["arm"] for r in summary["arms"]))
+    means = {(r["arm"], r["length"]): plus_minus(r["value"], r["ci95"], r["seeds"]) for r in summary["arms"]}
+    units, metric = sorted({r["units"] for r in summary["arms"]}), summary.get("metric", "loss")
+    sections = [(f"Mean over seeds {summary['seeds']}",
+                 f"Each arm's {metric} averaged over its units ({'/'.join(map(str, units))} windows or sequences a "
+                 "length) within a seed, then over seeds, with the 95% interval over seeds (n = seeds).\n\n"
+                 + markdown_table(["arm"] + lengths, [[a] + [means.get((a, n)) for n in lengths] for a in arms]))]
+    if summary["differences"]:
+        control = summary["control"]
+        cells = {(r["arm"], r["length"]): difference_cell(r["difference"], r["ci95"], r["seeds"])
+                 for r in summary["differences"]}
+        others = list(dict.fromkeys(r["arm"] for r in summary["differences"]))
+        sections.append((f"Difference to {control} over seeds",
+                         f"Mean {metric} minus {control}'s, paired on the same units within each seed, then averaged "
+                         "over seeds with the 95% interval over seeds (n = seeds): the difference another training "
+                         "seed would be expected to reproduce.\n\n"
+                         + markdown_table([f"arm − {control}"] + lengths,
+                                          [[a] + [cells.get((a, n)) for n in lengths] for a in others])
+                         + f"\n\n{APPROX_LEGEND}"))
+    return sections

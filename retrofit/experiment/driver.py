@@ -44,6 +44,7 @@ from ..recipe import (
     flat,
     load_recipe,
     save_recipe,
+    seeded_name,
     to_plain,
 )
 from ..rope import describe_rope
@@ -252,11 +253,12 @@ def _counting_options(exp: ExperimentSection) -> dict | None:
 
 
 def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: ExperimentSection, progress: bool,
-                 out: Path) -> tuple[dict, list[str]]:
+                 out: Path, labels: dict | None = None) -> tuple[dict, list[str]]:
     """Every model at every length it can take: a model with learned positions (a GPT-2 base next to
     NoPE arms) is evaluated up to its table and the report shows '—' beyond. Each model's results are
     saved to DIR/eval/results.json as soon as it is done, and a re-run reuses those of unchanged
     checkpoints, so a crash in the last model's longest window does not redo the others.
+    `labels`: name -> fields its entry carries (`arm`, `seed` for the runs of an experiment with seeds).
     Returns (the evaluation, names of the models whose earlier results were reused)."""
     lengths = sorted(set(recipe.eval_lengths()))
     saved = out / "eval" / "results.json"
@@ -282,6 +284,7 @@ def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: Expe
             one = evaluate_models([source], spec)
             one["models"][0] |= {"checkpoint": _within(source, out), "evaluated_at": time.time(),
                                  "eval_s": round(time.perf_counter() - t0, 1)}
+        one["models"][0] |= (labels or {}).get(name, {})
         merged = one if merged is None else dict(merged, models=merged["models"] + one["models"])
         merged["lengths"] = lengths
         if entry is None:  # progress on disk, keeping the earlier entries not yet reached
@@ -350,7 +353,8 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
     skipped = exp.base_steps > 0 and _finished(out / "base")
     base = run_base(recipe, exp, out)
     clock.stage("base", time.perf_counter() - start, skipped)
-    for arm in exp.arms:
+    runs = exp.runs()  # each arm, or each arm under each of experiment.seeds
+    for arm in runs:
         t0 = time.perf_counter()
         recovery_file = out / "arms" / arm.name / "recovery.json"
         before = recovery_file.stat().st_mtime_ns if _finished(recovery_file.parent) and recovery_file.is_file() \
@@ -365,11 +369,12 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
         skipped = before is not None and recovery_file.is_file() and recovery_file.stat().st_mtime_ns == before
         clock.stage(f"arm {arm.name}", time.perf_counter() - t0, skipped)  # a retrained arm is not skipped
     t0 = time.perf_counter()
-    done = [a.name for a in exp.arms if a.name not in failures]
+    done = [a.name for a in runs if a.name not in failures]
+    labels = {seeded_name(a.name, s): {"arm": a.name, "seed": s} for a in exp.arms for s in exp.seeds or []}
     evaluated_base = [base] if base and exp.eval_base else []
     sources = evaluated_base + [str(out / "arms" / n) for n in done]
     names = ["base"] * len(evaluated_base) + done
-    evaluation, reused = evaluate_all(sources, names, recipe, exp, progress, out)
+    evaluation, reused = evaluate_all(sources, names, recipe, exp, progress, out, labels)
     write_report(evaluation, out / "eval")
     earlier = sum(m.get("eval_s") or 0 for m in evaluation["models"] if m["name"] in reused)  # their recorded times
     clock.stage("eval", time.perf_counter() - t0 + earlier, skipped=len(reused) == len(evaluation["models"]))
@@ -378,8 +383,9 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
                "base": base, "arms": {a.name: {"patch": trained_patch(out / "arms" / a.name, a),
                                                "settings": {"lr": a.lr, "recovery": to_plain(a.recovery)},
                                                "failed": failures.get(a.name),
-                                               "recovery": recovery.get(a.name)} for a in exp.arms},
-               "control": exp.control,
+                                               "recovery": recovery.get(a.name)} | labels.get(a.name, {})
+                        for a in runs},
+               "control": exp.control, "seeds": exp.seeds,
                "evaluation": evaluation, "reference": reference}
     atomic_write_text(out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
     write_experiment_report(results, out)

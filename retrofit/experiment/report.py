@@ -10,8 +10,10 @@ import json
 from pathlib import Path
 
 from ..atomic import atomic_write_text
+from ..evaluate.compare import comparison_references
 from ..evaluate.intervals import plus_minus
-from ..evaluate.report import APPROX_LEGEND, comparison_table_markdown, line_plot, markdown_table
+from ..evaluate.report import APPROX_LEGEND, comparison_table_markdown, line_plot, markdown_table, seed_sections
+from ..recipe import seeded_name
 from .reference import direction_markdown
 
 
@@ -95,20 +97,25 @@ def recovery_series(results: dict, length: int | None = None) -> dict[str, tuple
 
 
 def gap_series(results: dict, length: int | None = None) -> dict[str, tuple[list, list]]:
-    """arm -> (steps, metric minus the control arm's at the same step), for every arm but the control;
-    empty when the experiment has no arm named experiment.control (or it failed)."""
+    """arm -> (steps, metric minus the control arm's at the same step), for every arm but the control (with seeds:
+    each run minus the control's run under the same seed); empty when no arm is named experiment.control (or it
+    failed)."""
     series = recovery_series(results, length)
-    control = series.get(results.get("control", "softmax"))
-    if control is None:
-        return {}
-    at = dict(zip(*control))
     gaps = {}
     for name, (steps, values) in series.items():
-        if name != results.get("control", "softmax"):
+        control = _control_run(results, name)
+        if name != control and control in series:
+            at = dict(zip(*series[control]))
             pairs = [(s, v - at[s]) for s, v in zip(steps, values) if s in at]
             if pairs:
                 gaps[name] = ([s for s, _ in pairs], [g for _, g in pairs])
     return gaps
+
+
+def _control_run(results: dict, name: str) -> str:
+    """The control's run a run is compared with: the control arm, under the run's own seed when it has one."""
+    control, seed = results.get("control", "softmax"), results["arms"].get(name, {}).get("seed")
+    return control if seed is None else seeded_name(control, seed)
 
 
 def _steps_table(series: dict, corner: str, fmt=None) -> str:
@@ -166,6 +173,8 @@ def write_experiment_report(results: dict, out) -> Path:
              f"## {label} by context length", "", "`*` marks the trained length; the last column is the "
              "longest length's value divided by the trained length's.", "", comparison_table(results), ""]
     lines += _paired_gap_lines(evaluation)
+    for title, table in seed_sections(evaluation):  # an experiment with seeds: means and differences over seeds
+        lines += [f"### {title}", "", table, ""]
     if _metric(evaluation)[0] == "counting":
         lines += ["### L1 relative to the mean true count", "",
                   "The count to predict grows with the length, so absolute L1 grows even for a model that "
@@ -188,11 +197,13 @@ def write_experiment_report(results: dict, out) -> Path:
 
 def _paired_gap_lines(evaluation: dict) -> list[str]:
     """The gap of each model to the control arm by length, paired over the same windows, with its 95% interval
-    (evaluation['comparisons'], reference = the control); nothing when the evaluation has no comparisons."""
-    table = comparison_table_markdown(evaluation)
-    if not table:
-        return []
-    reference = evaluation["comparisons"]["reference"]
-    return [f"### Gap to `{reference}` by length (paired, same windows)", "",
-            f"Mean loss minus `{reference}`'s on the same windows, with the 95% interval of the per-window "
-            "differences (negative = better than it).", "", table, "", APPROX_LEGEND, ""]
+    (evaluation['comparisons'], reference = the control; with seeds, one table per seed's control run); nothing
+    when the evaluation has no comparisons."""
+    lines = []
+    for reference in comparison_references(evaluation):
+        table = comparison_table_markdown(evaluation, reference)
+        if table:
+            lines += [f"### Gap to `{reference}` by length (paired, same windows)", "",
+                      f"Mean loss minus `{reference}`'s on the same windows, with the 95% interval of the per-window "
+                      "differences (negative = better than it).", "", table, "", APPROX_LEGEND, ""]
+    return lines

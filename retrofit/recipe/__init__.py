@@ -24,7 +24,7 @@ import yaml
 from ..atomic import atomic_write_text
 from ..errors import RetrofitError, closest, shown
 from ..norms import NORMS, make_options
-from .experiment import ArmSection, ExperimentSection, ReferenceSection, check_arm_name
+from .experiment import ArmSection, ExperimentSection, ReferenceSection, check_arm_name, seeded_name
 from .model import ModelSection
 from .schema import apply_overrides, build, knob, load_yaml, need, to_plain
 from .schema import documentation as _documentation
@@ -179,7 +179,7 @@ register_section("experiment", ExperimentSection)
 register_section("recovery", RecoverySection)
 
 __all__ = [
-    "ArmSection", "ExperimentSection", "ReferenceSection", "check_arm_name", "knob", "need", "to_plain",
+    "ArmSection", "ExperimentSection", "ReferenceSection", "check_arm_name", "seeded_name", "knob", "need", "to_plain",
     "CountingOptions", "DataSection", "EvalSection", "ModelSection", "OutputSection", "PasskeyOptions",
     "PatchSection", "PeftSection", "Recipe", "RecoverySection",
     "ScheduleSection", "TrainSection", "apply_overrides", "build", "documentation", "flat",

@@ -17,6 +17,7 @@ without importing the experiment driver.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -96,6 +97,10 @@ class ExperimentSection:
                                                     "eval.batches validation blocks, cut); null = [data.seq_len]")
     control: str = knob("softmax", "the arm every other arm's recovery gap is measured against; an experiment "
                                    "without an arm of that name reports no gaps")
+    seeds: list[int] | None = knob(None, "training seeds: every arm is finetuned once per seed (DIR/arms/NAME-seedS, "
+                                         "train.seed = S), all scored on the same windows; reports give each arm's "
+                                         "mean over seeds and its paired difference to the control with intervals "
+                                         "over seeds. The base is trained once. null = one run per arm")
     eval_data: list[str] | None = knob(None, "lm: text (or .json token) files for the length evaluation")
     eval_max_tokens: int | None = knob(None, "lm: cap on tokens evaluated per length (null = all windows)")
     eval_sequences: int | None = knob(None, "counting: generated sequences per evaluation length (the units of its "
@@ -111,6 +116,7 @@ class ExperimentSection:
         names = [a.name for a in self.arms]
         if len(set(names)) != len(names):
             raise RetrofitError(f"experiment.arms has duplicate names: {names}")
+        self._check_seeds(names)
         if self.base_steps < 0 or self.finetune_steps < 1:
             raise RetrofitError("experiment.base_steps must be >= 0 and finetune_steps >= 1")
         check_lr(self.finetune_lr, "experiment.finetune_lr")
@@ -124,3 +130,33 @@ class ExperimentSection:
                                                               for n in self.recovery_lengths)):
             raise RetrofitError(f"experiment.recovery_lengths must be a non-empty list of lengths >= 2, "
                                 f"got {self.recovery_lengths}")
+
+    def _check_seeds(self, names: list[str]) -> None:
+        if self.seeds is None:
+            return
+        if not self.seeds or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.seeds) \
+                or len(set(self.seeds)) != len(self.seeds):
+            raise RetrofitError(f"experiment.seeds must be a non-empty list of distinct integers >= 0 (or null), "
+                                f"got {self.seeds}")
+        own = [a.name for a in self.arms if a.seed is not None]
+        if own:
+            raise RetrofitError(f"experiment arm {own[0]} sets its own seed and experiment.seeds is set: remove one "
+                                "(experiment.seeds runs every arm under every seed)")
+        runs = [seeded_name(n, s) for n in names for s in self.seeds]
+        if len(set(runs) | set(names)) != len(runs) + len(names):
+            raise RetrofitError(f"experiment.seeds: an arm's run name is also an arm's name ({', '.join(names)}); "
+                                "rename the arm")
+
+    def runs(self) -> list[ArmSection]:
+        """The arms as they are trained: each arm once, or with seeds each arm once per seed (seed-major, so every
+        arm has its first seed before any has its second), named NAME-seedS with `seed` set."""
+        if self.seeds is None:
+            return list(self.arms)
+        return [dataclasses.replace(arm, name=seeded_name(arm.name, s), seed=s) for s in self.seeds
+                for arm in self.arms]
+
+
+def seeded_name(arm: str, seed: int) -> str:
+    """The run (folder and evaluation name) of `arm` under training seed `seed`."""
+    return f"{arm}-seed{seed}"
+

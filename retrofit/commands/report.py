@@ -1,0 +1,69 @@
+"""`retrofit report DIR...`: judge finished results again, without re-scoring anything.
+
+    retrofit report docs/results/smollm2-longctx-intervals          # an evaluation folder (results.json)
+    retrofit report runs/v3                                          # an experiment folder (results.json + eval/)
+
+Every interval and paired difference is recomputed from the per-window losses (and other per-unit values) the
+results keep, with retrofit.evaluate.intervals, and the folder's reports are rewritten in place: results.json,
+results.csv, results.md and the plots; for an experiment also eval/ and report.md. Use it after a change to how
+retrofit judges numbers; `retrofit eval --merge` puts several evaluations side by side.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..atomic import atomic_write_text
+from ..errors import RetrofitError
+from ..evaluate.merge import read_results
+from ..evaluate.rejudge import rejudge
+from ..evaluate.report import validate, write_report
+
+
+def add_arguments(parser):
+    parser.add_argument("folders", nargs="+", metavar="DIR",
+                        help="folders holding a results.json written by retrofit eval or retrofit experiment")
+
+
+def run(args) -> int:
+    paths = [Path(f) / "results.json" for f in args.folders]
+    loaded = [(path, _read(path)) for path in paths]  # every file is read and checked before any is rewritten
+    for path, results in loaded:
+        if results.get("schema", "").startswith("retrofit.experiment/"):
+            _experiment(path.parent, results)
+        else:
+            write_report(rejudge(results), path.parent)
+        print(f"report: {path.parent} judged again")
+    return 0
+
+
+def _read(path: Path) -> dict:
+    if not path.is_file():
+        raise RetrofitError(f"{path.parent} has no results.json: give a folder retrofit eval or experiment wrote")
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise RetrofitError(f"{path}: cannot read it as JSON ({str(err).splitlines()[0]})") from None
+    if not str(results.get("schema", "")).startswith("retrofit.experiment/"):
+        return read_results(path)
+    try:
+        validate(results["evaluation"])
+    except (KeyError, RetrofitError) as err:
+        raise RetrofitError(f"{path}: not a retrofit experiment results.json ({err})") from None
+    return results
+
+
+def _experiment(out: Path, results: dict) -> None:
+    from ..experiment.report import write_experiment_report  # the experiment stack, only for experiment folders
+
+    results = dict(results, evaluation=rejudge(results["evaluation"], results.get("control")
+                                               if _has(results["evaluation"], results.get("control")) else None))
+    write_report(results["evaluation"], out / "eval")
+    atomic_write_text(out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
+    write_experiment_report(results, out)
+
+
+def _has(evaluation: dict, name) -> bool:
+    """Whether `name` is one of the evaluation's models or arms (an experiment's control may have failed)."""
+    return any(name in (m["name"], m.get("arm")) for m in evaluation["models"])

@@ -264,7 +264,7 @@ def _judged_as_committed(results: dict) -> tuple[dict, dict]:
     """(what a committed results.json holds, what rejudge makes of it) for an evaluation or an experiment."""
     from retrofit.evaluate.rejudge import rejudge
     evaluation = results.get("evaluation", results)
-    control = results.get("control")
+    control = results.get("control", "softmax") if "evaluation" in results else None  # as `retrofit report`
     known = control is not None and any(control in (m["name"], m.get("arm")) for m in evaluation["models"])
     return evaluation, rejudge(evaluation, control if known else None)
 
@@ -294,5 +294,8 @@ def test_report_verb_judges_a_folder_again_in_place(tmp_path, capsys):
     assert again["settings"]["intervals"].startswith("Student's t")
     md = (folder / "results.md").read_text()
     assert "(n=3)" in md and (folder / "results.csv").is_file() and (folder / "loss_vs_length.png").is_file()
+    assert main(["report", str(folder), "--reference", "yarn4", "--out", str(tmp_path / "vs-yarn")]) == 0
+    assert json.loads((tmp_path / "vs-yarn" / "results.json").read_text())["comparisons"]["references"] == ["yarn4"]
+    assert main(["report", str(folder), "--reference", "yarn4"]) == 2  # --reference alone: nothing rewritten
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "has no results.json" in capsys.readouterr().err

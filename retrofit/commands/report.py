@@ -2,6 +2,7 @@
 
     retrofit report docs/results/smollm2-longctx-intervals          # an evaluation folder (results.json)
     retrofit report runs/v3                                          # an experiment folder (results.json + eval/)
+    retrofit report runs/v3 --reference base --out runs/v3/vs-base   # its evaluation against another model
 
 Every interval and paired difference is recomputed from the per-window losses (and other per-unit values) the
 results keep, with retrofit.evaluate.intervals, and the folder's reports are rewritten in place: results.json,
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_write_text, make_output
 from ..errors import RetrofitError
 from ..evaluate.merge import read_results
 from ..evaluate.rejudge import rejudge
@@ -24,11 +25,24 @@ from ..evaluate.report import validate, write_report
 def add_arguments(parser):
     parser.add_argument("folders", nargs="+", metavar="DIR",
                         help="folders holding a results.json written by retrofit eval or retrofit experiment")
+    parser.add_argument("--reference", metavar="NAME[,NAME...]", default=None,
+                        help="with --out: compare every model with these (a model, or an experiment's arm)")
+    parser.add_argument("--out", default=None, help="write one folder's evaluation, judged against --reference, "
+                                                    "here (a new folder) instead of rewriting the folder")
 
 
 def run(args) -> int:
     paths = [Path(f) / "results.json" for f in args.folders]
     loaded = [(path, _read(path)) for path in paths]  # every file is read and checked before any is rewritten
+    if args.out is not None or args.reference is not None:
+        if args.out is None or len(loaded) != 1:
+            raise RetrofitError("--reference and --out go together, with one folder: retrofit report DIR "
+                                "--reference NAME --out NEW")
+        results = loaded[0][1]
+        judged = rejudge(results.get("evaluation", results), args.reference)  # an unknown name: one line, nothing made
+        write_report(judged, make_output(args.out, "--out"))
+        print(f"report: {args.out} (against {args.reference})")
+        return 0
     for path, results in loaded:
         if results.get("schema", "").startswith("retrofit.experiment/"):
             _experiment(path.parent, results)
@@ -57,8 +71,9 @@ def _read(path: Path) -> dict:
 def _experiment(out: Path, results: dict) -> None:
     from ..experiment.report import write_experiment_report  # the experiment stack, only for experiment folders
 
-    results = dict(results, evaluation=rejudge(results["evaluation"], results.get("control")
-                                               if _has(results["evaluation"], results.get("control")) else None))
+    control = results.get("control", "softmax")  # experiments written before control was recorded: the default
+    results = dict(results, evaluation=rejudge(results["evaluation"], control
+                                               if _has(results["evaluation"], control) else None))
     write_report(results["evaluation"], out / "eval")
     atomic_write_text(out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
     write_experiment_report(results, out)

@@ -167,10 +167,9 @@ def comparison_table_markdown(results: dict, reference: str | None = None) -> st
 
 
 def _difference_cell(c: dict) -> str:
-    if c.get("ci95") is None:
-        return f"{c['difference']:+.3f} (unpaired, n={c.get('windows')})" if c.get("paired") is False \
-            else f"{c['difference']:+.3f}"
-    return difference_cell(c["difference"], c["ci95"], c.get("windows"))
+    if c.get("paired") is False:
+        return f"{c['difference']:+.3f} (unpaired, n={c.get('windows')})"
+    return difference_cell(c["difference"], c.get("ci95"), c.get("windows"))
 
 
 def difference_cell(difference: float, interval, n: int | None) -> str:

@@ -8,6 +8,13 @@
 
 This module is the only writer of `config.retrofit` (patch, calibrate and the recovery schedule call it), so the
 record's schema lives here: FIELDS, filled by `write_record` when it creates a record.
+
+A config with a record also carries the guard `attn_implementation: "retrofit.from_pretrained"` (GUARD): an
+inert attribute on the live config (transformers reads only `_attn_implementation`), but every `save_pretrained`
+writes it into config.json (transformers' Trainer, a PEFT merge, retrofit's own saves and `retrofit push` all
+save through it), where `PretrainedConfig.__init__` reads it as the attention implementation and
+`from_pretrained` / `pipeline` refuse the never-registered name. retrofit's loader passes the recorded base
+implementation explicitly, which overrides it (docs/plain-transformers.md).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ FORMAT = 2          # the newest version of the config.retrofit record this retr
 SELECTIVE_FORMAT = 2  # a record with layers or heads (format 1 readers would patch every layer and head: refused)
 # The record's schema: field -> value of a new record until a caller sets it. layers / heads: the selected
 # attention-module and query-head indices (sorted ints, retrofit.selection), None = all.
+# The guard (above): config.json's attention implementation in every saved patched model; never registered.
+GUARD_KEY, GUARD = "attn_implementation", "retrofit.from_pretrained"
 FIELDS = {"format": 1, "retrofit_version": VERSION, "norm": None, "options": {}, "nope": False,
           "base_attn_implementation": None, "calibration": None, "rope": None, "layers": None, "heads": None}
 
@@ -48,6 +57,7 @@ def write_record(target, **changes) -> dict:
     if record is None:
         record = {name: (dict(value) if isinstance(value, dict) else value) for name, value in FIELDS.items()}
         config.retrofit = record
+        setattr(config, GUARD_KEY, GUARD)
     record.update(changes)
     return record
 
@@ -61,10 +71,12 @@ def set_option(target, name: str, value) -> None:
 
 
 def drop_record(target) -> None:
-    """Remove config.retrofit (unpatch; a config copied from a patched model's)."""
+    """Remove config.retrofit and the guard (unpatch; a config copied from a patched model's)."""
     config = _config(target)
     if hasattr(config, "retrofit"):
         del config.retrofit
+    if config.__dict__.get(GUARD_KEY) == GUARD:
+        del config.__dict__[GUARD_KEY]
 
 
 def describe_selection(indices: list[int] | None, count: int | None = None) -> str:

@@ -12,8 +12,7 @@ from huggingface_hub import ModelCardData
 
 from ..load.sources import is_hub_id
 from ..norms import get_norm
-
-GUARD = "retrofit.from_pretrained"  # the pushed attn_implementation: never registered, so plain transformers refuses it
+from ..record import GUARD  # config.json's attn_implementation in every saved patched model: plain transformers refuses
 
 WHY = {
     "softmax": "the unpatched baseline, published for comparison: softmax weights sum to 1, so as the context "

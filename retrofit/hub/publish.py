@@ -7,13 +7,15 @@
 
 What goes up: safetensors weights, config.json with its `retrofit` section, the tokenizer, README.md (a
 model card: metadata, what was patched and why, how to load, a run's recipe and loss curve, the `retrofit
-eval` table and plots when found), recipe.yaml, eval/; an adapter with retrofit.json + retrofit.safetensors
-(retrofit/load/adapters.py). The pushed config.json sets `"attn_implementation": "retrofit.from_pretrained"`,
-so plain transformers refuses it by name instead of silently running it unpatched
-(docs/plain-transformers.md); retrofit's loader overrides it. The only network call is `upload_folder`;
-the token (`hf auth login` or HF_TOKEN) is never printed, logged or written. A symbolic link anywhere in the
-folders push reads is refused before anything is staged (its target could be any file on this machine), and
-local paths go up as names: recipe.yaml, the card and eval/results.{json,md,csv} (retrofit/hub/public.py).
+eval` table and plots when found), a run's recipe.yaml and result.json (so the published run reloads as a
+finished run), eval/; an adapter with retrofit.json + retrofit.safetensors (retrofit/load/adapters.py). The
+pushed config.json sets `"attn_implementation": "retrofit.from_pretrained"`, so plain transformers refuses it
+by name instead of silently running it unpatched (docs/plain-transformers.md); retrofit's loader overrides it.
+Every save_pretrained of a patched model writes that guard already (retrofit.record); push sets it again for
+folders saved by older retrofits. The only network call is `upload_folder`; the token (`hf auth login` or
+HF_TOKEN) is never printed, logged or written. A symbolic link anywhere in the folders push reads is refused
+before anything is staged (its target could be any file on this machine), and local paths go up as names:
+recipe.yaml, result.json, the card and eval/results.{json,md,csv} (retrofit/hub/public.py).
 """
 
 from __future__ import annotations
@@ -264,6 +266,9 @@ def stage(source, out, *, repo: str, merged: bool = False, base_model: str | Non
         run_source = (raw.get("model") if isinstance(raw.get("model"), dict) else {}).get("source")
         info["recipe_text"] = public_recipe(text)  # local paths go up as file names
         (out / "recipe.yaml").write_text(info["recipe_text"])
+    if run is not None and (run / "result.json").is_file():  # a published run is a finished run (check_finished)
+        (out / "result.json").write_text(json.dumps(public_json(_json(run / "result.json"), public_path), indent=2)
+                                         + "\n")
     bases = [b for b in (base_model, info.pop("recorded_base", None), info["base_model"], run_source) if b]
     info.update(repo=repo, command=command, merged=merged and adapter_dir is not None,
                 base_model=next(iter(bases), None),

@@ -101,7 +101,8 @@ def test_every_save_path_refuses_plain_transformers_and_reloads_exactly(how, tmp
 def test_the_cli_patch_out_folder_is_guarded(tmp_path):
     tiny_model("llama").save_pretrained(tmp_path / "base")
     char_tokenizer().save_pretrained(tmp_path / "base")
-    assert main(["patch", str(tmp_path / "base"), "--norm", "psoftmax", "--p", "2", "--out", str(tmp_path / "out")]) == 0
+    out = tmp_path / "out"
+    assert main(["patch", str(tmp_path / "base"), "--norm", "psoftmax", "--p", "2", "--out", str(out)]) == 0
     with pytest.raises(ValueError, match=r"retrofit\.from_pretrained"):
         AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert retrofit.is_patched(retrofit.from_pretrained(str(tmp_path / "out")))
@@ -123,7 +124,7 @@ def test_a_pushed_training_run_reloads(tmp_path):
     model = _patched("avnorm")
     run = tmp_path / "runs" / "ft"
     save_model(model, run, tokenizer=char_tokenizer())
-    (run / "recipe.yaml").write_text("name: ft\nmodel: {source: " + str(tmp_path / "base") + "}\npatch: {norm: avnorm}\n")
+    (run / "recipe.yaml").write_text(f"name: ft\nmodel: {{source: {tmp_path / 'base'}}}\npatch: {{norm: avnorm}}\n")
     (run / "log.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
     (run / "result.json").write_text(json.dumps({"steps": 1, "final_loss": 3.0, "model_type": "llama",
                                                  "source": str(tmp_path / "base")}))

@@ -12,7 +12,6 @@ patch is rebuilt here: load the base with the recorded attention implementation,
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
@@ -21,7 +20,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from transformers.utils import cached_file
-from transformers.utils import logging as hf_logging
 
 from ..errors import RetrofitError
 from ..families import family_of
@@ -29,10 +27,14 @@ from ..patch import CHILD, patch_from_record
 from ..record import drop_record
 from .models import as_dtype, load_config, plain_model
 from .sources import HUB_ARGS, call_loader, check_safetensors, hub_reachable, location, source_kind
+from .validate import check_finite, check_loaded_keys, check_record, listed, quiet_transformers
+
+__all__ = ["check_base_keys", "checkpoint_or_plain", "is_checkpoint", "listed", "load_checkpoint", "load_patch_tensors",
+           "patch_record_of", "patch_tensors", "quiet_transformers"]
 
 
 def patch_record_of(config, source) -> dict | None:
-    """config.retrofit when the config has one (checked to be a patch record), else None."""
+    """config.retrofit when the config has one (checked against the record's typed schema), else None."""
     if not hasattr(config, "retrofit"):
         return None
     record = config.retrofit
@@ -41,8 +43,7 @@ def patch_record_of(config, source) -> dict | None:
         raise RetrofitError(f"{where} has a malformed 'retrofit' section (it must be the patch record that "
                             "retrofit.patch writes, with a 'norm'); re-save the model, or remove the section "
                             "to load the base")
-    if not isinstance(record.get("options", {}), dict) or not isinstance(record.get("format", 1), int):
-        raise RetrofitError(f"{where}: 'retrofit.options' must be a mapping and 'retrofit.format' an integer")
+    check_record(record, where)
     return record
 
 
@@ -87,21 +88,6 @@ def patch_tensors(source: str, kind: str, revision: str | None, local_files_only
     return tensors
 
 
-@contextlib.contextmanager
-def quiet_transformers():
-    """No loading report and no progress bar: check_base_keys reports what is wrong, in one line (a bar drawn
-    before it would make a refusal three lines)."""
-    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
 def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, device_map=None,
                     attn_implementation: str | None = None, **hub):
     """Load a retrofit checkpoint: the base model, then the patch from config.retrofit, then its weights.
@@ -125,7 +111,8 @@ def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, dev
                                   revision=revision, dtype=as_dtype(dtype), device_map=device_map,
                                   attn_implementation=attn_implementation or record.get("base_attn_implementation",
                                                                                         "sdpa"),
-                                  trust_remote_code=False, output_loading_info=True, **hub)
+                                  trust_remote_code=False, output_loading_info=True, ignore_mismatched_sizes=True,
+                                  **hub)  # a misshapen weight is reported by check_base_keys, not a traceback
     check_base_keys(source, model, record, info)
     patch_from_record(model, record)
     saved = call_loader(source, kind, patch_tensors, source, kind, revision,
@@ -135,30 +122,17 @@ def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, dev
     return model.eval()
 
 
-def listed(keys) -> str:
-    """Up to three names of a set of keys, for a one-line error."""
-    keys = sorted(keys)
-    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-
-
 def check_base_keys(source: str, model, record: dict, info: dict) -> None:
     """The base weights of a checkpoint are all there and nothing else is, apart from what the patch itself adds
-    (keys containing `.retrofit.`, checked by load_patch_tensors) or removes (NoPE's learned position table): a
-    missing weight would otherwise be left at its random initialization, silently."""
+    (keys containing `.retrofit.`, checked by load_patch_tensors) or removes (NoPE's learned position table)."""
     family = family_of(model.config)
     removed = f"{family.positions_path}." if record.get("nope") and family and family.positions == "learned" else None
-    missing = {k for k in info.get("missing_keys", ()) if not (removed and k.startswith(removed))}
-    unexpected = {k for k in info.get("unexpected_keys", ()) if f".{CHILD}." not in k}
-    mismatched = {k[0] if isinstance(k, (tuple, list)) else k for k in info.get("mismatched_keys", ())}
-    problems = [f"{what} {listed(keys)}" for what, keys in (("missing", missing), ("unexpected", unexpected),
-                                                             ("of the wrong shape", mismatched)) if keys]
-    if problems:
-        raise RetrofitError(f"{source} is damaged or was saved from another model: weights {'; '.join(problems)}; "
-                            "save the model again (loading it would leave those weights random)")
+    check_loaded_keys(source, info, removed=removed, patch_marker=f".{CHILD}.")
 
 
 def load_patch_tensors(model, saved: dict, source: str) -> None:
     """Put the saved patch tensors into the patched model: exactly the ones the patch has, of its shapes."""
+    check_finite(saved, source)
     expected = {k: v for k, v in model.state_dict().items() if f".{CHILD}." in k}
     missing, unexpected = expected.keys() - saved.keys(), saved.keys() - expected.keys()
     wrong = {k for k in expected.keys() & saved.keys() if saved[k].shape != expected[k].shape}

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2To
 
 from ..errors import RetrofitError
 from .sources import call_loader, location, refuse_custom_code, resolve_source, source_kind
+from .validate import check_config, check_loaded_keys, check_raw_config, config_errors, quiet_transformers
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -49,24 +50,40 @@ def load_config(source: str, revision: str | None = None, **hub):
     """The model config behind `source`; hub: token, cache_dir, local_files_only, as transformers takes them."""
     kind = source_kind(source)
     where, extra = location(source, kind)
-    return call_loader(source, kind, AutoConfig.from_pretrained, where, revision=revision,
-                       trust_remote_code=False, **extra, **hub)
+    label = f"{source}/config.json" if kind == "folder" else f"{source}'s config"
+    if kind == "folder":
+        check_raw_config(where, label)
+    with config_errors(label):
+        config = call_loader(source, kind, AutoConfig.from_pretrained, where, revision=revision,
+                             trust_remote_code=False, **extra, **hub)
+    check_config(config, label)  # before any module is built from it
+    return config
 
 
 def plain_model(source: str, *, dtype=None, attn_implementation: str | None = None, revision: str | None = None,
                 device_map=None, **hub):
     """A causal LM from a Hub id, folder or .gguf file, exactly as transformers loads it (the patch-free branch of
     `retrofit.load.load`): in the dtype it was saved in by default (dtype "auto"); a .gguf file dequantized to
-    float32 unless a dtype is named; attention sdpa unless named. hub: token, cache_dir, local_files_only."""
+    float32 unless a dtype is named; attention sdpa unless named. hub: token, cache_dir, local_files_only.
+    A folder or Hub model is checked like a retrofit checkpoint: its config.json's values before anything is built,
+    then its weights (none missing, extra or misshapen: load/validate.py)."""
     kind = source_kind(source)
     where, extra = location(source, kind)
     dtype = as_dtype(dtype)
-    model = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, revision=revision,
-                        dtype=torch.float32 if kind == "gguf" and dtype == AUTO else dtype,
-                        attn_implementation=attn_implementation or "sdpa", device_map=device_map,
-                        trust_remote_code=False, **extra, **hub)
     if kind == "gguf":
+        model = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, revision=revision,
+                            dtype=torch.float32 if dtype == AUTO else dtype,
+                            attn_implementation=attn_implementation or "sdpa", device_map=device_map,
+                            trust_remote_code=False, **extra, **hub)
         forget_gguf_quantizer(model)
+        return model.eval()
+    load_config(source, revision, **hub)  # config.json's values, before any module is built
+    with quiet_transformers():  # its loading report would come before the one line check_loaded_keys writes
+        model, info = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, revision=revision,
+                                  dtype=dtype, attn_implementation=attn_implementation or "sdpa",
+                                  device_map=device_map, trust_remote_code=False, output_loading_info=True,
+                                  ignore_mismatched_sizes=True, **extra, **hub)
+    check_loaded_keys(source, info)  # checked like a retrofit checkpoint: nothing missing, extra or misshapen
     return model.eval()
 
 

@@ -1,0 +1,227 @@
+"""One rule for damaged inputs (issue 36): what a model folder says about itself is checked before anything is
+built from it, and what was loaded is checked before anything runs.
+
+    check_raw_config(folder, where)      # a folder's config.json as written: sizes, dtype
+    with config_errors(where): config = AutoConfig.from_pretrained(...)   # its own validation, one line
+    check_config(config, where)          # config.json's sizes, heads, dtype, RoPE factor
+    check_record(record, where)          # config.retrofit against record.FIELDS, with types
+    check_loaded_keys(source, info)      # no weight missing, extra or misshapen (plain folders and checkpoints)
+    check_finite(tensors, source)        # the patch's saved parameters: no NaN or inf
+
+Each refusal is one line naming the file, the key and what is allowed. A plain folder and a retrofit checkpoint
+go through the same checks: a missing weight would otherwise be left at its random initialization, silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from transformers.utils import logging as hf_logging
+
+from ..errors import RetrofitError, shown
+from ..norms import available_norms, make_options
+from ..record import FIELDS, FORMAT
+
+# Sizes and counts config.json may hold (transformers' names; GPT-2's n_head etc. map onto them): each an integer
+# in [1, SIZE_LIMIT]. 2**24 is above every released model's vocabulary (262,144) and context (Llama 4: 10M);
+# a learned position table of 10**12 rows would be allocated before anything else could refuse it.
+SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size",
+         "intermediate_size", "head_dim", "max_position_embeddings")
+SIZE_LIMIT = 2**24
+# The attention implementations a recorded patch may name as its base: transformers' built-in ones. Never a Hub
+# kernel ("org/kernel" would be fetched and run) nor paged attention (our kernels cannot use its state).
+BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+# Buffers older checkpoints saved that transformers now recomputes: not weights, so never "unexpected".
+STALE_BUFFERS = (".attn.masked_bias", ".attn.bias", ".rotary_emb.inv_freq")
+
+
+# The same sizes under the names config.json files use (GPT-2's n_head, n_embd, ...), checked in the raw JSON
+# before transformers reads it (its config classes divide by the head count: 0 heads is a ZeroDivisionError).
+RAW_SIZES = SIZES + ("n_embd", "n_layer", "n_head", "n_positions", "n_inner", "n_ctx")
+DTYPE_KEYS = ("dtype", "torch_dtype")
+
+
+def _key_name(config, key: str) -> str:
+    """The name config.json uses for a canonical attribute (GPT-2: num_attention_heads -> n_head)."""
+    return getattr(config, "attribute_map", {}).get(key, key)
+
+
+def _size_error(where: str, key: str, value) -> RetrofitError:
+    return RetrofitError(f"{where}: {key} must be an integer in 1..{SIZE_LIMIT:,}, got {shown(value)}")
+
+
+def _is_size(value) -> bool:
+    return _is(int, value) and 1 <= value <= SIZE_LIMIT
+
+
+def _is_float_dtype(name) -> bool:
+    return isinstance(getattr(torch, name, None), torch.dtype) and getattr(torch, name).is_floating_point
+
+
+def check_raw_config(folder, where: str) -> None:
+    """A folder's config.json as written, before transformers builds a config from it: sizes and dtype."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # absent or not JSON: check_model_files and the loader name those
+    if not isinstance(raw, dict):
+        return
+    for key in RAW_SIZES:
+        if raw.get(key) is not None and not _is_size(raw[key]):
+            raise _size_error(where, key, raw[key])
+    for key in DTYPE_KEYS:
+        value = raw.get(key)
+        if value is not None and value != "auto" and not (isinstance(value, str) and _is_float_dtype(value)):
+            raise RetrofitError(f"{where}: {key} must be a torch floating-point type (float32, bfloat16, float16, "
+                                f"...), got {shown(value)}")
+
+
+@contextlib.contextmanager
+def config_errors(where: str):
+    """AutoConfig's own validation errors (transformers 5's strict dataclasses: hidden_size "32"; a YaRN
+    rope_parameters without its factor) as one line naming `where`."""
+    try:
+        yield
+    except (StrictDataclassError, KeyError, TypeError, ArithmeticError, AttributeError) as err:
+        reason = " ".join(str(err).strip(" '\"").split())[:240]
+        raise RetrofitError(f"{where} is not a valid config ({reason}); fix that value") from None
+
+
+def check_config(config, where: str) -> None:
+    """Sizes, head counts, dtype and RoPE factor of a model config, before any module is built from it."""
+    for key in SIZES:
+        value = getattr(config, key, None)
+        if value is None:
+            continue
+        if not _is_size(value):
+            raise _size_error(where, _key_name(config, key), value)
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    width = getattr(config, "hidden_size", None)
+    if heads and width and getattr(config, "head_dim", None) is None and width % heads:
+        raise RetrofitError(f"{where}: {_key_name(config, 'num_attention_heads')} ({heads}) must divide "
+                            f"{_key_name(config, 'hidden_size')} ({width})")
+    if heads and kv_heads and heads % kv_heads:
+        raise RetrofitError(f"{where}: num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str) and dtype != "auto" and not _is_float_dtype(dtype):
+        raise RetrofitError(f"{where}: dtype must be a torch floating-point type (float32, bfloat16, float16, ...), "
+                            f"got {shown(dtype)}")
+    rope = getattr(config, "rope_parameters", None)
+    factor = rope.get("factor") if isinstance(rope, dict) and rope.get("rope_type", "default") != "default" else None
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                               or not math.isfinite(factor) or not 1 <= factor <= SIZE_LIMIT):
+        raise RetrofitError(f"{where}: rope_parameters.factor must be a number in 1..{SIZE_LIMIT:,} (the context "
+                            f"extension), got {shown(factor)}")
+
+
+def _is(kind, value) -> bool:
+    return isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+
+
+def _indices(value) -> bool:
+    return value is None or (isinstance(value, list) and all(_is(int, i) and i >= 0 for i in value))
+
+
+# config.retrofit's fields (record.FIELDS) -> (test, what the field must be)
+RECORD_TYPES = {
+    "format": (lambda v: _is(int, v) and v >= 1, "an integer >= 1"),
+    "retrofit_version": (lambda v: v is None or isinstance(v, str), "a string"),
+    "norm": (lambda v: isinstance(v, str) and v in available_norms(), f"one of {', '.join(available_norms())}"),
+    "options": (lambda v: isinstance(v, dict), "a mapping of the norm's options"),
+    "nope": (lambda v: isinstance(v, bool), "true or false (a JSON boolean, not a string)"),
+    "base_attn_implementation": (lambda v: v is None or v in BASE_IMPLEMENTATIONS,
+                                 f"one of {', '.join(BASE_IMPLEMENTATIONS)}"),
+    "calibration": (lambda v: v is None or isinstance(v, dict), "null or a mapping"),
+    "rope": (lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("parameters"), dict)),
+             "null or a mapping with 'parameters'"),
+    "layers": (_indices, "null or a list of indices >= 0"),
+    "heads": (_indices, "null or a list of indices >= 0"),
+}
+assert RECORD_TYPES.keys() == FIELDS.keys(), "every record field has a type"
+
+
+def check_record(record: dict, where: str) -> None:
+    """config.retrofit against its schema: every field of its type, nothing else, the options those of the norm with
+    the types of its defaults (a string is never read as a bool or a number)."""
+    if _is(int, record.get("format")) and record["format"] > FORMAT:  # its fields may be new: say so first
+        raise RetrofitError(f"{where}: this checkpoint was written by a newer retrofit (format {record['format']}); "
+                            "upgrade retrofit")
+    unknown = sorted(set(record) - set(FIELDS))
+    if unknown:
+        raise RetrofitError(f"{where}: retrofit has no field {', '.join(map(shown, unknown))}; its fields: "
+                            f"{', '.join(FIELDS)}")
+    for key, value in record.items():
+        test, what = RECORD_TYPES[key]
+        if not test(value):
+            raise RetrofitError(f"{where}: retrofit.{key} must be {what}, got {shown(value)}")
+    defaults = make_options(record["norm"]).__dict__
+    for key, value in record.get("options", {}).items():
+        default = defaults.get(key)  # unknown keys: make_options names the closest valid one below
+        if key in defaults and not _option_type_ok(default, value):
+            kind = "true or false" if isinstance(default, bool) else "a number" if isinstance(default, (int, float)) \
+                else "a string" if isinstance(default, str) else type(default).__name__
+            raise RetrofitError(f"{where}: retrofit.options.{key} must be {kind}, got {shown(value)}")
+    make_options(record["norm"], **record.get("options", {}))  # ranges and unknown keys, in the norm's own words
+
+
+def _option_type_ok(default, value) -> bool:
+    """A JSON value of the option's type (its default's): bool for bool, a number for numbers (or null where the
+    default is null: an optional number), a string for strings."""
+    number = _is(float, value) or _is(int, value)
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if default is None:
+        return value is None or number
+    if isinstance(default, (int, float)):
+        return number
+    return isinstance(value, type(default))
+
+
+def check_loaded_keys(source: str, info: dict, *, removed: str | None = None, patch_marker: str | None = None) -> None:
+    """What transformers loaded matches the model built: nothing missing (it would stay random), nothing extra
+    (another model's weights, or a config that builds fewer layers), nothing of the wrong shape. removed: a
+    prefix the patch itself removes (NoPE's learned position table); patch_marker: keys the patch adds, checked
+    apart (load_patch_tensors)."""
+    missing = {k for k in info.get("missing_keys", ()) if not (removed and k.startswith(removed))}
+    unexpected = {k for k in info.get("unexpected_keys", ())
+                  if not (patch_marker and patch_marker in k) and not k.endswith(STALE_BUFFERS)}
+    mismatched = {k[0] if isinstance(k, (tuple, list)) else k for k in info.get("mismatched_keys", ())}
+    problems = [f"{what} {listed(keys)}" for what, keys in (("missing", missing), ("unexpected", unexpected),
+                                                             ("of the wrong shape", mismatched)) if keys]
+    if problems:
+        raise RetrofitError(f"{source} is damaged or was saved from another model: weights {'; '.join(problems)}; "
+                            "save the model again (loading it would leave those weights random)")
+
+
+def check_finite(tensors: dict, source: str) -> None:
+    """The patch's saved parameters are finite: a NaN gain would make every output NaN, silently until used."""
+    for key, tensor in sorted(tensors.items()):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise RetrofitError(f"{source}: patch tensor {key} holds NaN or infinite values; the checkpoint is "
+                                "damaged (or training diverged): save a good model again")
+
+
+def listed(keys) -> str:
+    """Up to three names of a set of keys, for a one-line error."""
+    keys = sorted(keys)
+    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """No loading report and no progress bar: check_loaded_keys reports what is wrong, in one line (a report or a
+    bar drawn before it would make a refusal many lines)."""
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()

@@ -105,6 +105,7 @@ def build_world(root: Path) -> dict:
     w["list_yaml"] = str(root / "list.yaml")
     Path(w["list_yaml"]).write_text("- a\n- b\n")
     build_round3_errors(root, w)
+    build_damaged(root, w, model, root / "ckpt")
     # round 3 (load): a folder whose auto_map names its own code; a patched checkpoint missing a base weight
     planted = copy("planted") / "config.json"
     planted.write_text(json.dumps({**json.loads(planted.read_text()), "auto_map": {"AutoConfig": "x.Config"}}))
@@ -146,6 +147,47 @@ def build_round3_errors(root: Path, w: dict) -> None:
     (root / "run_list_recipe" / "recipe.yaml").write_text("- a\n- b\n")
     with open(root / "run_bad_log" / "log.jsonl", "a") as f:
         f.write('[1, 2]\n{"step": 2, "loss": 2.9}\n')
+
+
+def build_damaged(root: Path, w: dict, model: Path, ckpt: Path) -> None:
+    """Issue 36: plain folders with a weight missing, extra or misshapen; config.json values no model can have;
+    config.retrofit sections of the wrong types; a checkpoint with a NaN patch tensor or a misshapen base weight."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    def damaged(name, source, change_config=None, change_weights=None):
+        folder = root / name
+        shutil.copytree(source, folder)
+        if change_config is not None:
+            config = json.loads((folder / "config.json").read_text())
+            change_config(config)
+            (folder / "config.json").write_text(json.dumps(config))
+        if change_weights is not None:
+            tensors = load_file(str(folder / "model.safetensors"))
+            change_weights(tensors)
+            save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        w[name] = str(folder)
+
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    damaged("plain_missing", model, change_weights=lambda t: t.pop(o_proj))
+    damaged("plain_extra", model,
+            change_weights=lambda t: t.update({"model.layers.7.mlp.up_proj.weight": t[o_proj].clone()}))
+    damaged("plain_misshapen", model, change_weights=lambda t: t.update({o_proj: t[o_proj][:, :16].contiguous()}))
+    damaged("ckpt_misshapen", ckpt, change_weights=lambda t: t.update({o_proj: t[o_proj][:, :16].contiguous()}))
+    damaged("ckpt_nan", ckpt, change_weights=lambda t: t.update(
+        {k: torch.full_like(v, float("nan")) for k, v in t.items() if ".retrofit." in k}))
+    for name, key, value in (("cfg_heads_zero", "num_attention_heads", 0),
+                             ("cfg_heads_not_dividing", "num_key_value_heads", 3),
+                             ("cfg_vocab_negative", "vocab_size", -5), ("cfg_width_string", "hidden_size", "32"),
+                             ("cfg_float128", "dtype", "float128"),
+                             ("cfg_yarn_no_factor", "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4})):
+        damaged(name, model, change_config=lambda c, k=key, v=value: c.update({k: v}))
+    tiny_model("gpt2").save_pretrained(root / "gpt2")
+    damaged("cfg_gpt2_positions", root / "gpt2", change_config=lambda c: c.update(n_positions=10**12))
+    for name, change in (("retro_nope_string", {"nope": "false"}),
+                         ("retro_kernel", {"base_attn_implementation": "org/kernel"}),
+                         ("retro_option_string", {"options": {"kind": "rms", "gain": "2"}})):
+        damaged(name, ckpt, change_config=lambda c, change=change: c["retrofit"].update(change))
 
 
 @pytest.fixture(scope="module")
@@ -417,6 +459,38 @@ CASES = [
     ("tokenizer-data-missing", "tokenizer train --data {missing} --out {out}", r"--data .*no-such-thing"),
     ("tokenizer-out-users-folder", "tokenizer train --data {text} --out {folder}",
      r"--out .*/folder exists and is not empty; choose another --out or remove it"),
+    # issue 36 (guard): a plain folder is checked like a checkpoint; config.json and config.retrofit with types
+    ("patch-plain-missing-weight", "patch {plain_missing} --norm avnorm --out {out}",
+     r"plain_missing is damaged or was saved from another model: weights missing model.layers.0.self_attn.o_proj"),
+    ("patch-plain-extra-weight", "patch {plain_extra} --norm avnorm --out {out}",
+     r"plain_extra is damaged .*: weights unexpected model.layers.7.mlp.up_proj.weight; save the model again"),
+    ("patch-plain-misshapen-weight", "patch {plain_misshapen} --norm avnorm --out {out}",
+     r"plain_misshapen is damaged .*: weights of the wrong shape model.layers.0.self_attn.o_proj.weight"),
+    ("eval-ckpt-misshapen-weight", "eval {ckpt_misshapen} --data {text} --lengths 8 --out {out}",
+     r"ckpt_misshapen is damaged .*: weights of the wrong shape model.layers.0.self_attn.o_proj.weight"),
+    ("eval-ckpt-nan-gain", "eval {ckpt_nan} --data {text} --lengths 8 --out {out}",
+     r"ckpt_nan: patch tensor model.layers.0.self_attn.retrofit.gain holds NaN or infinite values"),
+    ("patch-config-zero-heads", "patch {cfg_heads_zero} --norm avnorm --out {out}",
+     r"cfg_heads_zero/config.json: num_attention_heads must be an integer in 1..16,777,216, got 0$"),
+    ("patch-config-kv-heads-not-dividing", "patch {cfg_heads_not_dividing} --norm avnorm --out {out}",
+     r"cfg_heads_not_dividing/config.json: num_key_value_heads \(3\) must divide num_attention_heads \(4\)$"),
+    ("patch-config-negative-vocab", "patch {cfg_vocab_negative} --norm avnorm --out {out}",
+     r"cfg_vocab_negative/config.json: vocab_size must be an integer in 1..16,777,216, got -5$"),
+    ("patch-config-string-width", "patch {cfg_width_string} --norm avnorm --out {out}",
+     r"cfg_width_string/config.json: hidden_size must be an integer in 1..16,777,216, got '32'$"),
+    ("patch-config-float128", "patch {cfg_float128} --norm avnorm --out {out}",
+     r"cfg_float128/config.json: dtype must be a torch floating-point type .*got 'float128'$"),
+    ("patch-config-yarn-no-factor", "patch {cfg_yarn_no_factor} --norm avnorm --out {out}",
+     r"cfg_yarn_no_factor/config.json is not a valid config \(.*rope_parameters.*yarn.*factor.*\); fix that value$"),
+    ("patch-config-gpt2-positions-1e12", "patch {cfg_gpt2_positions} --norm avnorm --out {out}",
+     r"cfg_gpt2_positions/config.json: n_positions must be an integer in 1..16,777,216, got 1000000000000$"),
+    ("eval-retrofit-nope-string", "eval {retro_nope_string} --data {text} --lengths 8 --out {out}",
+     r"retro_nope_string/config.json: retrofit.nope must be true or false \(a JSON boolean, not a string\), got "
+     r"'false'$"),
+    ("eval-retrofit-hub-kernel", "eval {retro_kernel} --data {text} --lengths 8 --out {out}",
+     r"retro_kernel/config.json: retrofit.base_attn_implementation must be one of sdpa, eager, .*got 'org/kernel'$"),
+    ("patch-retrofit-option-string", "patch {retro_option_string} --norm psoftmax --out {out}",
+     r"retro_option_string/config.json: retrofit.options.gain must be a number, got '2'$"),
 ]
 
 

@@ -164,7 +164,8 @@ def check_record(record: dict, where: str) -> None:
         default = defaults.get(key)  # unknown keys: make_options names the closest valid one below
         if key in defaults and not _option_type_ok(default, value):
             kind = "true or false" if isinstance(default, bool) else "a number" if isinstance(default, (int, float)) \
-                else "a string" if isinstance(default, str) else type(default).__name__
+                else "a number or null" if default is None else "a string" if isinstance(default, str) \
+                else type(default).__name__
             raise RetrofitError(f"{where}: retrofit.options.{key} must be {kind}, got {shown(value)}")
     make_options(record["norm"], **record.get("options", {}))  # ranges and unknown keys, in the norm's own words
 

@@ -104,14 +104,6 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx") and hasattr(m, "config")]
 
 
-def uncompiled(model: nn.Module) -> nn.Module:
-    """The model inside torch.compile's wrapper (an OptimizedModule forwards attribute reads to it, but writes and
-    `__dict__` pops land on the wrapper: unpatching through it left the model half-restored, still switched to
-    retrofit's kernels). Dynamo guards on the modules, so the wrapper recompiles on its next call after a change."""
-    inner = getattr(model, "_orig_mod", None) if type(model).__name__ == "OptimizedModule" else None
-    return inner if isinstance(inner, nn.Module) else model
-
-
 def is_patched(model: nn.Module) -> bool:
     return any(CHILD in m._modules for m in model.modules()) or has_positions_removed(model)
 
@@ -243,7 +235,7 @@ def patch(model: nn.Module, norm: str | None = None, *, nope: bool = False, rope
     if norm is None:
         raise RetrofitError(f"retrofit.patch needs a norm: one of {', '.join(available_norms())} (e.g. "
                             "retrofit.patch(model, 'softmax', rope='yarn:4'), or 'avnorm' then retrofit.calibrate)")
-    model = uncompiled(model)
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: patch the model (see unpatch)
     norm_cls = get_norm(norm)
     opts = make_options(norm, **options)
     base, wrap = _check_patchable(model, nope, norm_cls.on_output(opts))
@@ -301,9 +293,9 @@ def patch(model: nn.Module, norm: str | None = None, *, nope: bool = False, rope
 
 
 def unpatch(model: nn.Module) -> None:
-    """Remove every norm module and restore positions and the attention implementation, in place (of the model
-    inside a torch.compile wrapper, which then recompiles)."""
-    model = uncompiled(model)
+    """Remove every norm module and restore positions and the attention implementation, in place; of a torch.compile
+    wrapper, of its model (writes through the wrapper land on the wrapper; Dynamo recompiles after the change)."""
+    model = getattr(model, "_orig_mod", model)
     if not is_patched(model):
         raise RetrofitError("this model is not patched; there is nothing to unpatch")
     for module in model.modules():

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, pipeline
 
 import retrofit
 from retrofit.cli import main
+from retrofit.errors import RetrofitError
 from retrofit.load import load, save_model
 from tests.test_data import char_tokenizer
 from tests.tiny import random_ids, tiny_model
@@ -133,6 +134,11 @@ def test_a_pushed_training_run_reloads(tmp_path):
     staged = json.loads((tmp_path / "dry" / "result.json").read_text())
     assert staged["steps"] == 1 and staged["source"] == "base"  # published as a name, not this machine's path
     assert torch.equal(_logits(retrofit.from_pretrained(str(tmp_path / "dry"))), _logits(model))
+    (tmp_path / "dry" / "result.json").unlink()  # as an older retrofit pushed it: still a published, whole model
+    assert torch.equal(_logits(retrofit.from_pretrained(str(tmp_path / "dry"))), _logits(model))
+    (run / "result.json").unlink()  # the run itself without result.json: unfinished (it has log.jsonl)
+    with pytest.raises(RetrofitError, match="unfinished training run"):
+        retrofit.from_pretrained(str(run))
     shutil.rmtree(tmp_path / "dry")
 
 

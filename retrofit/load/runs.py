@@ -93,11 +93,15 @@ def _load_source(source, loading: dict, *, task_head: bool, adapter: bool, plain
 
 def check_finished(run) -> None:
     """A training run folder without result.json is unfinished (its model may be half-written, or absent):
-    refuse it with how to resume it, in every verb that loads it (eval, diagnose, push, patch, the API)."""
+    refuse it with how to resume it, in every verb that loads it (eval, diagnose, push, patch, the API). A folder
+    with recipe.yaml and a model but no log.jsonl or checkpoints is a published run (`retrofit push` before it
+    staged result.json): `retrofit train` writes log.jsonl when it starts, long before the model."""
     run = Path(os.path.expanduser(str(run)))
     if not run.is_dir() or (run / "result.json").is_file():
         return
     marks = [n for n in ("recipe.yaml", "checkpoints", "log.jsonl") if (run / n).exists()]
+    if marks == ["recipe.yaml"] and ((run / "config.json").is_file() or (run / ADAPTER_CONFIG).is_file()):
+        return  # published by an older `retrofit push` (no result.json); a run being trained has log.jsonl
     if marks:
         resume = f"retrofit train {run / 'recipe.yaml'} --resume {run}" if (run / "recipe.yaml").is_file() \
             else f"retrofit train RECIPE --resume {run}"

@@ -197,7 +197,7 @@ class TrainSection:
     batch_size: int = knob(8, "global sequences of data.seq_len per optimizer step (all processes together); "
                               "tokens/step = batch_size * seq_len, kept constant while staging")
     micro_batch_size: int = knob(8, "sequences per process per forward; smaller = less memory, more accumulation "
-                                    "(grad accumulation = batch_size / (micro_batch_size * processes))")
+                                    "(accumulation = batch_size / (micro_batch_size * data-parallel processes))")
     init_len: int | None = knob(None, "staged length (L2-softmax post): start at init_len, double every double_every "
                                       "steps up to data.seq_len; null = always seq_len")
     double_every: int = knob(0, "steps between length doublings when init_len is set")
@@ -205,6 +205,8 @@ class TrainSection:
     gradient_checkpointing: bool = knob(False, "recompute activations in backward: ~30% slower, much less memory")
     compile: bool = knob(False, "torch.compile the model (inductor); slow first steps, recompiles per staged length")
     cpu: bool = knob(False, "run on CPU even when a GPU is present")
+    sequence_parallel: int = knob(1, "N processes share each row (Ulysses: each holds T/N tokens, attention sees the "
+                                     "whole row for H/N heads); groups of N are data parallel; 1 = off")
     log_every: int = knob(10, "steps between log lines (loss is averaged over them)")
     progress: bool = knob(True, "show a progress bar (loss, tokens/s, ETA)")
     peft: PeftSection | None = knob(None, "LoRA finetune instead of full; null = train all weights")
@@ -225,6 +227,7 @@ class TrainSection:
         need(self.batch_size % self.micro_batch_size == 0,
               f"train.batch_size {self.batch_size} must be a multiple of micro_batch_size {self.micro_batch_size}")
         need(self.log_every >= 1, f"train.log_every must be >= 1, got {self.log_every}")
+        need(self.sequence_parallel >= 1, f"train.sequence_parallel must be >= 1 (1 = off), got {self.sequence_parallel}")
         if self.init_len is not None:
             need(self.init_len >= 2 and self.double_every >= 1,
                   "train: staged length needs init_len >= 2 and double_every >= 1")

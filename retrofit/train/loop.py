@@ -40,6 +40,7 @@ from ..load import apply_patch, language_model, load_base, recipe_tokenizer, sav
 from ..recipe import Recipe, flat, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, knob_values, record_knob
 from . import build, checkpoint
+from .sequence_parallel import check_recipe, shard, sharded
 from .tasks import evaluate, items, loss_sum, recovery_loss_sum
 
 
@@ -125,7 +126,9 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
     acc.wait_for_everyone()  # every process has checked the run folder before the main one writes to it
     t = recipe.train
     world, rank = acc.num_processes, acc.process_index
-    accum = build.accumulation(t, world)
+    layout = check_recipe(recipe)  # train.sequence_parallel: N processes share each row (None when 1)
+    data_rank, data_world = (layout.data_rank, layout.data_size) if layout else (rank, world)
+    accum = build.accumulation(t, data_world)
     if acc.distributed_type.name == "DEEPSPEED" and accum != 1:
         raise RetrofitError("with DeepSpeed set train.micro_batch_size = batch_size / processes (no accumulation)")
     if resume and (run_dir / "recipe.yaml").is_file():  # before anything loads: same recipe or a clear error
@@ -215,16 +218,17 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
         rows = t.batch_size * recipe.data.seq_len // length        # global rows at this length
         batch = data.batch(step, rows, length)                       # the global batch, identical on every process
         n_items = items(batch, task)
-        per_process, per_micro = rows // world, rows // world // accum
+        per_process, per_micro = rows // data_world, rows // data_world // accum
         rates = build.group_lrs(step, t, rec)
         lr = rates["decay"]
         for group in optimizer.param_groups:
             group["lr"] = rates[group.get("name", "decay")]
         for i in range(accum):
-            lo = rank * per_process + i * per_micro
+            lo = data_rank * per_process + i * per_micro
             part = {k: v[lo: lo + per_micro].to(acc.device) for k, v in batch.items() if torch.is_tensor(v)}
+            part = shard(part, layout) if layout else part  # this rank's tokens of each row
             sync = contextlib.nullcontext() if i == accum - 1 else acc.no_sync(model)
-            with sync:
+            with sync, sharded(model, layout):
                 loss = recovery_loss_sum(model, part, task, rec, step) if mixed else loss_sum(model, part, task)
                 acc.backward(loss * (world / n_items))  # DDP averages over processes: world/n makes it the global mean
             window_loss += loss.detach().double()

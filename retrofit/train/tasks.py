@@ -30,9 +30,10 @@ def loss_sum(model: nn.Module, batch: dict, task: str) -> torch.Tensor:
     if task == "counting":
         pred = model(batch["input_ids"])                      # (B, T)
         return (pred[:, 1:] - batch["counts"][:, 1:]).abs().sum()
+    # a sequence-parallel shard (train/sequence_parallel.shard) brings labels shifted over the whole row
+    labels = batch["shift_labels"] if "shift_labels" in batch else next_tokens(batch["labels"])  # (B, T)
     logits = model(**model_inputs(batch), use_cache=False).logits  # (B, T, V)
-    return F.cross_entropy(logits.flatten(0, 1).float(), next_tokens(batch["labels"]).flatten(), ignore_index=-100,
-                           reduction="sum")
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")

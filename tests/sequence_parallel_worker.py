@@ -1,8 +1,10 @@
-"""Run by tests/test_sequence_parallel.py under torchrun (2 processes, gloo): every case of
-tests/sequence_parallel_common.py sharded over both processes (Ulysses), then optionally a recipe trained with
-train.sequence_parallel: 2.
+"""Run by tests/test_sequence_parallel.py under torchrun (2 processes, gloo).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_worker.py OUT [RECIPE [KILL_STEP]]
+    python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_worker.py OUT [RECIPE [MODE]]
+
+OUT/sharded.pt: every case of tests/sequence_parallel_common.py sharded over both processes (Ulysses). RECIPE
+(train.sequence_parallel: 2) names two recipes, FULL,KILLED. MODE full (default): the cases, FULL trained, then KILLED
+trained until both processes kill themselves after step 7 (as a job kill does); resume: KILLED resumed.
 """
 
 import os
@@ -41,24 +43,29 @@ def sharded_case(case: str, layout) -> dict:
     return {"logits": torch.cat(pieces, 1), "loss": total, "grads": summed}
 
 
-def main(out: Path, recipe: str | None, kill_step: int | None) -> None:
+def main(out: Path, recipes: str | None, mode: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    if recipe is None:
-        layout = sequence_layout(2)
-        results = {case: sharded_case(case, layout) for case in CASES}
-        if dist.get_rank() == 0:
-            torch.save(results, out / "sharded.pt")
+    if mode == "resume":
+        train(load_recipe(recipes.split(",")[1]), resume=True)  # ends the process group
+        return
+    layout = sequence_layout(2)
+    results = {case: sharded_case(case, layout) for case in CASES}
+    if dist.get_rank() == 0:
+        torch.save(results, out / "sharded.pt")
+    if recipes is None:
         dist.destroy_process_group()
         return
+    full, killed = recipes.split(",")
+    train(load_recipe(full))  # ends the process group
+    dist.init_process_group("gloo")
 
     def kill(event, step, info):
-        if event == "step" and step == kill_step:
-            os.kill(os.getpid(), signal.SIGKILL)  # both processes, as a job kill does
+        if event == "step" and step == 7:
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    train(load_recipe(recipe), callbacks=[kill] if kill_step else [], resume=kill_step == 0)
+    train(load_recipe(killed), callbacks=[kill])
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None,
-         int(sys.argv[3]) if len(sys.argv) > 3 else None)
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None, sys.argv[3] if len(sys.argv) > 3 else "full")

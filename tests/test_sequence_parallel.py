@@ -1,6 +1,8 @@
 """Ulysses sequence parallelism on CPU (2 processes, gloo): for every norm, GQA with fewer KV heads than ranks,
 eager, GPT-2's learned positions and LoRA + gradient checkpointing, the sharded forward's logits and gradients
-equal one process's (fp32, 1e-5)."""
+equal one process's (fp32, 1e-5); `retrofit train` with train.sequence_parallel: 2 logs one process's losses, saves
+an unsharded model, and a killed run resumes bitwise. Three launches in all (the first runs every parity case and
+the uninterrupted training run)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from safetensors.torch import load_file
 
+import retrofit
 from retrofit.errors import RetrofitError
+from retrofit.recipe import load_recipe
+from retrofit.train import checkpoint, train
 from retrofit.train.sequence_parallel import SequenceLayout, shard
 from retrofit.train.tasks import loss_sum
 from tests.sequence_parallel_common import CASES, batch, build, grads
+from tests.test_train import lm_recipe, losses_of, write_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
@@ -28,12 +36,29 @@ def launch(out: Path, *args: str) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=300)
 
 
+def sp_recipe(folder: Path, name: str, sequence_parallel: int = 2) -> Path:
+    """lm on a tiny Llama with SSMax (a per-head parameter), gradient checkpointing, 10 steps, a checkpoint every 4."""
+    raw = lm_recipe(folder, folder / name, sequence_parallel=sequence_parallel, gradient_checkpointing=True)
+    raw["patch"] = {"norm": "ssmax"}
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sp")
-    proc = launch(out)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out / "sharded.pt")
+def launched(tmp_path_factory):
+    """One launch: every parity case, the uninterrupted sequence-parallel training run (folder/full), then the same
+    run killed (both processes) after step 7 (folder/killed)."""
+    folder = write_corpus(tmp_path_factory.mktemp("sp"))
+    proc = launch(folder, f"{sp_recipe(folder, 'full')},{sp_recipe(folder, 'killed')}")
+    assert proc.returncode != 0 and (folder / "full" / "result.json").is_file(), proc.stderr[-3000:]
+    assert not (folder / "killed" / "result.json").exists()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sharded(launched):
+    return torch.load(launched / "sharded.pt")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -65,3 +90,22 @@ def test_shard_scores_the_token_after_a_boundary():
         shard({"input_ids": ids[:, :15]}, layout)
     with pytest.raises(RetrofitError, match="padded rows"):
         shard({**batch(), "attention_mask": torch.ones_like(ids).index_fill(1, torch.tensor([0]), 0)}, layout)
+
+
+def test_training_matches_one_process_and_a_killed_run_resumes_bitwise(launched):
+    folder = launched
+    full = losses_of(folder / "full")
+    one = train(load_recipe(sp_recipe(folder, "one", sequence_parallel=1)))
+    assert sorted(full) == sorted(one.losses) == list(range(1, 11))
+    assert max(abs(full[s] - one.losses[s]) for s in full) <= 1e-5, (full, one.losses)
+    assert one.losses[10] < one.losses[1]  # it trained
+    assert [s for s, _ in checkpoint.complete_checkpoints(folder / "killed")] == [4]
+    proc = launch(folder, f"{folder / 'full.yaml'},{folder / 'killed.yaml'}", "resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout + proc.stderr
+    assert losses_of(folder / "killed") == full  # bitwise: the same floats in the log
+    saved, resumed = (load_file(folder / run / "model.safetensors") for run in ("full", "killed"))
+    assert saved.keys() == resumed.keys() and all(torch.equal(saved[k], resumed[k]) for k in saved)
+    reloaded = retrofit.from_pretrained(str(folder / "full"))  # unsharded: one process loads it as a plain run
+    for name, weight in one.model.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], weight, rtol=0, atol=1e-4, msg=name)

@@ -18,9 +18,10 @@ from safetensors.torch import load_file
 
 import retrofit
 from retrofit.errors import RetrofitError
-from retrofit.recipe import load_recipe
+from retrofit.recipe import load_recipe, recipe_from_dict
 from retrofit.train import checkpoint, train
-from retrofit.train.sequence_parallel import SequenceLayout, shard
+from retrofit.train.sequence_parallel import SequenceLayout, check_recipe, shard
+from retrofit.train.sequence_parallel import sharded as sharded_model
 from retrofit.train.tasks import loss_sum
 from tests.sequence_parallel_common import CASES, batch, build, grads
 from tests.test_train import lm_recipe, losses_of, write_corpus
@@ -109,3 +110,25 @@ def test_training_matches_one_process_and_a_killed_run_resumes_bitwise(launched)
     reloaded = retrofit.from_pretrained(str(folder / "full"))  # unsharded: one process loads it as a plain run
     for name, weight in one.model.state_dict().items():
         torch.testing.assert_close(reloaded.state_dict()[name], weight, rtol=0, atol=1e-4, msg=name)
+
+
+def test_what_sequence_parallelism_cannot_run_is_refused_in_one_line(tmp_path):
+    from tests.tiny import tiny_model
+    three = SequenceLayout(size=3, rank=0, data_rank=0, data_size=1)
+    with pytest.raises(RetrofitError, match="4 attention heads cannot be split over train.sequence_parallel 3"):
+        with sharded_model(tiny_model("llama"), three):
+            pass
+    with pytest.raises(RetrofitError, match="sliding-window"):
+        with sharded_model(tiny_model("gemma2"), SequenceLayout(2, 0, 0, 1)):
+            pass
+    raw = lm_recipe(tmp_path, tmp_path / "run", sequence_parallel=2)
+    with pytest.raises(RetrofitError, match="train.log_every .* and sequence_parallel .* must be >= 1"):
+        recipe_from_dict({**raw, "train": {**raw["train"], "sequence_parallel": 0}})
+    counting = {**raw, "data": {"task": "counting", "seq_len": 32}}
+    with pytest.raises(RetrofitError, match="counting's regression head is not sharded"):
+        check_recipe(recipe_from_dict(counting))
+    odd = {**raw, "data": {**raw["data"], "seq_len": 33}}
+    with pytest.raises(RetrofitError, match="33 is not a multiple of train.sequence_parallel 2"):
+        check_recipe(recipe_from_dict(odd))
+    model = tiny_model("llama")
+    assert sharded_model(model, None).__enter__() is model  # off: the model as it is

@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); "
                         "1 is steadier on a shared machine")
     parser.add_argument("--out", default="bench-train.json", help="where to write the JSON results")
+    parser.add_argument("--sequence-parallel", type=int, default=1, help="N > 1: retrofit's loop alone, one process "
+                        "vs N sharing each row: peak memory per process, tokens/s (bench/sequence_parallel.py)")
 
 
 class RandomTokens:
@@ -93,7 +95,7 @@ def run_retrofit(args, rows, workdir: Path) -> list[float]:
         "data": {"task": "lm", "seq_len": args.seq_len, "files": ["unused"]},
         "train": {"steps": args.steps, "batch_size": args.batch, "micro_batch_size": args.batch, "lr": 1e-4,
                   "warmup_steps": args.warmup, "precision": args.precision, "log_every": args.warmup,
-                  "progress": False, "cpu": args.cpu},
+                  "progress": False, "cpu": args.cpu, "sequence_parallel": getattr(args, "sequence_parallel", 1)},
         "output": {"dir": str(workdir)}})
     stamps = []  # (step, time) at every log
     train(recipe, model=_model(args), data=RandomTokens(rows), callbacks=[
@@ -132,6 +134,9 @@ def _tokens_per_s(stamps: list[tuple[int, float]], args) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sequence_parallel > 1:
+        from .sequence_parallel import run as run_sequence_parallel
+        return run_sequence_parallel(args)
     if args.steps % args.warmup or args.steps < 2 * args.warmup:
         raise RetrofitError("--steps must be a multiple of --warmup and at least 2 x --warmup")
     import torch

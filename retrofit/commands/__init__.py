@@ -116,7 +116,8 @@ def check_recipe(recipe) -> None:
     device = device_for_memory()
     # half-precision weights or mixed precision ("auto" may pick bf16) keep 2-byte activations: the lower bound
     size = 4 if m.dtype in ("auto", "float32") and recipe.train.precision == "fp32" else 2  # auto trains in fp32
-    check_fits(config, recipe.data.seq_len * recipe.train.micro_batch_size, training=True, device=device,
+    shared = recipe.train.sequence_parallel  # each of N processes holds seq_len / N tokens of a row
+    check_fits(config, recipe.data.seq_len * recipe.train.micro_batch_size // shared, training=True, device=device,
                dtype_bytes=size, checkpointing=recipe.train.gradient_checkpointing,
                what=f"training at data.seq_len {recipe.data.seq_len:,} x train.micro_batch_size "
                     f"{recipe.train.micro_batch_size}", lower="data.seq_len or train.micro_batch_size")

@@ -30,7 +30,7 @@ BENCHES = {
 }
 # integer options of the benchmarks that must be >= 1 (checked whichever benchmark has them)
 COUNTS = ("heads", "dim", "batch", "repeats", "timeout", "length", "chunk_tokens", "seq_len", "steps", "warmup",
-          "threads", "prompt_tokens", "new_tokens")
+          "threads", "prompt_tokens", "new_tokens", "sequence_parallel")
 
 
 class _RaisingParser(argparse.ArgumentParser):

@@ -1,0 +1,38 @@
+"""One measuring process of `retrofit bench train --sequence-parallel N` (retrofit/bench/sequence_parallel.py).
+
+    python -m retrofit.bench.sequence_parallel_worker WORKDIR SETTINGS_JSON      # under torchrun for N > 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from ..atomic import atomic_write_text
+
+
+def worker(args, workdir: Path) -> None:
+    """One process of a measurement: bench train's retrofit loop, then this rank's peak memory and tokens/s."""
+    import torch
+
+    from ..memory import PeakMemory
+    from .train import SIZES, run_retrofit
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rank, processes = int(os.environ.get("RANK", "0")), args.sequence_parallel
+    rows = torch.randint(0, SIZES[args.model_type]["vocab_size"], (args.batch * args.steps, args.seq_len),
+                         generator=torch.Generator().manual_seed(0))  # the rows bench train uses
+    with PeakMemory("cpu") as memory:
+        stamps = run_retrofit(args, rows, workdir / f"run-{processes}")  # (step, time) at every log
+    (first_step, first), (last_step, last) = stamps[0], stamps[-1]
+    atomic_write_text(workdir / f"measure-{processes}-{rank}.json", json.dumps({
+        "rank": rank, "start_mb": memory.start_mb, "peak_mb": memory.peak_mb, "added_mb": memory.added_mb,
+        "tokens_per_s": (last_step - first_step) * args.batch * args.seq_len / (last - first),
+        "threads": torch.get_num_threads(), "method": memory.method}))
+
+
+if __name__ == "__main__":
+    worker(argparse.Namespace(**json.loads(sys.argv[2])), Path(sys.argv[1]))

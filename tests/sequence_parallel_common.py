@@ -21,6 +21,7 @@ CASES = {
     "gqa-1kv-eager-ssmax": ("llama", {"num_key_value_heads": 1, "attn_implementation": "eager"}, "ssmax", {}),
     "gpt2-softmax1": ("gpt2", {}, "softmax1", {"learnable": True}),  # learned absolute positions
     "lora-checkpointing-ssmax": ("llama", {}, "ssmax", {}),
+    "bf16-softmax1": ("llama", {}, "softmax1", {"learnable": True}),  # weights and activations in bf16
 }
 
 
@@ -34,6 +35,8 @@ def build(case: str):
         for name, p in model.named_parameters():
             if ".retrofit." in name:
                 p.add_(0.1 * torch.arange(p.numel(), dtype=p.dtype).view_as(p))
+    if case.startswith("bf16"):
+        model.to(torch.bfloat16)
     if case.startswith("lora"):
         torch.manual_seed(1)
         config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["retrofit"])

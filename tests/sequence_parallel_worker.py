@@ -3,13 +3,16 @@
     python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_worker.py OUT [RECIPE [MODE]]
 
 OUT/sharded.pt: every case of tests/sequence_parallel_common.py sharded over both processes (Ulysses). RECIPE
-(train.sequence_parallel: 2) names two recipes, FULL,KILLED. MODE full (default): the cases, FULL trained, then KILLED
-trained until both processes kill themselves after step 7 (as a job kill does); resume: KILLED resumed.
+(train.sequence_parallel: 2) is then trained; MODE full (default) to the end; kill:N (no parity cases) until both
+processes kill themselves after step N, as a job kill does; resume (no parity cases): resumed from its run folder.
+One training run per launch: a run ends the process group, and a second one in the same processes would meet the
+first one's rendezvous keys on torchrun's store.
 """
 
 import os
 import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -43,28 +46,23 @@ def sharded_case(case: str, layout) -> dict:
     return {"logits": torch.cat(pieces, 1), "loss": total, "grads": summed}
 
 
-def main(out: Path, recipes: str | None, mode: str) -> None:
-    dist.init_process_group("gloo")
+def main(out: Path, recipe: str | None, mode: str) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a mismatch fails instead of waiting 30 min
     torch.set_num_threads(1)
-    if mode == "resume":
-        train(load_recipe(recipes.split(",")[1]), resume=True)  # ends the process group
-        return
-    layout = sequence_layout(2)
-    results = {case: sharded_case(case, layout) for case in CASES}
-    if dist.get_rank() == 0:
-        torch.save(results, out / "sharded.pt")
-    if recipes is None:
+    if mode == "full":
+        results = {case: sharded_case(case, sequence_layout(2)) for case in CASES}
+        if dist.get_rank() == 0:
+            torch.save(results, out / "sharded.pt")
+    if recipe is None:
         dist.destroy_process_group()
         return
-    full, killed = recipes.split(",")
-    train(load_recipe(full))  # ends the process group
-    dist.init_process_group("gloo")
+    kill_step = int(mode.split(":")[1]) if mode.startswith("kill:") else None
 
     def kill(event, step, info):
-        if event == "step" and step == 7:
+        if event == "step" and step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    train(load_recipe(killed), callbacks=[kill])
+    train(load_recipe(recipe), callbacks=[kill], resume=mode == "resume")  # ends the process group
 
 
 if __name__ == "__main__":

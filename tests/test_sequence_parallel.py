@@ -1,8 +1,8 @@
 """Ulysses sequence parallelism on CPU (2 processes, gloo): for every norm, GQA with fewer KV heads than ranks,
 eager, GPT-2's learned positions and LoRA + gradient checkpointing, the sharded forward's logits and gradients
 equal one process's (fp32, 1e-5); `retrofit train` with train.sequence_parallel: 2 logs one process's losses, saves
-an unsharded model, and a killed run resumes bitwise. Three launches in all (the first runs every parity case and
-the uninterrupted training run)."""
+an unsharded model, and a killed run resumes bitwise. Three launches (one training run each; the first also runs
+every parity case)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,16 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 def launch(out: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "sequence_parallel_worker.py"), str(out), *args],
-                          env=env, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "tests" / "sequence_parallel_worker.py"), str(out), *args]
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # SIGTERM: torchrun ends its workers (they run in sessions of their own)
+            stdout, stderr = proc.communicate(timeout=30)
+            raise AssertionError(f"the launch timed out: {stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def sp_recipe(folder: Path, name: str, sequence_parallel: int = 2) -> Path:
@@ -48,12 +55,10 @@ def sp_recipe(folder: Path, name: str, sequence_parallel: int = 2) -> Path:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """One launch: every parity case, the uninterrupted sequence-parallel training run (folder/full), then the same
-    run killed (both processes) after step 7 (folder/killed)."""
+    """One launch: every parity case, then the uninterrupted sequence-parallel training run (folder/full)."""
     folder = write_corpus(tmp_path_factory.mktemp("sp"))
-    proc = launch(folder, f"{sp_recipe(folder, 'full')},{sp_recipe(folder, 'killed')}")
-    assert proc.returncode != 0 and (folder / "full" / "result.json").is_file(), proc.stderr[-3000:]
-    assert not (folder / "killed" / "result.json").exists()
+    proc = launch(folder, str(sp_recipe(folder, "full")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return folder
 
 
@@ -71,12 +76,15 @@ def test_sharded_logits_and_gradients_equal_one_process(case, sharded):
     with torch.no_grad():
         logits = model(input_ids=batch()["input_ids"], use_cache=False).logits
     got = sharded[case]
-    torch.testing.assert_close(got["logits"], logits, rtol=0, atol=1e-5)
-    torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-6, atol=1e-5)
+    # fp32: 1e-5. bf16: one bf16 rounding (2^-8 relative) where a sum runs over T/N rows and two halves, not T
+    half = case.startswith("bf16")
+    tol = dict(rtol=2e-2, atol=2e-2) if half else dict(rtol=0, atol=1e-5)
+    torch.testing.assert_close(got["logits"], logits, **tol)
+    torch.testing.assert_close(got["loss"], loss.detach(), **(tol if half else dict(rtol=1e-6, atol=1e-5)))
     reference = grads(model)
     assert got["grads"].keys() == reference.keys() and reference
     for name, g in reference.items():
-        torch.testing.assert_close(got["grads"][name], g, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(got["grads"][name], g, **tol, msg=name)
     patch_grads = [g for n, g in reference.items() if ".retrofit." in n]
     assert all(g.abs().min() > 0 for g in patch_grads)  # every head of a per-head parameter got its gradient
 
@@ -100,8 +108,11 @@ def test_training_matches_one_process_and_a_killed_run_resumes_bitwise(launched)
     assert sorted(full) == sorted(one.losses) == list(range(1, 11))
     assert max(abs(full[s] - one.losses[s]) for s in full) <= 1e-5, (full, one.losses)
     assert one.losses[10] < one.losses[1]  # it trained
+    killed = sp_recipe(folder, "killed")
+    proc = launch(folder, str(killed), "kill:7")  # both processes kill themselves after step 7
+    assert proc.returncode != 0 and not (folder / "killed" / "result.json").exists()
     assert [s for s, _ in checkpoint.complete_checkpoints(folder / "killed")] == [4]
-    proc = launch(folder, f"{folder / 'full.yaml'},{folder / 'killed.yaml'}", "resume")
+    proc = launch(folder, str(killed), "resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout + proc.stderr
     assert losses_of(folder / "killed") == full  # bitwise: the same floats in the log

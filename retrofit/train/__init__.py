@@ -10,7 +10,8 @@
     model = retrofit.load.load(result.run_dir)                         # LM or CountingModel, ready to evaluate
 
 Modules: loop (the loop), build (accelerator, task wrapper, LoRA, optimizer, schedule), tasks (losses,
-periodic evaluation), checkpoint (atomic resumable state), runlog (log.jsonl). Loading the model and
+periodic evaluation), checkpoint (atomic resumable state), runlog (log.jsonl), fsdp (FSDP2 units),
+sequence_parallel (train.sequence_parallel: Ulysses, N processes per row). Loading the model and
 saving the final one is retrofit.load; the CLI is retrofit/commands/train.py.
 """
 

@@ -6,7 +6,9 @@
 Each optimizer step takes the step's global batch (built identically on every process), trains this
 process's slice of it in `micro_batch_size` pieces (no gradient sync until the last), and divides
 every loss sum by the global item count, so the gradient is the exact mean over the global batch for
-any number of processes or accumulation steps. The learning rate is a pure function of the step, so
+any number of processes or accumulation steps. With train.sequence_parallel N, groups of N processes share each
+row (sequence_parallel.py: each scores its T/N tokens; attention sees the whole row), and the groups split the batch;
+evaluation and saving run unsharded. The learning rate is a pure function of the step, so
 a resumed run needs only model, optimizer, RNG and data position to continue identically (plus the
 open log window's loss sum, so a window spanning the resume logs the same mean).
 

@@ -80,7 +80,12 @@ def sequence_layout(size: int) -> SequenceLayout | None:
         raise RetrofitError(f"train.sequence_parallel {size} does not divide the {world} process(es): launch "
                             f"a multiple of {size} (torchrun --nproc_per_node {size})")
     rank = dist.get_rank()
-    groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world // size)]  # all ranks
+    if size == world:  # one group: the default one (DDP's collectives share it, as SyncBatchNorm's do)
+        return SequenceLayout(size, rank, 0, 1, dist.group.WORLD)
+    # Several groups: every rank creates every group. torch names groups by a counter it resets when the default
+    # group is destroyed, so a second run in one launch would meet the first run's rendezvous keys on the store:
+    # launch one run per process when groups are several.
+    groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world // size)]
     return SequenceLayout(size, rank % size, rank // size, world // size, groups[rank // size])
 
 

@@ -227,7 +227,8 @@ class TrainSection:
         need(self.batch_size % self.micro_batch_size == 0,
               f"train.batch_size {self.batch_size} must be a multiple of micro_batch_size {self.micro_batch_size}")
         need(self.log_every >= 1, f"train.log_every must be >= 1, got {self.log_every}")
-        need(self.sequence_parallel >= 1, f"train.sequence_parallel must be >= 1 (1 = off), got {self.sequence_parallel}")
+        need(self.sequence_parallel >= 1, f"train.sequence_parallel must be >= 1 (1 = off), got "
+                                          f"{self.sequence_parallel}")
         if self.init_len is not None:
             need(self.init_len >= 2 and self.double_every >= 1,
                   "train: staged length needs init_len >= 2 and double_every >= 1")

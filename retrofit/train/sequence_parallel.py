@@ -97,6 +97,9 @@ def check_recipe(recipe) -> SequenceLayout | None:
     if recipe.data.task == "counting":
         raise RetrofitError("train.sequence_parallel trains the lm and passkey tasks; counting's regression head "
                             "is not sharded: set train.sequence_parallel to 1")
+    if recipe.data.packing == "documents":
+        raise RetrofitError("train.sequence_parallel runs whole rows of plain causal attention: data.packing "
+                            "documents (attention within each document) is not supported with it yet; use concat")
     recovery = recipe.section("recovery")
     if recovery is not None and recovery.distills():
         raise RetrofitError("train.sequence_parallel does not shard the recovery teacher (kl_weight, match_steps) "

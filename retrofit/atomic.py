@@ -8,12 +8,14 @@
     with folder_lock(run_dir):                           # one writer per run folder (fcntl.flock)
         ...
     out = check_output("~/runs/x", "--out")              # the one rule for a folder a verb writes (below)
+    adopt("runs/old")                                    # a folder from before the marker, because its user says so
     with output_folder(out, "--out") as out:             # ... made, marked and locked for the block
         ...
 
 The rule for every folder a verb writes (train, experiment, patch, eval, diagnose, push --dry-run): it is new,
-empty, or one retrofit made (it holds MARKER). A folder of the user's own files, `/` or the home folder is
-refused in one line before anything is touched. `~` is expanded once, by check_output, and the path it
+empty, or one retrofit made (it holds MARKER; nothing else counts, however retrofit-like its files look; a run
+from before the marker comes in by `retrofit adopt DIR`). A folder of the user's own files, `/` or the home
+folder is refused in one line before anything is touched. `~` is expanded once, by check_output, and the path it
 returns is the one every check, writer and printed hint uses.
 
 A crash or an error inside the block leaves nothing behind: no half-written model to load silently.
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import os
 import shutil
 import tempfile
@@ -91,25 +92,33 @@ def output_path(path) -> Path:
 
 
 def _made_by_retrofit(folder: Path) -> bool:
-    """Holds MARKER, or (a folder written before the marker existed) retrofit's own record: a run's log.jsonl that
-    opens with its config event, an eval/experiment/diagnose result with a `retrofit.` schema."""
+    """Holds MARKER (a real file). Nothing else makes a folder retrofit's: a results.json or log.jsonl that looks
+    like retrofit's may be a copy among the user's own files. An older run, written before the marker existed,
+    comes in only when its user says so: `retrofit adopt DIR` (adopt, below)."""
     marker = folder / MARKER
-    if marker.is_file() and not marker.is_symlink():
-        return True
-    for name in ("log.jsonl", "base/log.jsonl", "results.json", "diagnose.json"):
-        path = folder / name
-        if not path.is_file() or path.is_symlink():
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                head = f.readline(1 << 20) if name.endswith("jsonl") else f.read(1 << 26)
-            record = json.loads(head)
-        except (OSError, UnicodeDecodeError, ValueError):
-            continue
-        if isinstance(record, dict) and (record.get("event") == "config"
-                                         or str(record.get("schema", "")).startswith("retrofit.")):
-            return True
-    return False
+    return marker.is_file() and not marker.is_symlink()
+
+
+def adopt(path) -> tuple[Path, list[tuple[str, int]]]:
+    """Mark the folder at `path` as retrofit's, because its user says it is (a run from before the marker
+    existed): retrofit may then write into it and delete what it made there. Returns (folder, [(name, bytes)]
+    of what was in it). Refused in one line: a link, a file, a missing folder, /, the home folder, one already
+    marked."""
+    out = output_path(path)
+    if out.is_symlink() or not out.is_dir():
+        raise RetrofitError(f"{out} is " + ("a symbolic link" if out.is_symlink() else "not a folder" if out.exists()
+                                           else "missing") + "; adopt takes a folder retrofit wrote")
+    if out.resolve() in (Path("/"), Path.home().resolve()):
+        raise RetrofitError(f"{out} is / or the home folder: retrofit never adopts it")
+    if _made_by_retrofit(out):
+        raise RetrofitError(f"{out} is retrofit's already (it has {MARKER}); nothing to adopt")
+    listing = []
+    for p in sorted(out.iterdir())[:1000]:
+        listing.append((p.name + ("/" if p.is_dir() and not p.is_symlink() else ""),
+                        p.lstat().st_size if not p.is_dir() else 0))
+    (out / MARKER).write_text("adopted by its user (retrofit adopt): retrofit writes here (and deletes only what it "
+                              "made)\n")
+    return out, listing
 
 
 def check_output(path, what: str = "--out", *, empty: bool = False) -> Path:
@@ -128,7 +137,8 @@ def check_output(path, what: str = "--out", *, empty: bool = False) -> Path:
         raise RetrofitError(f"{what} {out} exists and is not empty; choose another {what} or remove it")
     if not _made_by_retrofit(out):
         raise RetrofitError(f"{what} {out} holds files retrofit did not write (it has no {MARKER}); choose a new "
-                            "or empty folder: retrofit never writes into a folder of yours")
+                            "or empty folder: retrofit never writes into a folder of yours (a run from an older "
+                            f"retrofit: `retrofit adopt {out}` first)")
     return out
 
 
@@ -228,13 +238,22 @@ def atomic_folder(out, what: str = "folder"):
 
 def atomic_write_text(path, text: str) -> Path:
     """Write a file through a temporary sibling and a rename: readers see the old file or the new one."""
+    with atomic_writer(path) as f:
+        f.write(text)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_writer(path):
+    """A text file open for writing in pieces (a large file never held whole), renamed to `path` when the block
+    ends without an error; otherwise removed. Readers see the old file or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a result file is as readable as any other
         with os.fdopen(fd, "w") as f:
-            f.write(text)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -242,7 +261,6 @@ def atomic_write_text(path, text: str) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
 
 
 @contextlib.contextmanager

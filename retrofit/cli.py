@@ -35,6 +35,7 @@ COMMANDS = {
     "bench": ("retrofit.commands.bench", "benchmarks: attention kernels, training loop, evaluation"),
     "tokenizer": ("retrofit.commands.tokenizer", "train a small byte-level BPE tokenizer on text files"),
     "report": ("retrofit.commands.report", "judge finished results again: intervals, paired differences"),
+    "adopt": ("retrofit.commands.adopt", "mark a folder an older retrofit wrote as retrofit's (listing it first)"),
 }
 
 

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 SECRET = "-----BEGIN OPENSSH PRIVATE KEY----- canary-secret-3f9a"
 NOT_OURS = ("retrofit {verb}: error: {flag} {path} holds files retrofit did not write (it has no .retrofit-owned); "
-            "choose a new or empty folder: retrofit never writes into a folder of yours")
+            "choose a new or empty folder: retrofit never writes into a folder of yours (a run from an older retrofit: "
+            "`retrofit adopt {path}` first)")
 NOT_EMPTY = "retrofit {verb}: error: {flag} {path} exists and is not empty; choose another {flag} or remove it"
 LINK = ("retrofit push: error: {where} in {root} is a symbolic link; push never publishes what a link points to: "
         "replace it with a copy of the file, or remove it")
@@ -227,13 +228,36 @@ def test_a_retrofit_made_run_resumes_and_an_empty_folder_is_taken(tmp_path, caps
     assert code == 0 and (empty / "result.json").is_file() and (empty / atomic.MARKER).is_file(), lines
 
 
-def test_a_run_from_before_the_marker_still_resumes(tmp_path, capsys):
+def test_a_run_from_before_the_marker_resumes_once_its_user_adopts_it(tmp_path, capsys):
+    """Only the marker makes a folder retrofit's (issue 36): a run an older retrofit wrote is refused, however
+    retrofit-like its log.jsonl, until `retrofit adopt RUN` lists it and marks it."""
     run, _ = counting_run(tmp_path, save_every=1)
     (run / atomic.MARKER).unlink()  # as an older retrofit left it: its log.jsonl opens with the config event
     (run / "result.json").unlink()
+    before = checksums(tmp_path)
+    code, lines, _ = run_cli(["train", tmp_path / "run.yaml", "--resume", run], capsys)
+    assert code == 2 and "holds files retrofit did not write" in lines[0] and f"retrofit adopt {run}" in lines[0]
+    assert checksums(tmp_path) == before
+    code, lines, out = run_cli(["adopt", run], capsys)
+    assert code == 0 and "  log.jsonl  (" in out and (run / atomic.MARKER).is_file(), lines
     code, lines, out = run_cli(["train", tmp_path / "run.yaml", "--resume", run], capsys)
     assert code == 0 and "resumed from" in out, lines
     assert (run / "result.json").is_file() and (run / atomic.MARKER).is_file()
+
+
+def test_a_copied_retrofit_results_file_does_not_make_a_folder_retrofits(tmp_path):
+    """9f7e963 took a folder holding a results.json with a `retrofit.` schema as its own and wrote into it."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "results.json").write_text(json.dumps({"schema": "retrofit.eval/1"}))
+    (notes / "mine.md").write_text("mine")
+    with pytest.raises(atomic.RetrofitError, match="holds files retrofit did not write"):
+        atomic.check_output(notes, "--out")
+    folder, listing = atomic.adopt(notes)  # the user's choice, not an inference
+    assert folder == notes and [name for name, _ in listing] == ["mine.md", "results.json"]
+    assert atomic.check_output(notes, "--out") == notes
+    with pytest.raises(atomic.RetrofitError, match="retrofit's already"):
+        atomic.adopt(notes)
 
 
 def test_an_experiment_re_run_keeps_working(tmp_path, capsys):

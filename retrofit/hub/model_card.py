@@ -1,12 +1,18 @@
 """The model card `retrofit push` writes as README.md: metadata, what was patched and why, how to load
 it, how it was trained (recipe, loss curve) and how it extrapolates (the `retrofit eval` table).
 
-Built from the `info` dict that retrofit.hub.publish.stage gathers; no network, no files read here.
+Built from the `info` dict that retrofit.hub.publish.stage gathers; no network, no files read here. Every text
+it embeds passes one of three escapes: _text (markdown text: one line, HTML and markdown characters escaped),
+_code (an inline code span fenced by more backticks than it holds) or _fence (a code block whose fence is longer
+than any run of backticks inside): a recipe `name:` with newlines, backticks or HTML stays text.
 """
 
 from __future__ import annotations
 
+import html
 import json
+import re
+from urllib.parse import quote
 
 from huggingface_hub import ModelCardData
 
@@ -32,6 +38,26 @@ NOPE_WHY = ("Positional information was removed (NoPE): lengths beyond those see
             "out-of-distribution position signal.")
 
 
+def _text(value) -> str:
+    """`value` as markdown text on one line: HTML escaped (no tag renders), markdown's active characters escaped."""
+    one_line = html.escape(" ".join(str(value).split()), quote=False)
+    return re.sub(r"([\\`*_{}\[\]()#+!|~>])", r"\\\1", one_line)
+
+
+def _code(value) -> str:
+    """`value` as an inline code span on one line (HTML is literal there), safe in a table cell."""
+    one_line = " ".join(str(value).split()).replace("|", "\\|")
+    fence = "`" * (max(map(len, re.findall(r"`+", one_line)), default=0) + 1)
+    pad = " " if one_line.startswith("`") or one_line.endswith("`") else ""
+    return f"{fence}{pad}{one_line}{pad}{fence}"
+
+
+def _fence(text: str, language: str) -> list[str]:
+    """`text` as a fenced code block that nothing inside can close (the fence outgrows every backtick run)."""
+    fence = "`" * max(3, max(map(len, re.findall(r"`+", text)), default=0) + 1)
+    return [fence + language, text.rstrip(), fence]
+
+
 def model_card(info: dict) -> str:
     record, repo, adapter = info["record"], info["repo"], info["kind"] == "adapter"
     norm = record["norm"]
@@ -41,40 +67,42 @@ def model_card(info: dict) -> str:
     tags += ["lora", "peft"] if adapter else []
     data = ModelCardData(library_name="peft" if adapter else "transformers", base_model=base, license=info["license"],
                          tags=tags, pipeline_tag="text-generation")
-    options = ", ".join(f"{k}={v}" for k, v in (record.get("options") or {}).items()) or "none"
-    formula = get_norm(norm).formula.replace("|", "\\|")  # a bare | would split the table cell
+    options = _text(", ".join(f"{k}={v}" for k, v in (record.get("options") or {}).items()) or "none")
+    formula = _code(get_norm(norm).formula)  # a bare | would split the table cell: _code escapes it
     calibration = record.get("calibration")
     what = ("a LoRA adapter (with the patch recorded)" if adapter
             else ("the merged model" if info["merged"] else "the model"))
     lines = [
-        f"# {repo.split('/')[-1]}", "",
-        f"{base or info.get('model_type') or 'A causal language model'} with its attention normalization replaced by "
+        f"# {_text(repo.split('/')[-1])}", "",
+        f"{_text(base or info.get('model_type') or 'A causal language model')} with its attention normalization "
+        "replaced by "
         f"**{norm}**{' and its positional information removed (NoPE)' if record.get('nope') else ''}, made with "
         f"retrofit. This repository holds {what}.", "",
         "## What was patched, and why", "",
         "| | |", "|---|---|",
-        f"| norm | `{norm}`: {get_norm(norm).summary} |",
-        f"| formula | `{formula}` |",
+        f"| norm | {_code(norm)}: {_text(get_norm(norm).summary)} |",
+        f"| formula | {formula} |",
         f"| options | {options} |",
         f"| positions | {'removed (NoPE)' if record.get('nope') else 'kept'} |",
-        f"| attention kernel | wraps `{record.get('base_attn_implementation', 'sdpa')}` |",
+        f"| attention kernel | wraps {_code(record.get('base_attn_implementation', 'sdpa'))} |",
         f"| parameters added | {info['params_added']:,} |",
-        f"| calibration | {json.dumps(calibration) if calibration else 'none'} |",
-        f"| retrofit version | {record.get('retrofit_version')} |", "",
+        f"| calibration | {_text(json.dumps(calibration)) if calibration else 'none'} |",
+        f"| retrofit version | {_text(record.get('retrofit_version'))} |", "",
         f"Why: {WHY.get(norm, get_norm(norm).summary)}" + (f" {NOPE_WHY}" if record.get("nope") else ""), "",
         "## How to load", "",
         "```python",
         "import retrofit  # pip install retrofit",
-        f'model = retrofit.from_pretrained("{repo}")  # also: revision=..., dtype=..., device_map=...',
+        f"model = retrofit.from_pretrained({json.dumps(repo)})  # also: revision=..., dtype=..., device_map=...",
         "```", "",
     ]
     if adapter:
-        lines += [f"This loads the base `{info['base_model']}`, applies the patch recorded in `retrofit.json` "
+        lines += [f"This loads the base {_code(info['base_model'])}, applies the patch recorded in `retrofit.json` "
                   "and then the adapter: a `PeftModel`. `model.merge_and_unload()` gives a "
                   "plain patched model.", ""]
     elif (info.get("task") or {}).get("task") == "counting":
         lines += ["This run trained a counting head (`task.json`, `task_head.safetensors`): "
-                  f"`retrofit.load.load(huggingface_hub.snapshot_download(\"{repo}\"))` loads LM and head.", ""]
+                  f"{_code(f'retrofit.load.load(huggingface_hub.snapshot_download({json.dumps(repo)}))')} loads LM and "
+                  "head.", ""]
     if not adapter:
         lines += ["Plain `transformers.AutoModelForCausalLM.from_pretrained` refuses this checkpoint on purpose "
                   f"(config.json asks for attention implementation `{GUARD}`): without retrofit the model would "
@@ -87,22 +115,22 @@ def _training_section(info: dict) -> list[str]:
     lines = ["## How it was trained", ""]
     summary, recipe = info["summary"], info.get("recipe_text")
     if not summary and not info["curve"]:
-        made = f"`{info['command']}`" if info.get("command") else "`retrofit patch`"
+        made = _code(info["command"] if info.get("command") else "retrofit patch")
         return lines + [f"Not finetuned: the patch was applied to the pretrained weights with {made}"
                         + (", with calibrated gains." if (info["record"].get("calibration")) else "."), ""]
     if summary:
         loss = summary.get("final_loss")
-        lines += [f"{summary.get('steps')} optimizer steps on {summary.get('processes', 1)} process(es)"
+        lines += [f"{_text(summary.get('steps'))} optimizer steps on {_text(summary.get('processes', 1))} process(es)"
                   + (f", final training loss {loss:.4g}" if isinstance(loss, (int, float)) else "")
                   + (". Merged from the LoRA adapter." if info["merged"] else "."), ""]
     if info["curve"]:
-        lines += [f"![training loss]({info['curve']})", ""]
-    return lines + (["The recipe it ran (`recipe.yaml`; rerun with `retrofit train recipe.yaml`):", "", "```yaml",
-                     recipe.rstrip(), "```", ""] if recipe else [])
+        lines += [f"![training loss]({quote(str(info['curve']))})", ""]
+    return lines + (["The recipe it ran (`recipe.yaml`; rerun with `retrofit train recipe.yaml`):", "",
+                     *_fence(recipe, "yaml"), ""] if recipe else [])
 
 
 def _eval_section(info: dict) -> list[str]:
     if not info["eval_md"]:
         return []
     return ["## Evaluation", "", "Length extrapolation by `retrofit eval` (full report: `eval/results.md`).", "",
-            info["eval_md"], ""]
+            html.escape(info["eval_md"], quote=False), ""]  # a model's name may hold a tag: shown as text

@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..atomic import atomic_folder, output_path, owned_folder, remove_owned
-from ..errors import RetrofitError, shown
+from ..errors import RetrofitError, read_utf8, shown
 from ..evaluate.report import line_plot
 from ..load.adapters import (
     ADAPTER_CONFIG,
@@ -289,13 +289,13 @@ def _read_run_files(run: Path) -> tuple[str, dict]:
     that is not a mapping, or a whole log line that is not a step record, is a one-line error naming the file.
     (A log line cut by a kill is not JSON and is skipped, as read_log does.)"""
     path = run / "recipe.yaml"
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path)  # a damaged file is a line naming it
     raw = load_yaml(text, str(path)) or {}
     if not isinstance(raw, dict):
         raise RetrofitError(f"{path} is not a recipe (a YAML mapping of sections), it holds {shown(raw)}; restore "
                             "it, or push the model folder alone")
     log = run / "log.jsonl"
-    for number, line in enumerate(log.read_text(encoding="utf-8").splitlines() if log.is_file() else [], 1):
+    for number, line in enumerate(read_utf8(log).splitlines() if log.is_file() else [], 1):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:

@@ -174,8 +174,30 @@ def location(source: str, kind: str) -> tuple[str, dict]:
     source = resolve_source(source)
     if kind == "gguf":
         path = Path(os.path.expanduser(source))
+        check_gguf(path)
         return str(path.parent), {"gguf_file": path.name}
     return os.path.expanduser(source) if kind == "folder" else source, {}
+
+
+def check_gguf(path) -> None:
+    """A .gguf file's fixed header (magic, version, tensor and metadata counts) against its size, before a reader
+    allocates for what the counts claim: each tensor's entry takes at least 24 bytes, each metadata entry 12."""
+    path = Path(path)
+    if not path.is_file():  # a FIFO or a device named x.gguf: opening it would block or never end
+        raise RetrofitError(f"{path} is not a regular file; give a .gguf model file")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(24)
+    if head[:4] != b"GGUF":
+        raise RetrofitError(f"{path} is not a GGUF file (it starts with {head[:4]!r}, not b'GGUF'); give a .gguf "
+                            "model file")
+    if len(head) < 24:
+        raise RetrofitError(f"{path} is damaged: its GGUF header ends early ({size} bytes); re-download or convert "
+                            "it again")
+    version, tensors, entries = struct.unpack_from("<IQQ", head, 4)
+    if version >= 2 and 24 * tensors + 12 * entries > size:
+        raise RetrofitError(f"{path} is damaged: its GGUF header claims {tensors:,} tensors and {entries:,} metadata "
+                            f"entries, more than its {size:,} bytes can hold; re-download or convert it again")
 
 
 def check_model_files(folder) -> None:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from accelerate.tracking import GeneralTracker
 
+from ..errors import read_utf8
+
 
 class JsonlTracker(GeneralTracker):
     name = "jsonl"
@@ -65,12 +67,12 @@ def _plain(value):
 def read_log(path) -> list[dict]:
     """Step records of a log.jsonl, last one per (step, kind) wins (a resumed run re-logs some steps)."""
     latest: dict[tuple, dict] = {}
-    for line in Path(path).read_text().splitlines():
+    for line in read_utf8(path).splitlines():  # not UTF-8: a line naming the file
         try:
             record = json.loads(line)
         except json.JSONDecodeError:  # a line cut by a kill
             continue
-        if record.get("step") is None:
+        if not isinstance(record, dict) or record.get("step") is None:
             continue
         kind = "eval" if any(k.startswith("eval/") for k in record) else "train"
         latest[(record["step"], kind)] = record

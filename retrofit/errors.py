@@ -57,21 +57,35 @@ def _not_utf8(label: str, err: UnicodeDecodeError, offset: int) -> RetrofitError
                          f"convert it to UTF-8, e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8")
 
 
+def check_regular(path, label: str) -> None:
+    """Only a regular file is read as data: a device (/dev/urandom), a FIFO or a socket never ends or blocks, and
+    is not 'no such file' either."""
+    p = Path(os.path.expanduser(str(path)))
+    if p.exists() and not p.is_file() and not p.is_dir():
+        kind = "a FIFO (named pipe)" if p.is_fifo() else "a device" if p.is_char_device() or p.is_block_device() \
+            else "a socket" if p.is_socket() else "not a regular file"
+        raise RetrofitError(f"{label} is {kind}, not a regular file; save the text to a file and give that")
+
+
 def _checked_path(path, what: str) -> tuple[Path, str]:
     label = f"{what} {path}".strip()
     p = Path(os.path.expanduser(str(path)))
     if p.is_dir():
         raise RetrofitError(f"{label} is a folder; give a text file")
+    check_regular(p, label)
     if not p.is_file():
         raise RetrofitError(f"{label}: no such file")
     return p, label
 
 
-def read_utf8(path, what: str = "") -> str:
+def read_utf8(path, what: str = "", most: int | None = None) -> str:
     """The text of a file, which must be UTF-8 (every verb reads text this way: train, eval, patch, diagnose).
 
-    `what` names the flag or key in the error ("--calibration-text", "data.files")."""
+    `what` names the flag or key in the error ("--calibration-text", "data.files"); a file over `most` bytes is
+    refused before it is read (a settings file is small; text a model reads goes through retrofit.data.read)."""
     p, label = _checked_path(path, what)
+    if most is not None and p.stat().st_size > most:
+        raise RetrofitError(f"{label} is {p.stat().st_size:,} bytes, more than the {most:,} such a file may have")
     try:
         data = p.read_bytes()
     except OSError as err:
@@ -84,19 +98,34 @@ def read_utf8(path, what: str = "") -> str:
 
 def check_utf8(path, what: str = "", chunk: int = 1 << 20) -> None:
     """read_utf8's checks without holding the file in memory (training corpora can be large)."""
+    for _ in iter_utf8(path, what, chunk):
+        pass
+
+
+def iter_utf8(path, what: str = "", chunk: int = 1 << 20):
+    """The text of a file in pieces of about `chunk` bytes, each ending at a whitespace where one is near (so a
+    word is never cut in two): read_utf8's rule, with memory bounded by `chunk` however large the file is.
+    The caller stops iterating when it has what it needs (stream_tokens): the rest is never read."""
     p, label = _checked_path(path, what)
-    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    decoder, offset, carry = codecs.getincrementaldecoder("utf-8")(), 0, ""
     try:
         with open(p, "rb") as f:
             while block := f.read(chunk):
                 try:
-                    decoder.decode(block)
+                    text = carry + decoder.decode(block)
                 except UnicodeDecodeError as err:
                     raise _not_utf8(label, err, offset) from None
                 offset += len(block)
+                cut = max(text.rfind(" "), text.rfind("\n"))  # the space starts the next piece: " word"
+                cut = cut if cut > len(text) // 2 else len(text)
+                carry = text[cut:]
+                if cut:
+                    yield text[:cut]
             try:
-                decoder.decode(b"", final=True)
+                text = carry + decoder.decode(b"", final=True)
             except UnicodeDecodeError as err:
                 raise _not_utf8(label, err, offset) from None
+            if text:
+                yield text
     except OSError as err:
         raise RetrofitError(f"cannot read {label}: {err.strerror or err}") from None

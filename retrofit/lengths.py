@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from .errors import RetrofitError
+from .bounds import MOST, check_size
+from .errors import RetrofitError, shown
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -16,6 +17,7 @@ def parse_lengths(text: str) -> list[int]:
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
     bad = RetrofitError(f"--lengths {text!r}: write a comma list like 256,512,1024, a doubling like "
                         "256,512,...,65536 or a range like 100,200,...,500 (the last length must lie on it)")
+    span = None
     try:
         if "..." not in parts:
             lengths = [int(p) for p in parts]
@@ -32,11 +34,15 @@ def parse_lengths(text: str) -> list[int]:
             if geometric and geometric[-1] == end:
                 lengths = head + geometric
             elif (end - a) % (b - a) == 0:
-                lengths = head + list(range(a, end + 1, b - a))
+                span = range(a, end + 1, b - a)  # a range, not a list: counted before it is built
             else:
                 raise bad
     except ValueError:
         raise bad from None
+    if span is not None:  # 2,3,...,100000000 would be 100 million lengths
+        check_size(len(head) + len(span), f"--lengths {shown(text, 40)}: the number of lengths", MOST["lengths"])
+        lengths = head + list(span)
+    check_size(len(lengths), f"--lengths {shown(text, 40)}: the number of lengths", MOST["lengths"], least=0)
     if not lengths or min(lengths) < 2:
         raise RetrofitError(f"--lengths {text!r}: give at least one length, each an integer >= 2")
     return sorted(set(lengths))

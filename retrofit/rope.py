@@ -34,6 +34,7 @@ import math
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .bounds import MOST, check_size
 from .errors import RetrofitError, closest
 from .families import family_of
 from .record import read_record, write_record
@@ -111,6 +112,7 @@ def normalize_rope(spec) -> dict:
         raise RetrofitError(f"rope factor must be a number >= 1, got {factor!r}")
     if factor < 1:
         raise RetrofitError(f"rope factor must be >= 1 (it is the context extension), got {factor!r}")
+    check_size(factor, "rope factor", MOST["rope_factor"])  # yarn:1e308 would overflow int(factor * positions)
     for key, value in spec.items():
         _check_value(rope_type, key, value)
     missing = sorted(required - spec.keys())

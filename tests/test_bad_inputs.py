@@ -106,6 +106,7 @@ def build_world(root: Path) -> dict:
     Path(w["list_yaml"]).write_text("- a\n- b\n")
     build_round3_errors(root, w)
     build_damaged(root, w, model, root / "ckpt")
+    build_bounds_inputs(root, w)
     # round 3 (load): a folder whose auto_map names its own code; a patched checkpoint missing a base weight
     planted = copy("planted") / "config.json"
     planted.write_text(json.dumps({**json.loads(planted.read_text()), "auto_map": {"AutoConfig": "x.Config"}}))
@@ -188,6 +189,43 @@ def build_damaged(root: Path, w: dict, model: Path, ckpt: Path) -> None:
                          ("retro_kernel", {"base_attn_implementation": "org/kernel"}),
                          ("retro_option_string", {"options": {"kind": "rms", "gain": "2"}})):
         damaged(name, ckpt, change_config=lambda c, change=change: c["retrofit"].update(change))
+
+
+def build_bounds_inputs(root: Path, w: dict) -> None:
+    """Inputs of the issue 36 (bounds) cases: a FIFO, --variants files nested 3000 deep or built of aliases, a
+    3000-deep --patch value, a model whose config claims a million layers, a GGUF claiming 2**62 tensors, a run
+    whose log.jsonl is binary, a folder of the user's notes beside a copied retrofit results.json."""
+    import struct
+    w["fifo"] = str(root / "fifo.txt")
+    os.mkfifo(w["fifo"])
+    w["variants_deep"] = str(root / "variants-deep.yaml")
+    Path(w["variants_deep"]).write_text("- {name: a, patch: " + "[" * 3000 + "]" * 3000 + "}\n")
+    nine = lambda i: "[" + ",".join([f"*v{i - 1}"] * 9) + "]"  # noqa: E731
+    Path(root / "variants-aliases.yaml").write_text(
+        "- {name: a, patch: {norm: avnorm, kind: [&v0 [x,x,x,x,x,x,x,x,x], "
+        + ", ".join(f"&v{i} {nine(i)}" for i in range(1, 7)) + "]}}\n")
+    w["variants_aliases"] = str(root / "variants-aliases.yaml")
+    w["deep_value"] = "[" * 3000 + "]" * 3000
+    million = root / "million"
+    shutil.copytree(w["model"], million)
+    config = json.loads((million / "config.json").read_text())
+    (million / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1_000_000}))
+    w["million"] = str(million)
+    key, arch = b"general.architecture", b"llama"
+    w["gguf_huge"] = str(root / "huge.gguf")
+    Path(w["gguf_huge"]).write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 2 ** 62, 1) + struct.pack("<Q", len(key)) + key
+                                     + struct.pack("<IQ", 8, len(arch)) + arch + b"\x00" * 64)
+    run = root / "run_binary_log"
+    shutil.copytree(root / "run_bad_log", run)
+    (run / "log.jsonl").write_bytes(b'{"step": 1, "loss": 3.0}\n\x00\xff\xfe binary\n')
+    w["run_binary_log"] = str(run)
+    notes = root / "notes"
+    notes.mkdir()
+    (notes / "results.json").write_text(json.dumps({"schema": "retrofit.eval/1", "models": []}))
+    (notes / "my-notes.md").write_text("my own notes beside a copied results file\n")
+    w["notes"] = str(notes)
+    w["json_deep"] = str(root / "deep-tokens.json")
+    Path(w["json_deep"]).write_text("[" * 100_000 + "]" * 100_000)
 
 
 @pytest.fixture(scope="module")
@@ -491,7 +529,61 @@ CASES = [
      r"retro_kernel/config.json: retrofit.base_attn_implementation must be one of sdpa, eager, .*got 'org/kernel'$"),
     ("patch-retrofit-option-string", "patch {retro_option_string} --norm psoftmax --out {out}",
      r"retro_option_string/config.json: retrofit.options.gain must be a number, got '2'$"),
+    # issue 36 (bounds): every size is checked before anything is allocated (SIZE_CASES also measure memory)
+    ("eval-lengths-range-huge", "eval {model} --data {text} --lengths 2,3,...,100000000 --out {out}",
+     r"^retrofit eval: error: --lengths '2,3,...,100000000': the number of lengths 99,999,999 is outside 1..256 "),
+    ("eval-export-length-huge", "eval --export-harness {out} --tasks niah --lengths 1000000000 --tokenizer {model}",
+     r"--export-harness length 1,000,000,000 is outside 1..16,777,216"),
+    ("eval-samples-huge", "eval {model} --tasks niah --lengths 1024 --samples 1000000000 --out {out}",
+     r"--samples 1,000,000,000 is outside 1..100,000 \(every sample's prediction is kept in results.json\)$"),
+    ("eval-export-samples-huge",
+     "eval --export-harness {out} --tasks niah --lengths 1024 --samples 1000000000 --tokenizer {model}",
+     r"--samples 1,000,000,000 is outside 1..100,000"),
+    ("eval-trials-huge", "eval {model} --tasks passkey --lengths 64 --trials 1000000000000000000000 --out {out}",
+     r"--trials 1,000,000,000,000,000,000,000 is outside 1..100,000"),
+    ("eval-rope-1e308", "eval {model} --data {text} --lengths 8 --rope yarn:1e308 --out {out}",
+     r"rope factor 1e\+308 is outside 1..1,024"),
+    ("patch-rope-1e308", "patch {model} --norm avnorm --rope yarn:1e308 --out {out}",
+     r"rope factor 1e\+308 is outside"),
+    ("tokenizer-vocab-2-64", "tokenizer train --data {text} --vocab-size 18446744073709551616 --out {out}",
+     r"--vocab-size 18,446,744,073,709,551,616 is outside 257..1,048,576"),
+    ("eval-variants-deep", "eval {model} --data {text} --lengths 8 --variants {variants_deep} --out {out}",
+     r"--variants .*variants-deep.yaml nests deeper than 32 levels \(line 1\)"),
+    ("eval-variants-aliases", "eval {model} --data {text} --lengths 8 --variants {variants_aliases} --out {out}",
+     r"--variants .*variants-aliases.yaml expands to more than 100,000 values through its aliases"),
+    ("diagnose-patch-deep",
+     "diagnose {model} --data {text} --lengths 8,16 --patch avnorm:kind={deep_value} --out {out}",
+     r"--patch 'avnorm:kind=\[\[\[.* nests deeper than 32 levels"),
+    ("patch-million-layers", "patch {million} --norm avnorm --out {out}",
+     r"million/config.json: num_hidden_layers 1,000,000 is outside 0..4,096 \(the deepest models in use have"),
+    ("eval-million-layers", "eval {million} --data {text} --lengths 8 --out {out}", r"num_hidden_layers 1,000,000 is"),
+    # only regular files are read as data
+    ("eval-data-urandom", "eval {model} --data /dev/urandom --lengths 8 --out {out}",
+     r"--data /dev/urandom is a device, not a regular file"),
+    ("eval-data-fifo", "eval {model} --data {fifo} --lengths 8 --out {out}",
+     r"--data .*fifo.txt is a FIFO \(named pipe\), not a regular file"),
+    ("patch-calibration-fifo", "patch {model} --norm avnorm --calibration-text {fifo}", r"fifo.txt is a FIFO"),
+    ("diagnose-data-urandom", "diagnose {model} --data /dev/urandom --out {out}", r"/dev/urandom is a device"),
+    ("train-data-fifo", "train {recipe} data.files=[{fifo}] --out {out}", r"data.files: .*fifo.txt is a FIFO"),
+    ("tokenizer-data-urandom", "tokenizer train --data /dev/urandom --out {out}", r"/dev/urandom is a device"),
+    ("eval-data-json-deep", "eval {model} --data {json_deep} --lengths 8 --out {out}",
+     r"token file .*deep-tokens.json nests too deep to read"),
+    # damaged files name themselves and what is wrong
+    ("patch-gguf-2-62-tensors", "patch {gguf_huge} --norm avnorm --out {out}",
+     r"huge.gguf is damaged: its GGUF header claims 4,611,686,018,427,387,904 tensors and 1 metadata entries, more "
+     r"than its \d+ bytes can hold"),
+    ("push-log-binary", "push {run_binary_log} --repo me/x --dry-run {out}",
+     r"run_binary_log/log.jsonl is not UTF-8 text \(byte \d+ is 0xff\)"),
+    # only the marker makes a folder retrofit's: a copied results.json among the user's notes does not
+    ("eval-out-copied-results", "eval {model} --data {text} --lengths 8 --out {notes}",
+     r"--out .*/notes holds files retrofit did not write .*`retrofit adopt .*/notes` first\)$"),
+    ("train-out-copied-results", "train {recipe} --out {notes}", r"--out .*/notes holds files retrofit did not write"),
+    ("adopt-a-file", "adopt {afile}", r"afile is not a folder; adopt takes a folder retrofit wrote$"),
+    ("adopt-missing", "adopt {missing}", r"no-such-thing is missing"),
 ]
+SIZE_CASES = ["eval-lengths-range-huge", "eval-export-length-huge", "eval-samples-huge", "eval-export-samples-huge",
+              "eval-trials-huge", "eval-rope-1e308", "tokenizer-vocab-2-64", "eval-variants-aliases",
+              "patch-million-layers", "eval-million-layers"]
 
 
 def argv(template: str, world: dict, out: Path) -> list[str]:
@@ -520,6 +612,20 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(case_id, template, matc
     assert __import__("re").search(match, lines[0]), lines[0]
     assert not out.exists(), f"{out} was left behind"
     assert snapshot(Path(world["root"])) == before  # no temporary folder, no half-written file, no change
+
+
+@pytest.mark.parametrize("case_id", SIZE_CASES)
+def test_a_size_is_refused_before_anything_is_allocated(case_id, world, tmp_path, capsys):
+    """The size cases in-process under retrofit.memory.PeakMemory (the resident set's high-water mark): refused
+    in seconds, with at most 64 MB added. On 9f7e963 these passed gigabytes, built every instance or aborted."""
+    from retrofit.memory import PeakMemory
+
+    template = next(c for c in CASES if c[0] == case_id)[1]
+    start = time.perf_counter()
+    with PeakMemory("cpu") as memory:
+        code = main(argv(template, world, tmp_path / "out"))
+    assert code == 2, capsys.readouterr().err
+    assert memory.added_mb < 64 and time.perf_counter() - start < 20, (memory.added_mb, memory.method)
 
 
 END_TO_END = ["patch-truncated", "train-seq-len-huge"]  # the rest run in-process: same code, no imports

@@ -26,9 +26,9 @@ import argparse
 from pathlib import Path
 
 import torch
-import yaml
 
 from ..atomic import output_folder
+from ..bounds import MOST, check_size
 from ..diagnose import parse_patch
 from ..errors import RetrofitError
 from ..evaluate import EvalSpec, check_variants, evaluate_models, evaluation_names
@@ -43,6 +43,7 @@ from ..evaluate.report import (
 )
 from ..evaluate.ruler_export import export_command, task_list
 from ..lengths import parse_lengths
+from ..recipe import read_yaml_file
 from . import check_counts, check_eval_memory, check_out, check_text_files
 
 
@@ -108,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     check_counts(args, positive=("trials", "batch_tokens", "chunk_tokens", "max_tokens", "max_windows", "train_len",
                                  "alphabet", "samples"))
+    for name in ("samples", "trials"):  # before anything is built: every one is kept in results.json
+        check_size(getattr(args, name), f"--{name}", MOST[name])
     if args.export_harness:
         return export_command(args, _depths(args.depths))
     if args.merge:
@@ -186,8 +189,5 @@ def _depths(text: str) -> list[float]:
 
 
 def _read_variants(path: str) -> list[dict]:
-    try:
-        variants = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise RetrofitError(f"--variants {path}: cannot read it ({str(err).splitlines()[0]})") from None
+    variants = read_yaml_file(path, "--variants", "a variants file is a short list of {name, patch, rope}")
     return check_variants(variants)

@@ -23,7 +23,8 @@ import torch
 from ..atomic import atomic_folder
 from ..calibrate import calibrate, text_rows
 from ..costs import describe_costs, head_costs, layer_costs, selection_loss, suggest
-from ..errors import RetrofitError, read_utf8
+from ..data.read import read_tokens
+from ..errors import RetrofitError
 from ..hub import check_repo, find_token, push
 from ..load import is_hub_id, load, load_config, load_tokenizer
 from ..norms import NORMS, make_options
@@ -102,8 +103,7 @@ def add_arguments(parser):
 def _read_tokens(tokenizer, path: str, limit: int) -> torch.Tensor:
     if tokenizer is None:
         raise RetrofitError("this model ships no tokenizer, so text files cannot be used with it")
-    text = read_utf8(path)
-    ids = tokenizer(text, return_tensors="pt").input_ids[0][:limit]
+    ids = read_tokens(path, tokenizer, budget=limit, special=True)[:limit]  # reads as far as `limit` needs
     if ids.numel() < 2:
         raise RetrofitError(f"{path} has fewer than 2 tokens")
     return ids

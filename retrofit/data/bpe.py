@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from ..atomic import atomic_folder
+from ..bounds import MOST, check_size
 from ..errors import RetrofitError, check_utf8
 
 EOS = "<|endoftext|>"
@@ -27,6 +28,7 @@ SMALLEST = 256 + 1  # the 256 byte symbols and EOS: a smaller vocabulary cannot 
 def check_vocab_size(vocab_size: int) -> None:
     if vocab_size < SMALLEST:
         raise RetrofitError(f"--vocab-size must be >= {SMALLEST} (256 bytes + {EOS}), got {vocab_size}")
+    check_size(vocab_size, "--vocab-size", MOST["vocab"], least=SMALLEST)  # the trainer aborts the process beyond
 
 
 def train_bpe(files: list, vocab_size: int, out) -> Path:

@@ -22,9 +22,11 @@ needles not counted).
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -289,9 +291,34 @@ def make_instance(task: str, tokenizer, hay: Haystack, *, length: int, depth: fl
     return {**inst, "index": index, "seed": seed}
 
 
+class Instances(Sequence):
+    """Every instance of `task` at `length`: samples per depth (niah tasks) or samples (the others), in that
+    order. Built when read, one at a time, never all at once (an instance is `length` tokens of text; --samples
+    1000000 must not build them first); the first is built here, so a haystack too short fails before any model
+    runs. `group(depth)` yields one depth's instances."""
+
+    def __init__(self, task: str, tokenizer, hay: Haystack, *, length: int, depths=(0.5,), samples: int = 8,
+                 seed: int = 0, needle: str = "number"):
+        self.depths = list(depths) if task in DEPTH_TASKS else [None]
+        self.samples = samples
+        self._make = functools.partial(make_instance, task, tokenizer, hay, length=length, seed=seed, needle=needle)
+        self[0]
+
+    def __len__(self) -> int:
+        return len(self.depths) * self.samples
+
+    def __getitem__(self, k: int) -> dict:
+        if not -len(self) <= k < len(self):
+            raise IndexError(k)
+        depth, index = divmod(k % len(self), self.samples)
+        return self._make(depth=self.depths[depth], index=index)
+
+    def group(self, depth):
+        for i in range(self.samples):
+            yield self._make(depth=depth, index=i)
+
+
 def instances(task: str, tokenizer, hay: Haystack, *, length: int, depths=(0.5,), samples: int = 8, seed: int = 0,
-              needle: str = "number") -> list[dict]:
-    """Every instance of `task` at `length`: samples per depth (niah tasks) or samples (the others)."""
-    grid = list(depths) if task in DEPTH_TASKS else [None]
-    return [make_instance(task, tokenizer, hay, length=length, depth=d, index=i, seed=seed, needle=needle)
-            for d in grid for i in range(samples)]
+              needle: str = "number") -> Instances:
+    """Every instance of `task` at `length` (see Instances: built as read)."""
+    return Instances(task, tokenizer, hay, length=length, depths=depths, samples=samples, seed=seed, needle=needle)

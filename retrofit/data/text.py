@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RetrofitError, check_utf8
+from ..errors import RetrofitError, check_regular, check_utf8
 from ..recipe import DataSection
 from .packing import pack_documents, packed_batch
 from .tasks import seeded_generator
@@ -41,6 +41,7 @@ def _expand_files(patterns: list[str], key: str) -> list[str]:
     for f in files:
         if os.path.isdir(f):
             raise RetrofitError(f"data.{key}: {f} is a folder; list its files or use a glob, e.g. {f}/*.txt")
+        check_regular(f, f"data.{key}: {f}")  # a FIFO or a device has size 0 but is not empty
         if os.path.getsize(f) == 0:
             raise RetrofitError(f"data.{key}: {f} is empty; remove it from the list or give it text")
     suffixes = {Path(f).suffix.lower() for f in files}

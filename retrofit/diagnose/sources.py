@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from ..atomic import atomic_write_text, check_output, make_output
 from ..calibrate import calibrate
-from ..errors import RetrofitError, read_utf8
+from ..data.read import read_tokens
+from ..errors import RetrofitError, check_utf8
 from ..load import load, load_tokenizer
 from ..patch import patch, patch_record
 from ..positions import position_limit
@@ -36,11 +37,6 @@ SCHEMA = "retrofit.diagnose/1"  # diagnose.json: {schema, header, models: [summa
 def _label(source: str) -> str:
     p = Path(source.rstrip("/"))
     return p.stem if source.endswith(".gguf") else p.name or source
-
-
-def _tokens(tokenizer, text: str) -> torch.Tensor:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
 
 
 def _windows(tokens: torch.Tensor, count: int, length: int, reserve: int,
@@ -79,13 +75,12 @@ def _variants(patches, source, label, model):
         yield f"{label}+{name}", variant, name, report.as_dict(), True
 
 
-def _diagnose_source(spec: DiagnoseSpec, source: str, label: str, text: str, plan, calibrate_tokens: int,
-                     tokenizer):
+def _diagnose_source(spec: DiagnoseSpec, source: str, label: str, plan, calibrate_tokens: int, tokenizer):
     """Every result for one source: the model as it is, then each --patch variant. Returns (results, tokens)."""
     tokenizer = tokenizer or load_tokenizer(source)
     if tokenizer is None:
         raise RetrofitError(f"{source} has no tokenizer; pass --tokenizer (e.g. a folder with tokenizer.json)")
-    tokens = _tokens(tokenizer, text)
+    tokens = read_tokens(spec.data, tokenizer, "--data")  # windows spread over all of it: every token, int64
     Lmax = plan.lengths[-1]
     windows, calib = _windows(tokens, spec.windows, Lmax, calibrate_tokens, spec.data)
     model = load(source, task_head=False, dtype=spec.dtype)
@@ -114,7 +109,7 @@ def diagnose_sources(sources: list[str], spec: DiagnoseSpec) -> Path:
     labels = spec.labels
     if labels and len(labels) != len(sources):
         raise RetrofitError(f"--label was given {len(labels)} time(s) for {len(sources)} source(s)")
-    text = read_utf8(spec.data, "--data")  # the one text rule (retrofit.errors): UTF-8 or a one-line error
+    check_utf8(spec.data, "--data")  # the one text rule (retrofit.errors): UTF-8 or a one-line error
     plan = Plan(lengths=list(spec.lengths), queries=spec.queries, seed=spec.seed)
     calibrate_tokens = spec.calibrate_tokens if "avnorm" in spec.norms else 0
     shared_tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer else None
@@ -124,7 +119,7 @@ def diagnose_sources(sources: list[str], spec: DiagnoseSpec) -> Path:
     results, token_counts, started = [], {}, time.time()
     for i, source in enumerate(sources):
         label = labels[i] if labels else _label(source)
-        found, token_counts[label] = _diagnose_source(spec, source, label, text, plan, calibrate_tokens,
+        found, token_counts[label] = _diagnose_source(spec, source, label, plan, calibrate_tokens,
                                                       shared_tokenizer)
         results += found
     results = json.loads(json.dumps(results))  # keys become strings, as in the file

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import RetrofitError
+from ..errors import RetrofitError, shown
 from ..lengths import parse_lengths
 from ..norms import get_norm
-from ..recipe.schema import knob
+from ..recipe.schema import knob, load_yaml
 
 
 def parse_patch(text: str) -> tuple[str, dict]:
@@ -28,7 +28,11 @@ def parse_patch(text: str) -> tuple[str, dict]:
         key, eq, value = item.partition("=")
         if not eq:
             raise RetrofitError(f"--patch {text!r}: options are key=value, e.g. avnorm:kind=layer")
-        options[key.strip()] = yaml.safe_load(value)
+        try:  # bounded: a 3000-deep [[[...]]] is a one-line error, not a RecursionError
+            options[key.strip()] = load_yaml(value, f"--patch {shown(text, 40)}", "an option is a number or a word")
+        except yaml.YAMLError:
+            raise RetrofitError(f"--patch {shown(text, 40)}: {key.strip()}={shown(value, 40)} is not a value; "
+                                "write key=value, e.g. avnorm:kind=layer") from None
     return name.strip(), options
 
 

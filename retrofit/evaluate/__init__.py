@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from ..calibrate import calibrate, text_rows
+from ..data.read import read_tokens
 from ..errors import RetrofitError, check_token_ids
 from ..lengths import parse_lengths
 from ..load import CountingModel, language_model, load, load_tokenizer
@@ -159,7 +160,7 @@ def _ruler_instances(tok, tasks, lengths, data, options, name) -> dict:
     """The RULER instances for one tokenizer (haystack from the --data text, else the built-in filler)."""
     if tok is None:
         raise RetrofitError(f"no tokenizer for {name}: pass --tokenizer PATH (a tokenizer folder)")
-    return ruler_instances(tok, tasks, lengths, read_texts(data), options)
+    return ruler_instances(tok, tasks, lengths, read_texts(data, lengths), options)
 
 
 def _saved_vocab_size(source) -> int | None:
@@ -181,7 +182,8 @@ def _check_vocabulary(rows: int | None, documents, tok, name: str) -> None:
     if rows is None:
         return
     if documents:
-        check_token_ids(int(max((max(d) for d in documents if len(d)), default=-1)), rows, "the evaluation data", name)
+        check_token_ids(int(max((int(torch.as_tensor(d).max()) for d in documents if len(d)), default=-1)), rows,
+                        "the evaluation data", name)
     if tok is not None:
         check_token_ids(max(tok.get_vocab().values()), rows, "the tokenizer", name)
 
@@ -191,7 +193,8 @@ def _calibrate_on_the_fly(lm, spec: dict, tokenizer, name: str) -> dict:
     --calibrate does: a fresh AVNorm without them would be evaluated at unit gain, which no one would use."""
     if tokenizer is None:
         raise RetrofitError(f"no tokenizer for {name} to read the calibration text with: pass --tokenizer")
-    ids = torch.tensor(tokenize_files(tokenizer, [spec["data"]])[0][:spec.get("tokens", 8192)], dtype=torch.long)
+    budget = spec.get("tokens", 8192)
+    ids = read_tokens(spec["data"], tokenizer, "calibrate.data", budget)[:budget]  # reads as far as the budget needs
     return calibrate(lm, text_rows(lm, ids))
 
 

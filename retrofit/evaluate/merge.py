@@ -12,10 +12,10 @@ they are reported unpaired with the reason (retrofit.evaluate.compare).
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 from ..errors import RetrofitError
+from ..recipe import load_json
 from .compare import judged
 from .report import validate
 
@@ -28,7 +28,9 @@ SAME_MODEL = ("source", "model_type", "tokenizer", "retrofit", "rope", "arm", "s
 def read_results(path) -> dict:
     """A results.json retrofit eval (or an experiment's eval/) wrote, validated; a one-line error otherwise."""
     try:
-        results = json.loads(Path(path).read_text(encoding="utf-8"))
+        results = load_json(Path(path).read_text(encoding="utf-8"), f"--merge {path}")
+    except RetrofitError:
+        raise
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise RetrofitError(f"--merge {path}: cannot read it as JSON ({str(err).splitlines()[0]})") from None
     try:

@@ -12,17 +12,16 @@ within the task's max new tokens, cut at the first blank line (data.ruler.STOP) 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from tqdm.auto import tqdm
 
 from ..data.ruler import DEPTH_TASKS, TASKS, Haystack, instances
-from ..errors import RetrofitError
+from ..errors import RetrofitError, iter_utf8
 from .intervals import as_list, mean_interval, proportion_interval
 from .losses import fresh_dynamic_rope
 from .ruler_metric import string_match_all
 
+HAYSTACK_READ = 512  # characters of --data read per token of the longest length (64 haystacks of ~8 a token)
 DEFAULTS = {"samples": 8, "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "needle": "number", "seed": 0}
 
 
@@ -43,14 +42,25 @@ def ruler_options(options: dict | None) -> dict:
     return opts
 
 
-def read_texts(files) -> list[str] | None:
-    """The --data text files as haystack documents (None: the built-in filler); .json token files refused."""
+def read_texts(files, lengths=()) -> list[str] | None:
+    """The --data text files as haystack documents (None: the built-in filler); .json token files refused.
+    Read as far as the haystacks need: HAYSTACK_READ x the longest length in characters of all files together
+    (~8 characters a token: a book is read whole, a 2 GB dump is not), never a file whole past that."""
     if not files:
         return None
     if any(str(f).endswith(".json") for f in files):
         raise RetrofitError("the RULER tasks cut their haystack from text: give text files as --data, not .json "
                             "token ids (or no --data for the built-in filler)")
-    return [Path(f).read_text(encoding="utf-8") for f in files]
+    room, texts = HAYSTACK_READ * max(lengths, default=1 << 17), []
+    for f in files:
+        pieces = []
+        for piece in iter_utf8(f, "--data"):
+            pieces.append(piece[:room])
+            room -= len(pieces[-1])
+            if room <= 0:
+                break
+        texts.append("".join(pieces))
+    return texts
 
 
 def ruler_instances(tokenizer, tasks, lengths, texts=None, options=None) -> dict:
@@ -93,11 +103,13 @@ def evaluate_ruler(model, tokenizer, prepared: dict, *, progress: bool = True) -
         for (task, n), insts in prepared.items():
             if n != length:
                 continue
-            for depth in sorted({i["depth"] for i in insts}, key=lambda d: -1 if d is None else d):
-                group = [i for i in insts if i["depth"] == depth]
-                preds = [greedy_answer(model, tokenizer, i["input"], i["max_new_tokens"], i["stop"])
-                         for i in tqdm(group, desc=f"{task} {length}", disable=not progress, leave=False)]
-                rows.append(score_row(task, length, depth if task in DEPTH_TASKS else None, group, preds))
+            for depth in sorted(set(insts.depths), key=lambda d: -1 if d is None else d):
+                kept, preds = [], []  # one instance's text at a time: each is dropped once answered
+                for i in tqdm(insts.group(depth), total=insts.samples, desc=f"{task} {length}", disable=not progress,
+                              leave=False):
+                    preds.append(greedy_answer(model, tokenizer, i["input"], i["max_new_tokens"], i["stop"]))
+                    kept.append({"outputs": i["outputs"], "tokens": i["tokens"]})
+                rows.append(score_row(task, length, depth if task in DEPTH_TASKS else None, kept, preds))
     return rows
 
 

@@ -14,16 +14,23 @@ metric `score` is RULER's string_match_all from utils.py, a copy of retrofit/eva
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import yaml
 
-from ..atomic import atomic_write_text, output_folder
-from ..data.ruler import DESCRIPTIONS, TASKS
+from ..atomic import atomic_write_text, atomic_writer, output_folder
+from ..bounds import MOST, check_bytes, check_size
+from ..data.ruler import DEPTH_TASKS, DESCRIPTIONS, TASKS
 from ..errors import RetrofitError
 from ..lengths import parse_lengths
 from ..load import load_tokenizer
 from .ruler import read_texts, ruler_instances
+
+# lower bounds, so a refused export surely cannot fit: building a niah instance peaked at 142-153 bytes a token of
+# Python memory (tracemalloc, 5K-80K tokens, a character tokenizer; the tokenizer's own memory comes on top), and
+# every token is at least one character of the JSONL file
+BUILD_BYTES, FILE_BYTES = 128, 1
 
 OTHER_TASKS = {
     "lm": "next-token loss by context length and by position, on --data windows of L + 1 tokens",
@@ -68,12 +75,31 @@ def export_harness(out, tokenizer, tasks, lengths, texts=None, options=None) -> 
         atomic_write_text(folder / "utils.py", (Path(__file__).parent / "ruler_metric.py").read_text())
         for (task, length), insts in prepared.items():
             name = f"ruler_{task}_{length}"
-            rows = [{k: v for k, v in i.items() if k != "context"} for i in insts]
-            atomic_write_text(folder / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+            with atomic_writer(folder / f"{name}.jsonl") as f:  # one instance in memory at a time
+                for i in insts:
+                    f.write(json.dumps({k: v for k, v in i.items() if k != "context"}) + "\n")
+            first = insts[0]
             atomic_write_text(folder / f"{name}.yaml",
-                              task_yaml(name, folder / f"{name}.jsonl", insts[0]["max_new_tokens"], insts[0]["stop"]))
+                              task_yaml(name, folder / f"{name}.jsonl", first["max_new_tokens"], first["stop"]))
             names.append(name)
     return names
+
+
+def check_export_size(out, tasks, lengths, options) -> None:
+    """No model sizes an export: each length is at most MOST['length'] tokens, one instance (its text and the
+    tokenizer's offsets, ~BUILD_BYTES a token) must fit in memory, and the files (~FILE_BYTES a token) on disk."""
+    for n in lengths:
+        check_size(n, "--export-harness length", MOST["length"])
+    check_bytes(max(lengths) * BUILD_BYTES, f"--export-harness: one instance at length {max(lengths):,}", "--lengths")
+    rows = sum(options["samples"] * (len(options["depths"]) if t in DEPTH_TASKS else 1) for t in tasks)
+    need = rows * sum(lengths) * FILE_BYTES
+    where = Path(out).expanduser().absolute()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise RetrofitError(f"--export-harness would write about {need / 2 ** 30:,.1f} GiB ({rows:,} instances per "
+                            f"length) but {where} has {free / 2 ** 30:,.1f} GiB free; lower --samples or --lengths")
 
 
 def export_command(args, depths: list[float]) -> int:
@@ -90,7 +116,8 @@ def export_command(args, depths: list[float]) -> int:
     if tokenizer is None:
         raise RetrofitError(f"--tokenizer {args.tokenizer}: no tokenizer there")
     options = {"samples": args.samples, "depths": depths, "needle": args.needle, "seed": args.seed}
-    names = export_harness(args.export_harness, tokenizer, tasks, parse_lengths(args.lengths),
-                           read_texts(args.data), options)
+    lengths = parse_lengths(args.lengths)
+    check_export_size(args.export_harness, tasks, lengths, options)
+    names = export_harness(args.export_harness, tokenizer, tasks, lengths, read_texts(args.data, lengths), options)
     print(f"wrote {len(names)} lm-eval tasks into {args.export_harness}: {', '.join(names)}")
     return 0

@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
+from ..data.read import read_tokens
 from ..errors import RetrofitError
+from ..recipe import load_json
 
 
 def window_starts(documents: list, length: int, max_tokens: int | None = None,
@@ -71,7 +73,9 @@ def bucket_rows(sums: torch.Tensor, per_position: int, key: str, skip_first=Fals
 def read_token_file(path) -> list[list[int]]:
     """A .json file holding token ids: one list (one document) or a list of lists (documents)."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = load_json(Path(path).read_text(), f"token file {path}")
+    except RetrofitError:
+        raise
     except (OSError, ValueError) as err:
         raise RetrofitError(f"cannot read token file {path}: {err}; give a JSON list of token ids") from None
     documents = data if isinstance(data, list) and data and isinstance(data[0], list) else [data]
@@ -93,11 +97,7 @@ def tokenize_files(tokenizer, paths) -> list[list[int]]:
     logging.set_verbosity_error()  # "sequence length is longer than the model's maximum": windows handle that
     try:
         for path in paths:
-            try:
-                text = Path(path).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as err:
-                raise RetrofitError(f"cannot read --data {path}: {err}") from None
-            documents.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            documents.append(read_tokens(path, tokenizer, "--data"))  # piece by piece, int64: never the text whole
     finally:
         logging.set_verbosity(verbosity)
     return documents

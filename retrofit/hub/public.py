@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import yaml
-
 from ..errors import RetrofitError
 from ..load.sources import is_hub_id
+from ..recipe import load_yaml
 
 
 def first_link(folder: Path, named: bool = False) -> Path | None:
@@ -55,7 +54,7 @@ def public_path(value):
 
 def public_recipe(text: str) -> str:
     """recipe.yaml with every local path replaced by its name (comments and layout kept: text replacement)."""
-    raw = yaml.safe_load(text) or {}
+    raw = load_yaml(text, "recipe.yaml") or {}
     found = []
     for section, keys in LOCAL_PATH_KEYS.items():
         for key in keys:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2TokenizerFast
 
+from ..bounds import check_model_size
 from ..errors import RetrofitError
 from .sources import call_loader, location, refuse_custom_code, resolve_source, source_kind
 from .validate import check_config, check_loaded_keys, check_raw_config, config_errors, quiet_transformers
@@ -57,6 +58,7 @@ def load_config(source: str, revision: str | None = None, **hub):
         config = call_loader(source, kind, AutoConfig.from_pretrained, where, revision=revision,
                              trust_remote_code=False, **extra, **hub)
     check_config(config, label)  # before any module is built from it
+    check_model_size(config, label)  # a million layers: refused here, not built for hours
     return config
 
 
@@ -131,6 +133,7 @@ def model_from_config(model_type: str, attn_implementation: str = "sdpa", seed: 
         config = AutoConfig.for_model(model_type, **sizes)
     except ValueError as err:
         raise RetrofitError(f"cannot build a {model_type!r} config: {str(err).splitlines()[0]}") from None
+    check_model_size(config, f"a {model_type} config")
     if seed is not None:
         torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, trust_remote_code=False)

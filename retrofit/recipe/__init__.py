@@ -26,7 +26,7 @@ from ..errors import RetrofitError, closest, shown
 from ..norms import NORMS, make_options
 from .experiment import ArmSection, ExperimentSection, ReferenceSection, check_arm_name, seeded_name
 from .model import ModelSection
-from .schema import apply_overrides, build, knob, load_yaml, need, to_plain
+from .schema import apply_overrides, build, knob, load_json, load_yaml, need, read_yaml_file, to_plain
 from .schema import documentation as _documentation
 from .sections import (
     CountingOptions,
@@ -183,5 +183,6 @@ __all__ = [
     "CountingOptions", "DataSection", "EvalSection", "ModelSection", "OutputSection", "PasskeyOptions",
     "PatchSection", "PeftSection", "Recipe", "RecoverySection",
     "ScheduleSection", "TrainSection", "apply_overrides", "build", "documentation", "flat",
-    "load_recipe", "load_yaml", "recipe_from_dict", "recipe_to_dict", "register_section", "save_recipe",
+    "load_json", "load_recipe", "load_yaml", "read_yaml_file", "recipe_from_dict", "recipe_to_dict",
+    "register_section", "save_recipe",
 ]

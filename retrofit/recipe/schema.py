@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..errors import RetrofitError, shown
+from ..errors import RetrofitError, read_utf8, shown
 from ..errors import closest as _closest
 
 _MISSING = dataclasses.MISSING
@@ -44,6 +44,7 @@ def need(ok: bool, message: str) -> None:
 # were written out and refuse beyond these bounds before anything is built from them.
 MAX_DEPTH = 32
 MAX_VALUES = 100_000
+MAX_FILE_BYTES = 16 << 20  # a YAML file a user hands in (recipes are some KB)
 
 
 class _TooLarge(Exception):
@@ -90,9 +91,10 @@ def _expanded(node, depth: int, seen: dict) -> tuple[int, int]:
     return done
 
 
-def load_yaml(text: str, what: str):
+def load_yaml(text: str, what: str, kind: str = "a recipe is a few levels of sections and keys"):
     """yaml.safe_load, bounded: deeper than MAX_DEPTH or more than MAX_VALUES values once aliases are expanded
-    is a one-line RetrofitError naming `what` (the file or override) and the line. yaml.YAMLError passes through."""
+    is a one-line RetrofitError naming `what` (the file or override) and the line. yaml.YAMLError passes through.
+    `kind` says what the text should look like (the end of the error)."""
     loader = _BoundedLoader(text)
     try:
         node = loader.get_single_node()
@@ -102,10 +104,31 @@ def load_yaml(text: str, what: str):
         return loader.construct_document(node)
     except _TooLarge as err:
         message, line = err.args
-        raise RetrofitError(f"{what} {message} (line {line}); a recipe is a few levels of sections and keys, "
-                            "write it out plainly") from None
+        raise RetrofitError(f"{what} {message} (line {line}); {kind}, write it out plainly") from None
     finally:
         loader.dispose()
+
+
+def read_yaml_file(path, what: str, kind: str):
+    """A YAML file a user hands in (a --variants list, a recipe): a regular file of at most MAX_FILE_BYTES, UTF-8,
+    read with load_yaml. Every error is one line naming `what` and the file."""
+    text = read_utf8(path, what, most=MAX_FILE_BYTES)
+    try:
+        return load_yaml(text, f"{what} {path}", kind)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise RetrofitError(f"{what} {path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+
+
+def load_json(text, what: str):
+    """json.loads of a user's file, its nesting bounded: a file nested deeper than Python's recursion limit is a
+    one-line error naming `what`, not a RecursionError (JSON has no aliases: its size is its file's size)."""
+    import json
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise RetrofitError(f"{what} nests too deep to read; a file retrofit reads is a few levels deep") from None
 
 
 def _describe(tp) -> str:

@@ -1,0 +1,73 @@
+"""Every size a user gives, checked before anything is allocated: one rule, one-line errors.
+
+    check_size(args.samples, "--samples", MOST["samples"])      # a count: least..most, or a one-line error
+    check_bytes(need, "--export-harness at length 1,000,000,000", "--lengths or --samples")   # fits in memory?
+
+A size is refused when it is below its least, above the most the model or the machine can hold, or when what it
+would allocate (estimated from the numbers alone, before anything is built) does not fit in available memory.
+Each maximum below says why it is where it is; the memory of a forward pass is retrofit.memory.check_fits.
+"""
+
+from __future__ import annotations
+
+from .errors import RetrofitError
+from .memory import available_bytes
+
+# (most, why): the why ends the one-line error
+MOST = {
+    # one evaluation pass per length: a list longer than this is a typo in a range (2,3,...,100000000)
+    "lengths": (256, "one evaluation pass per length; use a doubling like 256,512,...,65536"),
+    # RULER instances / passkey trials / counting sequences per length (and depth): every prediction is kept in
+    # results.json, and 1,000 already gives a 95% interval of +-3 points
+    "samples": (100_000, "every sample's prediction is kept in results.json"),
+    "trials": (100_000, "every trial is kept in results.json"),
+    # a byte-level BPE of 2**20 tokens is 4x the largest vocabulary in use; the trainer aborts far beyond it
+    "vocab": (1 << 20, "four times the largest vocabulary in use (256K)"),
+    # RoPE context extension: 1024 x a 4K model is a 4M context; beyond, positions overflow float32
+    "rope_factor": (1024, "1024 x the trained context; beyond it rotary angles lose float32 precision"),
+    # the deepest model in use has 126 layers
+    "layers": (4096, "the deepest models in use have ~126 layers"),
+    # a context built without a model to size it (--export-harness): 16M tokens
+    "length": (1 << 24, "16M tokens; the longest contexts in use are 1-10M"),
+}
+
+
+def check_size(value, what: str, most: tuple[int, str], least: int = 1):
+    """`value` (an int, or a float for rope factors) within least..most, else a one-line RetrofitError naming
+    `what` and the bound."""
+    limit, why = most
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value <= limit:
+        shown = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else \
+            f"{value:g}" if isinstance(value, float) else repr(value)[:40]
+        raise RetrofitError(f"{what} {shown} is outside {least:,}..{limit:,} ({why})")
+    return value
+
+
+def check_bytes(need: int, what: str, lower: str, device="cpu") -> None:
+    """`need` bytes must fit in the memory available now (a one-line error naming both and what to lower)."""
+    free = available_bytes(device)
+    if need > free:
+        raise RetrofitError(f"{what} needs about {need / 2 ** 30:,.1f} GiB but {free / 2 ** 30:,.1f} GiB is "
+                            f"available; lower {lower}")
+
+
+def _count(config, *names) -> int:
+    """The first of `names` the config holds as a positive int (a wrong type is the config check's to report)."""
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def check_model_size(config, what: str) -> None:
+    """Before a model is built from `config`: at most MOST['layers'] layers, and its weights (counted from the
+    config: embeddings, attention and MLP per layer; 2 bytes each, the least any float dtype takes) fit in the
+    memory available now. A config claiming a million layers is refused in one line, not built for hours."""
+    layers = _count(config, "num_hidden_layers", "n_layer", "num_layers")
+    check_size(layers, f"{what}: num_hidden_layers", MOST["layers"], least=0)
+    hidden = _count(config, "hidden_size", "n_embd", "d_model")
+    inner = _count(config, "intermediate_size", "n_inner") or 4 * hidden
+    params = _count(config, "vocab_size") * hidden + layers * (4 * hidden * hidden + 3 * hidden * inner)
+    check_bytes(2 * params, f"{what}: {params:,} weights ({layers:,} layers, hidden {hidden:,})",
+                "the model's size, or use a machine with more memory")

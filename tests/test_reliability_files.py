@@ -236,7 +236,7 @@ def test_a_run_from_before_the_marker_resumes_once_its_user_adopts_it(tmp_path, 
     (run / "result.json").unlink()
     before = checksums(tmp_path)
     code, lines, _ = run_cli(["train", tmp_path / "run.yaml", "--resume", run], capsys)
-    assert code == 2 and "holds files retrofit did not write" in lines[0] and f"retrofit adopt {run}" in lines[0]
+    assert code == 2 and "holds files retrofit did not write" in lines[-1] and f"retrofit adopt {run}" in lines[-1]
     assert checksums(tmp_path) == before
     code, lines, out = run_cli(["adopt", run], capsys)
     assert code == 0 and "  log.jsonl  (" in out and (run / atomic.MARKER).is_file(), lines

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
+from ..bounds import MOST, check_size
 from ..data.ruler import DEPTH_TASKS, TASKS, Haystack, instances
 from ..errors import RetrofitError, iter_utf8
 from .intervals import as_list, mean_interval, proportion_interval
@@ -33,6 +34,7 @@ def ruler_options(options: dict | None) -> dict:
     opts = {**DEFAULTS, **(options or {})}
     if not isinstance(opts["samples"], int) or opts["samples"] < 1:
         raise RetrofitError(f"ruler samples {opts['samples']!r}: give a whole number >= 1")
+    check_size(opts["samples"], "ruler samples", MOST["samples"])  # the library's bound too, not only the CLI's
     bad = [d for d in opts["depths"] if not 0.0 <= float(d) <= 1.0]
     if bad or not opts["depths"]:
         raise RetrofitError(f"depth {bad[0] if bad else 'list empty'}: give depths between 0 (start) and 1 (end), "

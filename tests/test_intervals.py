@@ -287,6 +287,10 @@ def test_report_verb_judges_a_folder_again_in_place(tmp_path, capsys):
     results["comparisons"]["rows"][0]["ci95"] = [-1.0, 1.0]
     folder.mkdir()
     (folder / "results.json").write_text(json.dumps(results))
+    assert main(["report", str(folder)]) == 2  # a folder without retrofit's marker is the user's: nothing rewritten
+    assert "retrofit adopt" in capsys.readouterr().err
+    assert json.loads((folder / "results.json").read_text()) == results and not (folder / "results.md").exists()
+    assert main(["adopt", str(folder)]) == 0
     assert main(["report", str(folder)]) == 0
     again = json.loads((folder / "results.json").read_text())
     assert again["models"][0]["lengths"][0]["ci95"] == list(mean_interval(row["window_losses"]))

@@ -5,7 +5,8 @@
     retrofit report runs/v3 --reference base --out runs/v3/vs-base   # its evaluation against another model
 
 Every interval and paired difference is recomputed from the per-window losses (and other per-unit values) the
-results keep, with retrofit.evaluate.intervals, and the folder's reports are rewritten in place: results.json,
+results keep, with retrofit.evaluate.intervals, and the folder's reports are rewritten in place (only in a folder
+retrofit made, with its marker; an older one after `retrofit adopt DIR`): results.json,
 results.csv, results.md and the plots; for an experiment also eval/ and report.md. Use it after a change to how
 retrofit judges numbers; `retrofit eval --merge` puts several evaluations side by side.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..atomic import atomic_write_text, make_output
+from ..atomic import atomic_write_text, check_output, make_output
 from ..errors import RetrofitError
 from ..evaluate.merge import read_results
 from ..evaluate.rejudge import rejudge
@@ -43,6 +44,8 @@ def run(args) -> int:
         write_report(judged, make_output(args.out, "--out"))
         print(f"report: {args.out} (against {args.reference})")
         return 0
+    for path, _ in loaded:  # rewritten in place only where retrofit owns the folder (its marker), all checked first
+        check_output(path.parent, "report DIR")
     for path, results in loaded:
         if results.get("schema", "").startswith("retrofit.experiment/"):
             _experiment(path.parent, results)

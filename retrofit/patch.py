@@ -41,7 +41,7 @@ from .families import (
     position_query_scaling,
 )
 from .norms import AttentionShape, available_norms, get_norm, make_options
-from .norms.base import CHILD, is_output_hook
+from .norms.base import CHILD, drop_output_hooks
 from .positions import already_without_positions, has_positions_removed, remove_positions, restore_positions
 from .record import FORMAT, SELECTIVE_FORMAT, PatchReport, drop_record, read_record, write_record
 from .rope import apply_rope, describe_rope, plan_rope, reset_to_original, restore_rope
@@ -300,9 +300,7 @@ def unpatch(model: nn.Module) -> None:
         raise RetrofitError("this model is not patched; there is nothing to unpatch")
     for module in model.modules():
         module._modules.pop(CHILD, None)
-        for key, hook in list(module._forward_pre_hooks.items()):  # acts_on_output norms' hooks
-            if is_output_hook(hook):
-                del module._forward_pre_hooks[key]
+        drop_output_hooks(module)  # acts_on_output norms' hooks, and their mark for torch.compile
     model.__dict__.pop("set_attn_implementation", None)  # the class's own again (see _guarded_switch)
     model.__dict__.pop("push_to_hub", None)  # PushWarning
     restore_positions(model)

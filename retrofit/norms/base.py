@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import types
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -179,17 +180,43 @@ def follow_projection(owner: nn.Module, args) -> None:
         if getattr(projection, "_is_replica", False):
             projection._forward_pre_hooks = OrderedDict(
                 (k, h) for k, h in projection._forward_pre_hooks.items() if not isinstance(h, ProjectionHook))
-        projection.register_forward_pre_hook(ProjectionHook(owner))
+        if not any(isinstance(h, ProjectionHook) and h.owner is owner for h in projection._forward_pre_hooks.values()):
+            projection.register_forward_pre_hook(ProjectionHook(owner))
+        if _unmarked(projection):
+            projection.forward = types.MethodType(type(projection).forward, projection)  # see _unmarked
     return None
 
 
 def _bound(projection: nn.Module, owner: nn.Module) -> bool:
-    return any(isinstance(h, ProjectionHook) and h.owner is owner for h in projection._forward_pre_hooks.values())
+    hooked = any(isinstance(h, ProjectionHook) and h.owner is owner for h in projection._forward_pre_hooks.values())
+    return hooked and not _unmarked(projection)
 
 
-def is_output_hook(hook) -> bool:
-    """Whether a forward pre-hook is one of the acts_on_output hooks (retrofit.unpatch removes them)."""
-    return hook is follow_projection or isinstance(hook, ProjectionHook)
+def _unmarked(projection: nn.Module) -> bool:
+    """Whether a hooked projection still lacks the mark torch.compile tells it from an unhooked one by.
+
+    Dynamo does not guard on a module's hooks (torch._dynamo.config.skip_nnmodule_hook_guards, True by default), so
+    a graph traced through an unpatched model of the same class would run here without the norm, and a graph traced
+    through this one would run on an unpatched model. It does guard on whether a module has a `forward` of its own
+    (`not ___dict_contains('forward', ...)`): the mark is the class's forward bound to the projection, which runs
+    exactly what the class's would. A replica's copy, bound to its original, or none at all: unmarked; another
+    owner's forward (accelerate's hooks, say) is left alone. retrofit.unpatch removes the mark (drop_output_hooks)."""
+    forward = projection.__dict__.get("forward")
+    return forward is None or _is_mark(forward) and forward.__self__ is not projection
+
+
+def _is_mark(forward) -> bool:
+    return isinstance(forward, types.MethodType) and isinstance(forward.__self__, nn.Module) and \
+        forward.__func__ is type(forward.__self__).forward
+
+
+def drop_output_hooks(module: nn.Module) -> None:
+    """Remove the acts_on_output hooks from `module`, and the mark from a projection that had one (retrofit.unpatch)."""
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if hook is follow_projection or isinstance(hook, ProjectionHook):
+            del module._forward_pre_hooks[key]
+            if isinstance(hook, ProjectionHook) and _is_mark(module.__dict__.get("forward")):
+                del module.__dict__["forward"]
 
 
 

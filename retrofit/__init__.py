@@ -8,18 +8,74 @@
     retrofit.unpatch(model)
     model = retrofit.from_pretrained(folder)    # rebuilds the patch recorded in config.retrofit (transformers' args)
     model = retrofit.load.load(source)          # the one loader: Hub id, folder, .gguf, run, checkpoint, adapter
+    retrofit.info("runs/x")                     # what a folder or model is: base, norm, options, rope, trained
+
+The distribution is `retrofit-attention` on PyPI (`pip install retrofit-attention`); the import and the command
+are `retrofit`. The names below are imported on first use (PEP 562), so `import retrofit` and `retrofit --help`
+do not pay for torch and transformers.
 """
 
-from .calibrate import calibrate
-from .errors import RetrofitError
-from .load import from_pretrained
-from .norms import available_norms, describe_norms
-from .patch import PatchReport, is_patched, observe, patch, patch_record, unpatch
-from .recovery import patch_bypassed
-from .rope import extend_rope
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING
+
+from .version import DISTRIBUTION
 from .version import VERSION as __version__
 
+# public name -> the module that defines it
+_PUBLIC = {
+    "PatchReport": "patch", "is_patched": "patch", "observe": "patch", "patch": "patch", "patch_record": "patch",
+    "unpatch": "patch", "calibrate": "calibrate", "RetrofitError": "errors", "from_pretrained": "load",
+    "available_norms": "norms", "describe_norms": "norms", "patch_bypassed": "recovery", "extend_rope": "rope",
+    "info": "load.info",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first use
+    from .calibrate import calibrate
+    from .errors import RetrofitError
+    from .load import from_pretrained
+    from .load.info import info
+    from .norms import available_norms, describe_norms
+    from .patch import PatchReport, is_patched, observe, patch, patch_record, unpatch
+    from .recovery import patch_bypassed
+    from .rope import extend_rope
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule retrofit.patch (or retrofit.calibrate) sets the package's attribute of that name to
+    the module; the public API's name is the function. Keep the function: the module stays in sys.modules."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and _PUBLIC.get(name) == name:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value  # once: later lookups are plain attribute reads
+        return value
+    try:  # `retrofit.load.load(...)` after a bare `import retrofit`: the subpackage, imported on first use
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
 __all__ = [
-    "PatchReport", "RetrofitError", "available_norms", "calibrate", "describe_norms", "extend_rope", "from_pretrained",
-    "is_patched", "observe", "patch", "patch_bypassed", "patch_record", "unpatch", "__version__",
+    "DISTRIBUTION", "PatchReport", "RetrofitError", "available_norms", "calibrate", "describe_norms", "extend_rope",
+    "from_pretrained", "info", "is_patched", "observe", "patch", "patch_bypassed", "patch_record", "unpatch",
+    "__version__",
 ]

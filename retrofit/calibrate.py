@@ -19,6 +19,8 @@ A text is cut into rows of L for it (text_rows); a recipe calibrates on its trai
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -83,11 +85,30 @@ def text_rows(model: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _unpack(batch):
+    """One batch -> (ids (B, T), mask (B, T) or None); a 1-D row is a batch of one."""
     if isinstance(batch, torch.Tensor):
-        return batch, None
-    if isinstance(batch, dict) and "input_ids" in batch:
-        return batch["input_ids"], batch.get("attention_mask")
-    raise RetrofitError("calibration batches must be LongTensors or dicts with input_ids (and attention_mask)")
+        ids, mask = batch, None
+    elif isinstance(batch, Mapping) and "input_ids" in batch:  # a dict, or a tokenizer's BatchEncoding
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+    else:
+        raise RetrofitError("calibration batches must be LongTensors or dicts with input_ids (and attention_mask); "
+                            f"got {type(batch).__name__}")
+    ids = torch.as_tensor(ids)
+    mask = None if mask is None else torch.as_tensor(mask)
+    if ids.dim() == 1:
+        ids, mask = ids[None], None if mask is None else mask[None]
+    if ids.dim() != 2 or ids.dtype.is_floating_point:
+        raise RetrofitError(f"calibration token ids must be integers shaped (T,) or (B, T); got {tuple(ids.shape)} "
+                            f"{ids.dtype}")
+    return ids, mask
+
+
+def as_batches(batches):
+    """What calibrate() accepts, as an iterable of batches: a (B, T) or (T,) tensor or one dict is one batch; a list
+    (or any iterable) holds batches, each a (T,) or (B, T) tensor or a dict with input_ids."""
+    if isinstance(batches, torch.Tensor) or isinstance(batches, Mapping):
+        return [batches]
+    return batches
 
 
 @torch.no_grad()
@@ -114,7 +135,7 @@ def calibrate(model: nn.Module, batches, *, max_batches: int | None = None) -> d
     for n in norms:
         n.calibration = []
     try:
-        for batch in batches:
+        for batch in as_batches(batches):
             if max_batches is not None and used >= max_batches:
                 break
             ids, mask = _unpack(batch)

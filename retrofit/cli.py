@@ -16,10 +16,12 @@ import argparse
 import errno
 import importlib
 import json
+import os
 import re
 import sys
 
 from .errors import RetrofitError
+from .version import DISTRIBUTION, FOREIGN_MARKER, INSTALL, VERSION
 
 # command -> (module providing add_arguments/run, one-line help). Modules are imported lazily so that
 # `retrofit norms` does not pay for importing the training stack.
@@ -87,12 +89,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; only the chosen command's module is imported (so `retrofit norms` starts fast)."""
-    parser = _Parser(prog="retrofit", description="Retrofit attention normalizations onto Hugging Face models.")
+    """The parser; only the chosen command's module is imported (so `retrofit --help` starts fast). The verbs'
+    parsers are in `parser.verbs` (an argument error is reported by the verb's own parser, naming it)."""
+    parser = _Parser(prog="retrofit", description="Retrofit attention normalizations onto Hugging Face models.",
+                     epilog=f"`retrofit COMMAND --help` for a command's options.\nInstall: {INSTALL}",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"retrofit {VERSION} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
+    parser.verbs = {}
     for name, (module_name, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = parser.verbs[name] = sub.add_parser(name, help=help_text, description=help_text)
         if name != command:
             continue
         module = importlib.import_module(module_name)  # every verb's module ships (test_bench imports each)
@@ -103,16 +110,29 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def foreign_package() -> str | None:
+    """The one line saying that PyPI's unrelated `retrofit` distribution shares this folder (its wheel installs a
+    top-level `retrofit` too, and one overwrote the other's files), else None. One stat: cheap enough for every run."""
+    if os.path.exists(os.path.join(os.path.dirname(__file__), FOREIGN_MARKER)):
+        return (f"the `retrofit` folder {os.path.dirname(__file__)} also holds files of PyPI's unrelated `retrofit` "
+                f"distribution; run `pip uninstall -y retrofit {DISTRIBUTION} && {INSTALL}`")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    foreign = foreign_package()
+    if foreign:
+        print(f"retrofit: error: {foreign}", file=sys.stderr)
+        return 2
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
     args, rest = parser.parse_known_args(argv)
     # dotted overrides (train.steps=200) may also follow the options: argparse leaves those over
     if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
         args.overrides = list(args.overrides or []) + rest
-    elif rest:
-        parser.parse_args(argv)  # reports the unrecognized arguments as usual (one line, exit 2)
+    elif rest:  # the verb's own parser reports them: `retrofit eval: error: unrecognized arguments: --x`
+        parser.verbs[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return int(args._run(args) or 0)
     except RetrofitError as err:

@@ -80,26 +80,34 @@ def selection_loss(model, ids: torch.Tensor, layers: list[int] | None, heads: li
         return _loss(model, ids)
 
 
-def layer_costs(model, ids: torch.Tensor) -> tuple[float, list[Cost]]:
+def _bar(items, what: str, progress: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=f"rank {what}s", unit="forward", disable=not progress, leave=False)
+
+
+def layer_costs(model, ids: torch.Tensor, progress: bool = False) -> tuple[float, list[Cost]]:
     """(the loss with no norm acting, the cost of each patched layer alone), cheapest first. No norm acting is the
-    original model unless the patch also changed positions (rope=, nope), which stay on for every forward."""
+    original model unless the patch also changed positions (rope=, nope), which stay on for every forward.
+    One forward for the baseline and one per patched layer (a progress bar with `progress`)."""
     baseline = selection_loss(model, ids, [])
     costs = []
-    for index, _ in _norms(model):
+    for index, _ in _bar(_norms(model), "layer", progress):
         loss = selection_loss(model, ids, [index])
         costs.append(Cost(index, loss, loss - baseline))
     return baseline, sorted(costs, key=lambda c: (c.cost, c.index))
 
 
-def head_costs(model, ids: torch.Tensor) -> tuple[float, list[Cost]]:
-    """(the loss with no norm acting, the cost of each head alone in every patched layer), cheapest first."""
+def head_costs(model, ids: torch.Tensor, progress: bool = False) -> tuple[float, list[Cost]]:
+    """(the loss with no norm acting, the cost of each head alone in every patched layer), cheapest first.
+    One forward for the baseline and one per query head."""
     norms = _norms(model)
     if not type(norms[0][1]).per_head:
         raise RetrofitError(f"{norms[0][1].name} has no per-head parameters: its heads cannot be ranked")
     baseline = selection_loss(model, ids, [])
     heads = sorted(set().union(*(_own_heads(n) for _, n in norms)))
     costs = []
-    for head in heads:
+    for head in _bar(heads, "head", progress):
         loss = selection_loss(model, ids, None, [head])
         costs.append(Cost(head, loss, loss - baseline))
     return baseline, sorted(costs, key=lambda c: (c.cost, c.index))

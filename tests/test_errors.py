@@ -101,8 +101,8 @@ def _cli(*args):
     (["patch", "gpt2", "--norm", "avnorm", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ])
-def test_cli_bad_input_exits_2_without_traceback(args, match):
-    run = _cli(*args)
+def test_cli_bad_input_exits_2_without_traceback(args, match, tmp_path):
+    run = _cli(*args, *(["--out", str(tmp_path / "out")] if args[0] == "patch" else []))
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr
     lines = [line for line in run.stderr.splitlines() if line.strip()]

@@ -68,6 +68,9 @@ def test_an_unsafe_arm_name_is_refused_before_anything_is_created(name, tmp_path
 @pytest.mark.parametrize("verb", ["experiment", "demo"])
 @pytest.mark.parametrize("flag", [True, False])
 def test_no_progress_turns_off_training_and_evaluation_bars(verb, flag, tmp_path, monkeypatch):
+    import torch
+
+    import retrofit.experiment as library
     from retrofit.commands import experiment as command
     seen = {}
 
@@ -75,9 +78,9 @@ def test_no_progress_turns_off_training_and_evaluation_bars(verb, flag, tmp_path
         seen.update(train=recipe.train.progress, eval=progress)
         return {}
 
-    monkeypatch.setattr(command, "run_experiment", fake_run)
+    monkeypatch.setattr(library, "run_experiment", fake_run)  # imported by the command when it runs
     monkeypatch.setattr(command, "_print_summary", lambda results, out: None)
-    monkeypatch.setattr(command.torch, "set_num_threads", lambda n: None)  # demo's; the fixture's 1 thread stays
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # demo's; the fixture's 1 thread stays
     argv = [verb, *([str(experiment.DEMO_RECIPE)] if verb == "experiment" else []), "--out", str(tmp_path / "x")]
     assert main(argv + (["--no-progress"] if flag else [])) == 0
     assert seen == {"train": not flag, "eval": not flag}

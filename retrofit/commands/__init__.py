@@ -3,16 +3,41 @@
 Each module provides `add_arguments(parser)` and `run(args) -> int`, parses the command line, calls one
 library function and prints; no library module uses argparse (retrofit/cli.py maps verbs to modules).
 The checks every verb makes at the top of `run`, before loading anything, live here: counts that must be
-positive, an output path we can write, and activations that fit in memory.
+positive, an output path we can write, and activations that fit in memory; so do the flags several verbs share
+(one spelling everywhere: --no-progress, --dtype, --patch).
+
+A verb module imports nothing heavy at its top (torch, transformers, the library): `retrofit VERB --help` and an
+argument error then take a fraction of a second; `run` imports what it uses (tests/test_cli_habits.py checks).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
 from ..atomic import check_output, output_path
 from ..errors import RetrofitError, check_utf8
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_progress_flag(parser, what: str = "no progress bars") -> None:
+    """--no-progress, in every verb that shows progress (--quiet: diagnose's old spelling, hidden)."""
+    parser.add_argument("--no-progress", action="store_true", help=what)
+    parser.add_argument("--quiet", dest="no_progress", action="store_true", help=argparse.SUPPRESS)
+
+
+def add_dtype_flag(parser) -> None:
+    """--dtype, default auto (the dtype the model was saved in), in every verb that loads a model."""
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="auto (default: the dtype each model was saved in) | float32 | bfloat16 | float16")
+
+
+def add_patch_flag(parser, help: str, repeatable: bool = False) -> None:
+    """--patch NORM[:KEY=VALUE,...] (retrofit.diagnose.spec.parse_patch reads it), in eval and diagnose."""
+    parser.add_argument("--patch", metavar="NORM[:KEY=VALUE,...]", help=help,
+                        **({"action": "append", "default": []} if repeatable else {"default": None}))
 
 
 def check_counts(args, positive=(), nonnegative=()) -> None:

@@ -12,9 +12,16 @@ from __future__ import annotations
 import shlex
 import sys
 
-from ..diagnose import DiagnoseSpec, diagnose_sources
 from ..lengths import parse_lengths
-from . import check_counts, check_eval_memory, check_out, check_text_files
+from . import (
+    add_dtype_flag,
+    add_patch_flag,
+    add_progress_flag,
+    check_counts,
+    check_eval_memory,
+    check_out,
+    check_text_files,
+)
 
 DEFAULT_LENGTHS = "32,64,...,1024"
 
@@ -27,18 +34,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tokenizer", help="tokenizer folder or Hub id (default: each model's own)")
     parser.add_argument("--windows", type=int, default=2, help="text windows of max(L) tokens (default 2)")
     parser.add_argument("--queries", type=int, default=8, help="query rows measured per length (default 8)")
-    parser.add_argument("--patch", action="append", default=[], metavar="NORM[:k=v,...]",
-                        help="also diagnose each source patched with this norm (repeatable), e.g. avnorm")
+    add_patch_flag(parser, "also diagnose each source patched this way (repeatable), e.g. avnorm or psoftmax:p=2",
+                   repeatable=True)
     parser.add_argument("--calibrate-tokens", type=int, default=8192,
                         help="tokens of --data (after the windows) that calibrate avnorm gains (default 8192; 0: none)")
     parser.add_argument("--label", action="append", default=[], help="a name per source, in order")
-    parser.add_argument("--dtype", default="float32",
-                        help="model dtype (default float32; auto: the dtype it was saved in)")
+    add_dtype_flag(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed for the random directions of g(T, eps)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_progress_flag(parser)
 
 
 def run(args) -> int:
+    from ..diagnose import DiagnoseSpec, diagnose_sources
+
     check_counts(args, positive=("windows", "queries"), nonnegative=("calibrate_tokens",))
     args.out = check_out(args.out, "--out", empty=False)  # `~` expanded, once
     check_text_files([args.data], "--data")
@@ -47,7 +55,7 @@ def run(args) -> int:
     command = " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["diagnose"] else "..."
     spec = DiagnoseSpec(data=args.data, out=args.out, lengths=lengths, tokenizer=args.tokenizer, windows=args.windows,
                         queries=args.queries, patches=args.patch, calibrate_tokens=args.calibrate_tokens,
-                        labels=args.label or None, dtype=args.dtype, seed=args.seed, progress=not args.quiet,
+                        labels=args.label or None, dtype=args.dtype, seed=args.seed, progress=not args.no_progress,
                         command=command)
     diagnose_sources(args.sources, spec)
     return 0

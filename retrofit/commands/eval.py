@@ -25,26 +25,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from ..atomic import output_folder
-from ..bounds import MOST, check_size
-from ..diagnose import parse_patch
 from ..errors import RetrofitError
-from ..evaluate import EvalSpec, check_variants, evaluate_models, evaluation_names
-from ..evaluate.compare import comparison_references
-from ..evaluate.merge import merge_results
-from ..evaluate.report import (
-    APPROX_LEGEND,
-    comparison_table_markdown,
-    cost_table_markdown,
-    loss_table_markdown,
-    write_report,
-)
-from ..evaluate.ruler_export import export_command, task_list
 from ..lengths import parse_lengths
-from ..recipe import read_yaml_file
-from . import check_counts, check_eval_memory, check_out, check_text_files
+from . import (
+    add_dtype_flag,
+    add_patch_flag,
+    add_progress_flag,
+    check_counts,
+    check_eval_memory,
+    check_out,
+    check_text_files,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,19 +76,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="passkey and niah depths, 0 = start .. 1 = end")
     parser.add_argument("--trials", type=int, default=8, help="passkey trials / counting sequences per length")
     parser.add_argument("--alphabet", type=int, default=None, help="counting alphabet (default: the run's recipe)")
-    parser.add_argument("--patch", metavar="NORM[:KEY=VALUE,...]", default=None,
-                        help="patch every model before evaluating it, e.g. avnorm:kind=rms or ssmax:scale=beyond; "
-                             "avnorm:layers=16-29,heads=0+3 patches layers 16-29, heads 0 and 3 ('+' joins items)")
+    add_patch_flag(parser, "patch every model before evaluating it, e.g. avnorm:kind=rms or ssmax:scale=beyond; "
+                           "avnorm:layers=16-29,heads=0+3 patches layers 16-29, heads 0 and 3 ('+' joins items)")
     parser.add_argument("--rope", metavar="TYPE:FACTOR[,KEY=VALUE...]", default=None,
                         help="extend every model's RoPE before evaluating it: yarn:4, dynamic:4, linear:4 "
                              "(with --patch, or alone: softmax attention)")
     parser.add_argument("--variants", metavar="FILE", default=None,
                         help="YAML list of {name, patch: {norm, ...options}, rope}: evaluate every model once per "
                              "variant, side by side (training-free settings in one report)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="auto (default): each model in the dtype it was saved in")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_dtype_flag(parser)
+    parser.add_argument("--device", default=None, help="cuda | cpu (default: cuda when there is one)")
+    add_progress_flag(parser)
     parser.add_argument("--merge", nargs="+", metavar="RESULTS", default=None,
                         help="no models: put finished results.json files side by side (a model in several gets all "
                              "its rows) and recompute the paired differences (--reference) into --out, re-scoring "
@@ -104,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..bounds import MOST, check_size
+    from ..evaluate.ruler_export import export_command, task_list
+
     if args.list_tasks:
         print(task_list())
         return 0
@@ -117,6 +110,17 @@ def run(args: argparse.Namespace) -> int:
         return _merge(args)
     if not args.models:
         raise RetrofitError("retrofit eval needs at least one model (or --list-tasks, or --export-harness DIR)")
+    return _run_models(args)
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    """Score the models: every check first, then --out is made and the report written."""
+    import torch
+
+    from ..diagnose import parse_patch
+    from ..evaluate import EvalSpec, evaluation_names
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.out = check_out(args.out, "--out", empty=False)  # results (made by retrofit) are rewritten in place
     check_text_files(args.data or [], "--data")
     check_eval_memory(args.models, parse_lengths(args.lengths), args.batch_tokens, args.device, args.dtype)
@@ -145,8 +149,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _evaluate(models: list[str], spec: EvalSpec, out) -> list[Path]:
+def _evaluate(models: list[str], spec, out) -> list[Path]:
     """evaluate_models with the command line's settings, then the report into --out (printing the tables)."""
+    from ..evaluate import evaluate_models
+    from ..evaluate.report import write_report
+
     results = evaluate_models(models, spec)
     paths = write_report(results, out)
     _print_tables(results)
@@ -155,6 +162,9 @@ def _evaluate(models: list[str], spec: EvalSpec, out) -> list[Path]:
 
 def _merge(args) -> int:
     """--merge: finished evaluations as one report (retrofit.evaluate.merge), nothing re-scored."""
+    from ..evaluate.merge import merge_results
+    from ..evaluate.report import write_report
+
     if args.models:
         raise RetrofitError("--merge takes results.json files, not models: drop the models, or --merge")
     args.out = check_out(args.out, "--out", empty=False)
@@ -167,6 +177,9 @@ def _merge(args) -> int:
 
 
 def _print_tables(results: dict) -> None:
+    from ..evaluate.compare import comparison_references
+    from ..evaluate.report import APPROX_LEGEND, comparison_table_markdown, cost_table_markdown, loss_table_markdown
+
     if any(m["lengths"] for m in results["models"]):
         print(loss_table_markdown(results) + "\n\n" + cost_table_markdown(results))
     for reference in comparison_references(results):
@@ -189,5 +202,8 @@ def _depths(text: str) -> list[float]:
 
 
 def _read_variants(path: str) -> list[dict]:
+    from ..evaluate import check_variants
+    from ..recipe import read_yaml_file
+
     variants = read_yaml_file(path, "--variants", "a variants file is a short list of {name, patch, rope}")
     return check_variants(variants)

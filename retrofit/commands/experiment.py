@@ -12,11 +12,7 @@ import argparse
 import os
 from pathlib import Path
 
-import torch
-
-from ..experiment import DEMO_RECIPE, run_experiment, summary_table
-from ..recipe import load_recipe
-from . import check_out, check_recipe
+from . import add_progress_flag, check_out, check_recipe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,11 +29,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_progress(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bars, training or evaluation (train.progress=false): for logs and files")
+    add_progress_flag(parser, "no progress bars, training or evaluation (train.progress=false): for logs and files")
 
 
 def run(args) -> int:
+    from ..experiment import run_experiment
+
     recipe = _checked_recipe(args.recipe, args)
     _print_summary(run_experiment(recipe, args.out, progress=not args.no_progress), Path(args.out))
     return 0
@@ -45,6 +42,8 @@ def run(args) -> int:
 
 def _checked_recipe(path, args):
     """The recipe with its overrides, refused before anything is written when --out or memory cannot do."""
+    from ..recipe import load_recipe
+
     args.out = check_out(args.out, "--out", empty=False)  # an experiment folder (made by retrofit) is resumed
     recipe = load_recipe(path, [*args.overrides, *(["train.progress=false"] if args.no_progress else [])])
     check_recipe(recipe)
@@ -53,6 +52,10 @@ def _checked_recipe(path, args):
 
 def run_demo(args) -> int:
     """`retrofit demo`: the embedded default experiment (recipes/demo.yaml), offline, on the CPU."""
+    import torch
+
+    from ..experiment import DEMO_RECIPE, run_experiment
+
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     recipe = _checked_recipe(DEMO_RECIPE, args)
     _print_summary(run_experiment(recipe, args.out, progress=not args.no_progress), Path(args.out))
@@ -63,6 +66,8 @@ CLI_COMMANDS = {"experiment": (add_arguments, run), "demo": (add_demo_arguments,
 
 
 def _print_summary(results: dict, out: Path) -> None:
+    from ..experiment import summary_table
+
     print()
     print(summary_table(results))
     print(f"\nreport: {out / 'report.md'}   (results.json, eval/, base/, arms/ beside it)")

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
-from ..norms import describe_norms
-
 
 def add_arguments(parser):
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args) -> int:
+    from ..norms import describe_norms
+
     rows = describe_norms()
     if args.json:
         print(json.dumps(rows, indent=2, default=str))

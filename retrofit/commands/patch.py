@@ -5,7 +5,8 @@
     retrofit patch ./smollm2.gguf --norm softmax --rope yarn:4 --out smol-yarn     # RoPE 8192 -> 32768 positions
 
 SOURCE is a Hub id, a local folder or a .gguf file. Prints the PatchReport; with --check-text, the
-model's loss on that text before and after patching.
+model's loss on that text before and after patching. Without --out (or --push-to-hub) nothing is saved, so it
+is refused unless --check-text asks for a measurement.
 """
 
 from __future__ import annotations
@@ -14,33 +15,33 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 import tempfile
 import typing
 from pathlib import Path
 
-import torch
-
 from ..atomic import atomic_folder
-from ..calibrate import calibrate, text_rows
-from ..costs import describe_costs, head_costs, layer_costs, selection_loss, suggest
-from ..data.read import read_tokens
 from ..errors import RetrofitError
-from ..hub import check_repo, find_token, push
-from ..load import is_hub_id, load, load_config, load_tokenizer
-from ..norms import NORMS, make_options
-from ..patch import CHILD, is_patched, patch, unpatch
-from ..record import describe_selection, read_record
-from ..recovery.probe import describe_spread, head_spread, knob_losses
-from ..rope import describe_rope, normalize_rope
 from ..selection import parse_selection
-from . import check_counts, check_out, check_selection_counts, check_text_files
+from . import add_dtype_flag, add_progress_flag, check_counts, check_out, check_selection_counts, check_text_files
+from .patch_flags import FLAGS
+
+# option -> {type (None = a switch), norms, doc}: the written-out table (patch_flags.py; no norm imported to parse)
+NORM_FLAGS = {name: {"type": {"str": str, "int": int, "float": float}.get(kind), "norms": norms, "doc": doc}
+              for name, (kind, norms, doc) in FLAGS.items()}
+# AVNorm with unit gains on a pretrained model, measured (README "Calibration"; SmolLM2-135M, 512 tokens)
+UNCALIBRATED_COST = ("on SmolLM2-135M unit gains took the loss on a paragraph from 3.91 to 14.29 (calibrated on 8192 "
+                     "tokens: 4.58)")
 
 
 def norm_flags() -> dict[str, dict]:
     """Every option of every registered norm as a flag: option -> {type (None = a switch), norms, doc}.
 
     Generated from the norms' Options dataclasses (each option is declared once, in its norm's file); only
-    flags the user set are passed, so an option the chosen norm lacks is an error naming its options."""
+    flags the user set are passed, so an option the chosen norm lacks is an error naming its options.
+    patch_flags.py holds its output, so that parsing imports no norm."""
+    from ..norms import NORMS
+
     flags: dict[str, dict] = {}
     for name, cls in sorted(NORMS.items()):
         hints = typing.get_type_hints(cls.Options)
@@ -50,9 +51,6 @@ def norm_flags() -> dict[str, dict]:
             entry = flags.setdefault(f.name, {"type": kind, "norms": [], "doc": (f.metadata or {}).get("doc", "")})
             entry["norms"].append(name)
     return flags
-
-
-NORM_FLAGS = norm_flags()
 
 
 def add_arguments(parser):
@@ -81,7 +79,11 @@ def add_arguments(parser):
     parser.add_argument("--calibrate", dest="calibration_text", help=argparse.SUPPRESS)  # its name before issue 27
     parser.add_argument("--calibrate-tokens", type=int, default=8192,
                         help="tokens of --calibration-text to use (default 8192)")
-    parser.add_argument("--check-text", metavar="FILE", help="print the loss on this text before and after patching")
+    parser.add_argument("--check-text", metavar="FILE",
+                        help="print the loss on this text before and after patching, then rank the patched layers "
+                             "(and heads of a per-head norm) by cost: 2 forwards + 1 per patched layer + 1 per query "
+                             "head + 1 per suggestion, each of --check-tokens tokens (SmolLM2-135M, 30 layers x 9 "
+                             "heads: 43 forwards)")
     parser.add_argument("--check-tokens", type=int, default=512, help="tokens of --check-text to use (default 512)")
     parser.add_argument("--rank-k", type=int, default=None, metavar="K",
                         help="with --check-text: suggest --layers (and --heads) for the K cheapest (default: half)")
@@ -93,14 +95,17 @@ def add_arguments(parser):
     parser.add_argument("--schedule-end", type=float, default=None,
                         help="the knob at position 1 (default the patch's own value; an avnorm floor may end at 1 or "
                              "2); the losses printed are recovery.schedule.costs for shape: loss")
-    parser.add_argument("--out", help="folder to save the patched model (and tokenizer) to")
-    parser.add_argument("--dtype", default="auto",
-                        help="auto (default: the dtype the model was saved in) | float32 | bfloat16 | float16")
+    parser.add_argument("--out", help="folder to save the patched model (and tokenizer) to; without it (and "
+                                      "without --push-to-hub) only --check-text's measurement runs, nothing is saved")
+    add_dtype_flag(parser)
+    add_progress_flag(parser, "no progress bars (calibration, the ranking's forwards)")
     parser.add_argument("--push-to-hub", metavar="REPO", default=None,
                         help="after saving, push to this Hub repository (OWNER/NAME); see `retrofit push`")
 
 
-def _read_tokens(tokenizer, path: str, limit: int) -> torch.Tensor:
+def _read_tokens(tokenizer, path: str, limit: int):
+    from ..data.read import read_tokens
+
     if tokenizer is None:
         raise RetrofitError("this model ships no tokenizer, so text files cannot be used with it")
     ids = read_tokens(path, tokenizer, budget=limit, special=True)[:limit]  # reads as far as `limit` needs
@@ -109,10 +114,12 @@ def _read_tokens(tokenizer, path: str, limit: int) -> torch.Tensor:
     return ids
 
 
-@torch.no_grad()
-def text_loss(model, ids: torch.Tensor) -> float:
-    """Mean next-token loss of `model` on one sequence of token ids."""
-    return float(model(input_ids=ids[None], labels=ids[None], use_cache=False).loss)
+def text_loss(model, ids) -> float:
+    """Mean next-token loss of `model` on one sequence of token ids (T,)."""
+    import torch
+
+    with torch.no_grad():
+        return float(model(input_ids=ids[None], labels=ids[None], use_cache=False).loss)
 
 
 def _positions(text: str) -> list[float]:
@@ -131,6 +138,9 @@ def _check_selection(args) -> None:
     for flag, spec in (("layers", args.layers), ("heads", args.heads)):
         if spec is not None:
             parse_selection(spec, None, f"--{flag}")
+    from ..load import load_config
+    from ..norms import NORMS
+
     if args.heads is not None and not NORMS[args.norm].per_head:
         per_head = ", ".join(n for n, cls in sorted(NORMS.items()) if cls.per_head)
         raise RetrofitError(f"--heads: {args.norm} has no per-head parameters; --heads applies to {per_head}")
@@ -143,13 +153,17 @@ def _check_selection(args) -> None:
     check_selection_counts(config, [(args.layers, "layers", "--layers"), (args.heads, "heads", "--heads")])
 
 
-def _rank(model, ids: torch.Tensor, k: int | None) -> None:
+def _rank(model, ids, k: int | None, progress: bool = True) -> None:
     """Rank the patched layers (then heads, for per-head norms) by their zero-shot cost on `ids`, cheapest first,
     and suggest --layers / --heads for the k cheapest: one forward per layer or head, and one per suggestion."""
+    from ..costs import describe_costs, head_costs, layer_costs, selection_loss, suggest
+    from ..norms import NORMS
+    from ..record import describe_selection, read_record
+
     rankings = [("layer", "--layers", layer_costs)] + ([("head", "--heads", head_costs)]
                                                        if NORMS[read_record(model)["norm"]].per_head else [])
     for what, flag, measure in rankings:
-        baseline, costs = measure(model, ids)
+        baseline, costs = measure(model, ids, progress=progress)
         print(describe_costs(costs, what, baseline))
         chosen = suggest(costs, min(k or max(1, len(costs) // 2), len(costs)))
         loss = selection_loss(model, ids, *((chosen, None) if what == "layer" else (None, chosen)))
@@ -161,6 +175,9 @@ def _unpatch_parameter_free(model, source: str, nope: bool) -> str | None:
     """A checkpoint retrofit patched with a patch that has no parameters (softmax, ssmax scale=beyond, a RoPE
     extension: e.g. an experiment's control arm) is its finetuned weights under a function of them: replace that
     patch. One with trained patch parameters (gains, exponents, sinks) is refused: replacing would drop them."""
+    from ..patch import CHILD, is_patched, unpatch
+    from ..record import read_record
+    from ..rope import describe_rope
     if not is_patched(model):
         return None
     record = read_record(model) or {}
@@ -185,7 +202,12 @@ def save_atomically(model, tokenizer, out: str) -> None:
             tokenizer.save_pretrained(tmp)
 
 
-def run(args) -> int:
+def _check_args(args) -> tuple[dict, list[float] | None]:
+    """Every check that needs no model, in one place: (the norm's options, the schedule positions)."""
+    from ..hub import check_repo, find_token
+    from ..norms import make_options
+    from ..rope import normalize_rope
+
     check_counts(args, positive=("calibrate_tokens", "check_tokens", "rank_k"))
     args.out = check_out(args.out, "--out")  # new or empty; `~` expanded, once
     check_text_files([args.calibration_text] if args.calibration_text else [], "--calibration-text")
@@ -205,9 +227,30 @@ def run(args) -> int:
     positions = _positions(args.schedule_values) if args.schedule_values else None
     if positions and not args.check_text:
         raise RetrofitError("--schedule-values measures a loss: give the text with --check-text FILE")
+    if not (args.out or args.push_to_hub or args.check_text):
+        raise RetrofitError("nothing would be saved: give --out DIR (or --push-to-hub REPO); without them only "
+                            "--check-text FILE measures the patch, saving nothing")
     if args.push_to_hub:  # a bad repo id or a missing token fails before any loading
         check_repo(args.push_to_hub)
         find_token()
+    return options, positions
+
+
+def _warn_uncalibrated(args, options: dict) -> None:
+    """AVNorm (mode=always) with unit gains on a pretrained model: say what it costs, measured."""
+    if args.norm == "avnorm" and not args.calibration_text and options.get("gain") is None \
+            and options.get("mode", "always") == "always":
+        print(f"retrofit patch: warning: AVNorm without --calibration-text starts every head at gain 1, which ruins "
+              f"a pretrained model until trained: {UNCALIBRATED_COST}; add --calibration-text FILE", file=sys.stderr)
+
+
+def run(args) -> int:
+    from ..calibrate import text_rows
+    from ..diagnose.sources import calibrate_with_progress
+    from ..load import load, load_tokenizer
+    from ..patch import patch
+
+    options, positions = _check_args(args)
     model = load(args.source, task_head=False, dtype=args.dtype)
     needs_tokens = args.calibration_text or args.check_text
     tokenizer = load_tokenizer(args.source) if (needs_tokens or args.out or args.push_to_hub) else None
@@ -215,35 +258,48 @@ def run(args) -> int:
     before = text_loss(model, check) if check is not None else None
     replaced = _unpatch_parameter_free(model, args.source, args.nope)
     report = patch(model, args.norm, nope=args.nope, rope=args.rope, layers=args.layers, heads=args.heads, **options)
+    _warn_uncalibrated(args, options)
     if args.calibration_text:
         ids = _read_tokens(tokenizer, args.calibration_text, args.calibrate_tokens)
-        report.calibration = calibrate(model, text_rows(model, ids))
+        report.calibration = calibrate_with_progress(model, text_rows(model, ids), progress=not args.no_progress)
     print(report)
     if replaced:
         print(replaced)
     if check is not None:
-        after = text_loss(model, check)
-        print(f"loss on {args.check_text} ({check.numel()} tokens): original {before:.4f}, "
-              f"patched {after:.4f} (ppl {math.exp(min(after, 50)):.2f})")
-        if positions:
-            rows = knob_losses(model, check[None], positions, start=args.schedule_start, end=args.schedule_end)
-            for t, value, loss in rows:
-                print(f"  schedule position {t:g} ({args.norm} knob {value:g}): loss {loss:.4f} ({loss - before:+.4f})")
-            even = [i / (len(positions) - 1) for i in range(len(positions))] if len(positions) > 1 else None
-            if even and all(abs(a - b) < 1e-9 for a, b in zip(positions, even)):  # evenly spaced 0..1: usable
-                print(f"  recovery.schedule.costs for shape: loss: [{', '.join(f'{c:.4f}' for _, _, c in rows)}]")
-            print(describe_spread(head_spread(model, check[None])))
-        _rank(model, check[None], args.rank_k)
+        _check(model, check, before, positions, args)
     if args.out:
         save_atomically(model, tokenizer, args.out)
         print(f"saved to {args.out}  (load with retrofit.from_pretrained({args.out!r}))")
     if args.push_to_hub:
         _push(model, tokenizer, args)
+    if not args.out:
+        print("nothing saved (no --out): this run only measured" + (" and pushed" if args.push_to_hub else ""))
     return 0
+
+
+def _check(model, check, before: float, positions, args) -> None:
+    """--check-text: the loss before and after, the schedule positions' losses, the ranking."""
+    from ..recovery.probe import describe_spread, head_spread, knob_losses
+
+    after = text_loss(model, check)
+    print(f"loss on {args.check_text} ({check.numel()} tokens): original {before:.4f}, "
+          f"patched {after:.4f} (ppl {math.exp(min(after, 50)):.2f})")
+    if positions:
+        rows = knob_losses(model, check[None], positions, start=args.schedule_start, end=args.schedule_end)
+        for t, value, loss in rows:
+            print(f"  schedule position {t:g} ({args.norm} knob {value:g}): loss {loss:.4f} ({loss - before:+.4f})")
+        even = [i / (len(positions) - 1) for i in range(len(positions))] if len(positions) > 1 else None
+        if even and all(abs(a - b) < 1e-9 for a, b in zip(positions, even)):  # evenly spaced 0..1: usable
+            print(f"  recovery.schedule.costs for shape: loss: [{', '.join(f'{c:.4f}' for _, _, c in rows)}]")
+        print(describe_spread(head_spread(model, check[None])))
+    _rank(model, check[None], args.rank_k, progress=not args.no_progress)
 
 
 def _push(model, tokenizer, args) -> None:
     """Push the saved folder (or, without --out, a temporary one) with the card naming this command."""
+    from ..hub import push
+    from ..load import is_hub_id
+
     flags = [f"--{k.replace('_', '-')}" + ("" if getattr(args, k) is True else f" {getattr(args, k)}")
              for k in NORM_FLAGS if getattr(args, k) is not None]
     command = " ".join(["retrofit patch", Path(args.source).name if not is_hub_id(args.source) else args.source,

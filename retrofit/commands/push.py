@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..hub import push
-from . import check_out
+from . import add_progress_flag, check_out
 
 
 def add_arguments(parser) -> None:
@@ -25,9 +24,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval", dest="eval_dir", default=None, help="folder written by `retrofit eval --out`")
     parser.add_argument("--dry-run", metavar="DIR", default=None,
                         help="write the folder that would be uploaded, upload nothing")
+    add_progress_flag(parser, "no progress bars (staging the folder, the upload)")
 
 
 def run(args) -> int:
+    from ..hub import push
+
     args.dry_run = check_out(args.dry_run, "--dry-run")  # new or empty; `~` expanded, once
     where = push(args.source, args.repo, private=args.private, revision=args.revision, merged=args.merged,
                  base_model=args.base_model, license=args.license, eval_dir=args.eval_dir, dry_run=args.dry_run)

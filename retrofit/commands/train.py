@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import RetrofitError
-from ..recipe import documentation, load_recipe
-from ..train import train
-from . import check_out, check_recipe
+from . import add_progress_flag, check_out, check_recipe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,17 +23,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue the run in RUN_DIR from its newest complete checkpoint")
     parser.add_argument("--keys", action="store_true",
                         help="list every recipe key with its default and meaning, then exit")
+    add_progress_flag(parser, "no progress bar (train.progress=false): for logs and files")
     parser.epilog = "Overrides go before the options: retrofit train RECIPE train.steps=10 --out runs/x"
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..recipe import documentation, load_recipe
+    from ..train import train
+
     if args.keys:
         for key, default, doc in documentation():
             print(f"{key:32} {default:14} {doc}")
         return 0
     if args.recipe is None:
         raise RetrofitError("name a recipe: retrofit train RECIPE [section.key=value ...] (see recipes/)")
-    overrides = list(args.overrides)
+    overrides = list(args.overrides) + (["train.progress=false"] if args.no_progress else [])
     if args.out and args.resume:
         raise RetrofitError("pass either --out or --resume (which names the run folder), not both")
     # a run folder may exist (made by retrofit): training resumes or refuses it; `~` expanded here, once

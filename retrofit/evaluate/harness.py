@@ -1,6 +1,6 @@
 """lm-evaluation-harness model type `retrofit`: downstream tasks on patched checkpoints, runs and adapters.
 
-    pip install -e ".[eval]"
+    pip install "retrofit-attention[eval]"     # or, in a clone: pip install -e ".[eval]"
     python -m retrofit.evaluate.harness --model retrofit \\
         --model_args pretrained=runs/avnorm,max_length=32768 --tasks hellaswag --device cpu
     python -m retrofit.evaluate.harness --model retrofit \\

@@ -19,6 +19,7 @@ from huggingface_hub import ModelCardData
 from ..load.sources import is_hub_id
 from ..norms import get_norm
 from ..record import GUARD  # config.json's attn_implementation in every saved patched model: plain transformers refuses
+from ..version import INSTALL
 
 WHY = {
     "softmax": "the unpatched baseline, published for comparison: softmax weights sum to 1, so as the context "
@@ -91,7 +92,7 @@ def model_card(info: dict) -> str:
         f"Why: {WHY.get(norm, get_norm(norm).summary)}" + (f" {NOPE_WHY}" if record.get("nope") else ""), "",
         "## How to load", "",
         "```python",
-        "import retrofit  # pip install retrofit",
+        f"import retrofit  # {INSTALL}  (PyPI's `retrofit` is another project)",
         f"model = retrofit.from_pretrained({json.dumps(repo)})  # also: revision=..., dtype=..., device_map=...",
         "```", "",
     ]

@@ -35,11 +35,32 @@ def available_norms() -> list[str]:
     return sorted(NORMS)
 
 
+# Names people use for a norm (papers, posts, other libraries) -> what to write here. difflib alone would send
+# `l2softmax` to softmax, the one norm it is not.
+NEAR_MISSES = {
+    **dict.fromkeys(["l2softmax", "l2-softmax", "l2_softmax", "l2", "lp2", "p2", "psoftmax2", "softmax2"],
+                    "L2 softmax is psoftmax with p=2: --norm psoftmax --p 2, --patch psoftmax:p=2, "
+                    "patch(model, 'psoftmax', p=2)"),
+    **dict.fromkeys(["lpsoftmax", "lp-softmax", "lp_softmax", "p-softmax", "p_softmax", "pnorm", "lp"],
+                    "did you mean 'psoftmax'? p >= 1, e.g. psoftmax:p=2"),
+    **dict.fromkeys(["scalable-softmax", "scalable_softmax", "scalablesoftmax", "ss-max", "ss_max", "ssm",
+                     "scalable", "logn", "log-n"], "did you mean 'ssmax'? Scalable-Softmax"),
+    **dict.fromkeys(["softmax+1", "softmax-plus-one", "softmax_plus_one", "softmaxplusone", "softmax_1", "softmax-1",
+                     "quiet-softmax", "quietsoftmax", "quiet_softmax", "off-by-one", "sink", "attention-sink"],
+                    "did you mean 'softmax1'? softmax+1"),
+    **dict.fromkeys(["av-norm", "av_norm", "avn", "headnorm", "head-norm", "rmsnorm", "groupnorm", "layernorm"],
+                    "did you mean 'avnorm'? kind=rms, layer or global"),
+    **dict.fromkeys(["nope", "no-pe", "no_pe"], "NoPE is not a norm: add --nope (nope=True) to any norm"),
+    **dict.fromkeys(["l1", "l1softmax", "none", "original", "baseline", "vanilla"],
+                    "did you mean 'softmax'? the unpatched baseline"),
+}
+
+
 def get_norm(name: str) -> type[Norm]:
     if name not in NORMS:
-        raise RetrofitError(
-            f"unknown norm {name!r}{closest(name, NORMS)}; available: {', '.join(available_norms())}"
-        )
+        near = NEAR_MISSES.get(str(name).strip().lower()) if isinstance(name, str) else None
+        hint = f" ({near})" if near else closest(name, NORMS)
+        raise RetrofitError(f"unknown norm {name!r}{hint}; available: {', '.join(available_norms())}")
     return NORMS[name]
 
 

@@ -1,9 +1,9 @@
 """The norms' options as `retrofit patch` flags, written out so that building the parser imports no norm (no torch):
 `retrofit patch --help` and an argument error then take a fraction of a second.
 
-Generated from the norms' Options dataclasses (each option is declared once, in its norm's file) by
-`python -m retrofit.commands.patch_flags > /tmp/t && ...` (it prints the table); tests/test_cli_habits.py fails when
-a norm's options change and this table was not regenerated. option -> (type: "str" | "int" | "float" | None = a
+Generated from the norms' Options dataclasses (each option is declared once, in its norm's file):
+`python -m retrofit.commands.patch_flags` prints the table to paste here; tests/test_cli_habits.py fails when a
+norm's options change and this table was not regenerated. option -> (type: "str" | "int" | "float" | None = a
 switch, the norms that have it, its doc).
 """
 

@@ -31,9 +31,10 @@ def check_vocab_size(vocab_size: int) -> None:
     check_size(vocab_size, "--vocab-size", MOST["vocab"], least=SMALLEST)  # the trainer aborts the process beyond
 
 
-def train_bpe(files: list, vocab_size: int, out) -> Path:
+def train_bpe(files: list, vocab_size: int, out, progress: bool = False) -> Path:
     """Train a byte-level BPE of `vocab_size` tokens (EOS included) on `files` and save it to `out` (new or
-    empty; written whole or not at all). Returns the folder."""
+    empty; written whole or not at all). Returns the folder. `progress`: the tokenizers library's own bars
+    (reading the files, counting pairs, merging)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     check_vocab_size(vocab_size)
@@ -44,7 +45,7 @@ def train_bpe(files: list, vocab_size: int, out) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train([str(Path(f).expanduser()) for f in files], trainer)
     if tok.get_vocab_size() != vocab_size:  # the text has fewer distinct merges than asked for

@@ -1,0 +1,178 @@
+"""What a user expects of a command line by habit (issue 40): the right package name, a fast `--help`, `--version`,
+errors naming the verb, one spelling of the shared flags, a near-miss table for norm names, and `patch` refusing to
+do work it would throw away. Speed is checked as laziness (what `--help` imports), never by a clock."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import retrofit
+from retrofit.cli import COMMANDS, build_parser, main
+from retrofit.errors import RetrofitError
+from retrofit.version import DISTRIBUTION, INSTALL
+from tests.tiny import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+# ---- 1. the distribution name -------------------------------------------------------------------------------------
+
+def test_the_distribution_is_not_pypis_unrelated_retrofit():
+    pyproject = (ROOT / "pyproject.toml").read_text()  # (tomllib is 3.11+; the project supports 3.10)
+    assert re.search(r'^name = "(.*)"$', pyproject, re.M).group(1) == DISTRIBUTION == "retrofit-attention"
+    assert re.search(r'^version = "(.*)"$', pyproject, re.M).group(1) == retrofit.__version__
+    assert 'retrofit = "retrofit.cli:main"' in pyproject  # the command and the import stay `retrofit`
+    assert f"pip install {DISTRIBUTION}" in (ROOT / "README.md").read_text()
+
+
+def test_the_model_cards_install_line_names_the_distribution(tmp_path):
+    model = tiny_model("llama")
+    retrofit.patch(model, "softmax1")
+    model.save_pretrained(tmp_path / "m")
+    assert main(["push", str(tmp_path / "m"), "--repo", "me/x", "--dry-run", str(tmp_path / "staged")]) == 0
+    card = (tmp_path / "staged" / "README.md").read_text()
+    [line] = [line for line in card.splitlines() if line.startswith("import retrofit")]
+    assert INSTALL in line and "pip install retrofit " not in line + " "
+
+
+def test_a_foreign_retrofit_in_the_same_folder_is_named_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr("retrofit.cli.FOREIGN_MARKER", "cli.py")  # a file that is there: as if theirs were
+    assert main(["norms"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unrelated `retrofit`" in err and INSTALL in err
+
+
+# ---- 2. speed (as laziness), --version, errors naming the verb ------------------------------------------------------
+
+def test_help_version_and_argument_errors_import_neither_torch_nor_transformers():
+    code = f"""
+import sys
+from retrofit.cli import build_parser, main
+for argv in [["--help"], ["--version"]] + [[verb, "--help"] for verb in {sorted(COMMANDS)!r}]:
+    try:
+        main(argv)
+    except SystemExit as done:
+        assert done.code == 0, (argv, done.code)
+for verb in {sorted(COMMANDS)!r}:
+    try:
+        main([verb, "--no-such-flag"])
+    except SystemExit as done:
+        assert done.code == 2, (verb, done.code)
+heavy = sorted(m for m in ("torch", "transformers", "accelerate", "peft") if m in sys.modules)
+print("HEAVY", heavy)
+"""
+    run = _python(code)
+    assert run.returncode == 0, run.stderr
+    assert "HEAVY []" in run.stdout, run.stdout[-500:]
+
+
+def test_version_names_the_distribution():
+    run = subprocess.run([sys.executable, "-m", "retrofit", "--version"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert run.returncode == 0 and run.stdout.strip() == f"retrofit {retrofit.__version__} ({DISTRIBUTION})"
+
+
+@pytest.mark.parametrize("verb", sorted(set(COMMANDS) - {"bench"}))  # bench passes options to the benchmark
+def test_an_unknown_flag_is_reported_by_the_verb(verb, capsys):
+    extra = {"train": ["r.yaml"], "experiment": ["r.yaml", "--out", "x"], "patch": ["m", "--norm", "avnorm"],
+             "eval": ["m"], "diagnose": ["m", "--data", "d", "--out", "o"], "push": ["m", "--repo", "a/b"],
+             "tokenizer": ["train", "--data", "d", "--out", "o"]}.get(verb, [])
+    with pytest.raises(SystemExit) as done:
+        main([verb, *extra, "--no-such-flag"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.startswith(f"retrofit {verb}: error: unrecognized arguments: --no-such-flag")
+
+
+# ---- 2. one spelling for the shared flags --------------------------------------------------------------------------
+
+def _defaults(verb: str, argv: list[str]):
+    return build_parser(verb).parse_args([verb, *argv])
+
+
+PROGRESS_VERBS = {"eval": ["m"], "diagnose": ["m", "--data", "d", "--out", "o"], "patch": ["m", "--norm", "softmax"],
+                  "train": ["r.yaml"], "experiment": ["r.yaml", "--out", "o"], "demo": [],
+                  "push": ["m", "--repo", "a/b"], "tokenizer": ["train", "--data", "d", "--out", "o"]}
+
+
+@pytest.mark.parametrize("verb", sorted(PROGRESS_VERBS))
+def test_no_progress_is_spelled_alike_in_every_verb(verb):
+    assert _defaults(verb, PROGRESS_VERBS[verb]).no_progress is False
+    assert _defaults(verb, [*PROGRESS_VERBS[verb], "--no-progress"]).no_progress is True
+    assert _defaults(verb, [*PROGRESS_VERBS[verb], "--quiet"]).no_progress is True  # the old spelling, hidden
+
+
+@pytest.mark.parametrize("verb", ["eval", "diagnose", "patch"])
+def test_dtype_defaults_to_auto_wherever_a_model_is_loaded(verb):
+    assert _defaults(verb, PROGRESS_VERBS[verb]).dtype == "auto"
+
+
+def test_patch_is_one_flag_in_eval_and_diagnose():
+    def patch_action(verb):
+        [action] = [a for a in build_parser(verb)._subparsers._group_actions[0].choices[verb]._actions
+                    if "--patch" in a.option_strings]
+        return action
+    assert patch_action("eval").metavar == patch_action("diagnose").metavar == "NORM[:KEY=VALUE,...]"
+    assert _defaults("diagnose", [*PROGRESS_VERBS["diagnose"], "--patch", "psoftmax:p=2"]).patch == ["psoftmax:p=2"]
+
+
+def test_the_patch_flag_table_is_the_registrys():
+    from retrofit.commands.patch_flags import FLAGS, generated
+
+    written = (ROOT / "retrofit/commands/patch_flags.py").read_text()
+    assert generated() in written, "regenerate the table: python -m retrofit.commands.patch_flags prints it"
+    assert FLAGS["p"][1] == ["psoftmax"]
+
+
+# ---- 2. the near-miss table ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, hint", [("l2softmax", "psoftmax:p=2"), ("l2", "psoftmax:p=2"),
+                                        ("L2-Softmax", "psoftmax:p=2"), ("scalable-softmax", "'ssmax'"),
+                                        ("ssm", "'ssmax'"), ("softmax+1", "'softmax1'"),
+                                        ("quiet-softmax", "'softmax1'"), ("nope", "--nope"), ("avnrm", "'avnorm'")])
+def test_a_near_miss_norm_name_points_at_the_right_spelling(name, hint):
+    with pytest.raises(RetrofitError, match="unknown norm") as err:
+        retrofit.patch(tiny_model("llama"), name)
+    assert hint in str(err.value) and "did you mean 'softmax'?" not in str(err.value)
+
+
+# ---- 2. patch without --out; uncalibrated AVNorm ---------------------------------------------------------------------
+
+def test_patch_without_out_refuses_before_loading(capsys):
+    assert main(["patch", "no/such/model", "--norm", "avnorm"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("retrofit patch: error: nothing would be saved") and err.count("\n") == 1
+
+
+@pytest.fixture
+def tiny_folder(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path / "m")
+    return tmp_path / "m"
+
+
+def test_uncalibrated_avnorm_warns_with_the_measured_cost(tiny_folder, tmp_path, capsys):
+    assert main(["patch", str(tiny_folder), "--norm", "avnorm", "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: AVNorm without --calibration-text" in err and "14.29" in err and "4.58" in err
+    assert main(["patch", str(tiny_folder), "--norm", "avnorm", "--gain", "2", "--out", str(tmp_path / "o2")]) == 0
+    assert "warning" not in capsys.readouterr().err  # gains given: nothing to warn about
+
+
+def test_check_text_without_out_measures_and_says_nothing_was_saved(tiny_folder, tmp_path, capsys):
+    from tests.test_data import char_tokenizer
+
+    char_tokenizer().save_pretrained(tiny_folder)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 4)
+    assert main(["patch", str(tiny_folder), "--norm", "softmax1", "--check-text", str(text), "--check-tokens", "32",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "loss on" in out and out.strip().endswith("nothing saved (no --out): this run only measured")

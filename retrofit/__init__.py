@@ -30,13 +30,14 @@ _PUBLIC = {
     "PatchReport": "patch", "is_patched": "patch", "observe": "patch", "patch": "patch", "patch_record": "patch",
     "unpatch": "patch", "calibrate": "calibrate", "RetrofitError": "errors", "from_pretrained": "load",
     "available_norms": "norms", "describe_norms": "norms", "patch_bypassed": "recovery", "extend_rope": "rope",
-    "info": "load.info",
+    "info": "load.info", "peft_config": "load.adapters",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first use
     from .calibrate import calibrate
     from .errors import RetrofitError
     from .load import from_pretrained
+    from .load.adapters import peft_config
     from .load.info import info
     from .norms import available_norms, describe_norms
     from .patch import PatchReport, is_patched, observe, patch, patch_record, unpatch
@@ -76,6 +77,6 @@ def __dir__():
 
 __all__ = [
     "DISTRIBUTION", "PatchReport", "RetrofitError", "available_norms", "calibrate", "describe_norms", "extend_rope",
-    "from_pretrained", "info", "is_patched", "observe", "patch", "patch_bypassed", "patch_record", "unpatch",
-    "__version__",
+    "from_pretrained", "info", "is_patched", "observe", "patch", "patch_bypassed", "patch_record", "peft_config",
+    "unpatch", "__version__",
 ]

@@ -251,7 +251,12 @@ def _prepare_data(sources, data, tokens, tokenizer, lengths, tasks) -> list[tupl
 def _load(source, dtype, device):
     if not isinstance(source, (str, Path)):
         return source.eval()
-    return load(str(source), dtype=dtype).to(device).eval()  # a run folder (LoRA, counting head) or any source
+    model = load(str(source), dtype=dtype)  # a run folder (LoRA, counting head) or any source
+    if hasattr(model, "peft_config") and hasattr(model, "merge_and_unload"):
+        # an adapter folder: PEFT's base_model is its tuner, not the transformer the loss code reads hidden states
+        # from; merged, it is the same function as one plain patched model
+        model = model.merge_and_unload()
+    return model.to(device).eval()
 
 
 def _language_model(model):

@@ -5,6 +5,7 @@
     model = load_adapter("runs/x/adapter")             # base -> patch -> patch tensors -> PeftModel
     model = retrofit.from_pretrained("runs/x/adapter") # the same (it calls load_adapter for such a folder)
     merged = model.merge_and_unload()                  # a plain patched model: the patch stays
+    model = get_peft_model(patched, retrofit.peft_config(patched, LoraConfig(...)))   # the patch trains too
 
 An adapter folder is what PEFT writes (adapter_config.json, adapter_model.safetensors) plus:
 
@@ -14,8 +15,13 @@ An adapter folder is what PEFT writes (adapter_config.json, adapter_model.safete
 Why the second file: a patch parameter that was not trained (not in `modules_to_save`, e.g. calibrated
 AVNorm gains) is in no PEFT file, and rebuilding the patch from its record alone would reset it. When
 the patch was trained through `modules_to_save`, the adapter holds the trained copy and this file the
-base's original (what `disable_adapter()` runs). Folders written by PEFT alone inside a `retrofit train`
-run (run/adapter) are read too: the patch record then comes from the run's result.json.
+base's original (what `disable_adapter()` runs). Folders written by PEFT alone are read too: inside a
+`retrofit train` run (run/adapter) the patch record comes from the run's result.json; elsewhere the base the
+adapter names (base_model_name_or_path) must be a retrofit checkpoint, which carries the patch itself.
+
+PEFT has no hook by which a model could add its own modules to `modules_to_save`, so a plain
+`get_peft_model(patched, LoraConfig(...))` freezes the patch's parameters (AVNorm gains, SSMax s, sinks):
+`peft_config(patched, config)` is the one call that adds the patch's `retrofit` children to them.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from ..atomic import atomic_folder
 from ..errors import RetrofitError
 from ..patch import patch_from_record, patch_record
 from .checkpoint import checkpoint_or_plain, listed
-from .sources import hub_error, hub_reachable
+from .sources import hub_error, hub_reachable, source_kind
 
 RECORD, TENSORS = "retrofit.json", "retrofit.safetensors"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -89,8 +95,42 @@ def save_adapter(peft_model, folder, *, base_model: str | None = None, base_revi
     return out
 
 
-def read_record(folder) -> dict:
-    """retrofit.json of an adapter folder; for a `retrofit train` run's adapter/, built from result.json."""
+def peft_config(model, config):
+    """`config` (a PEFT config: LoraConfig, ...) with the patch's own modules added to its `modules_to_save`, so
+    that `get_peft_model(model, peft_config(model, config))` trains (and PEFT's save_pretrained saves) the norm's
+    parameters along with the adapter. A patch without parameters (softmax, psoftmax) leaves it unchanged."""
+    from ..patch import CHILD
+
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if patch_record(core) is None:
+        raise RetrofitError("peft_config: the model is not patched (retrofit.patch it first): it has no norm "
+                            "parameters to train")
+    if not hasattr(config, "modules_to_save"):
+        raise RetrofitError(f"peft_config: {type(config).__name__} has no modules_to_save; use a LoraConfig (or "
+                            "another PEFT config that has it)")
+    if any(True for m in core.modules() if CHILD in m._modules for _ in m._modules[CHILD].parameters()):
+        config.modules_to_save = sorted({*(config.modules_to_save or []), CHILD})
+    return config
+
+
+def _base_record(base: str | None, revision: str | None, hub: dict) -> dict | None:
+    """The patch record of the adapter's base (a folder or Hub id) when it is a retrofit checkpoint, else None
+    (None too when it cannot be read: the caller's error names it)."""
+    from .checkpoint import patch_record_of
+    from .models import load_config
+
+    if not base or source_kind(base) == "gguf":
+        return None
+    try:
+        return patch_record_of(load_config(base, revision, **hub), base)
+    except (RetrofitError, OSError, ValueError):
+        return None
+
+
+def read_record(folder, **hub) -> dict:
+    """retrofit.json of an adapter folder; for a `retrofit train` run's adapter/, built from result.json; for a
+    folder PEFT alone wrote on a retrofit checkpoint, the base's own record (the base carries the patch).
+    hub: token, cache_dir, local_files_only, for reading the base's config."""
     folder = Path(folder)
     if not (folder / ADAPTER_CONFIG).is_file():
         raise RetrofitError(f"{folder} has no {ADAPTER_CONFIG}: it is not a PEFT adapter folder")
@@ -103,8 +143,16 @@ def read_record(folder) -> dict:
     run_summary = folder.parent / "result.json"
     patch = json.loads(run_summary.read_text()).get("retrofit") if run_summary.is_file() else None
     if not isinstance(patch, dict):
-        raise RetrofitError(f"{folder} is a PEFT adapter without a retrofit patch record ({RECORD}); "
-                            "load it with peft.PeftModel.from_pretrained, or save it with retrofit.load.save_adapter")
+        base = config.get("base_model_name_or_path")
+        patch = _base_record(base, config.get("revision"), hub)
+        if patch is not None:
+            return {"format": FORMAT, "retrofit_version": patch.get("retrofit_version"), "base_model": base,
+                    "base_revision": config.get("revision"), "patch": patch}
+        trained = " (it was trained on a patched model: it holds patch tensors)" if adapter_patch_keys(folder) else ""
+        raise RetrofitError(f"{folder} is a PEFT adapter without a retrofit patch record ({RECORD}) and its base "
+                            f"{base} is not a retrofit checkpoint{trained}; save the patched base with "
+                            "save_pretrained and point base_model_name_or_path at it, save the adapter with "
+                            "retrofit.load.save_adapter, or load a plain adapter with peft.PeftModel.from_pretrained")
     return {"format": FORMAT, "retrofit_version": patch.get("retrofit_version"),
             "base_model": config.get("base_model_name_or_path"), "base_revision": config.get("revision"),
             "patch": patch}
@@ -133,20 +181,22 @@ def is_adapter(source, revision: str | None = None, *, token=None, cache_dir=Non
 
 
 def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=None,
-                 attn_implementation: str | None = None, is_trainable: bool = False, **hub):
+                 attn_implementation: str | None = None, is_trainable: bool = False, model_kwargs=None, **hub):
     """A PeftModel: the base from the record, patched as recorded, the patch tensors, then the adapter.
 
     source: an adapter folder or a Hub repository holding one (revision applies to that repository;
     the base's own revision is recorded in retrofit.json). dtype, device_map, attn_implementation and hub
-    (token, cache_dir, local_files_only) apply to the base as `retrofit.load.load` forwards them."""
+    (token, cache_dir, local_files_only) and model_kwargs (transformers' other from_pretrained keywords) apply to
+    the base as `retrofit.load.load` forwards them."""
     path = Path(os.path.expanduser(str(source)))
     folder = path if path.is_dir() else _download(str(source), revision, **hub)
-    meta = read_record(folder)
+    meta = read_record(folder, **hub)
     if not meta.get("base_model"):
         raise RetrofitError(f"{source} does not name its base model (base_model_name_or_path is empty); "
                             f"set it in {ADAPTER_CONFIG}")
     base = checkpoint_or_plain(meta["base_model"], revision=meta.get("base_revision"), dtype=dtype,
-                               device_map=device_map, attn_implementation=attn_implementation, **hub)
+                               device_map=device_map, attn_implementation=attn_implementation,
+                               model_kwargs=model_kwargs, **hub)
     record, existing = meta["patch"], patch_record(base)
     if existing is None:
         patch_from_record(base, record)
@@ -186,4 +236,5 @@ def adapter_patch_keys(folder: Path) -> set:
     return {n.removeprefix("base_model.model.") for n in names if MARKER in n}
 
 
-__all__ = ["adapter_patch_keys", "base_patch_tensors", "is_adapter", "load_adapter", "read_record", "save_adapter"]
+__all__ = ["adapter_patch_keys", "base_patch_tensors", "is_adapter", "load_adapter", "peft_config", "read_record",
+           "save_adapter"]

@@ -89,11 +89,11 @@ def patch_tensors(source: str, kind: str, revision: str | None, local_files_only
 
 
 def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, device_map=None,
-                    attn_implementation: str | None = None, **hub):
+                    attn_implementation: str | None = None, model_kwargs=None, **hub):
     """Load a retrofit checkpoint: the base model, then the patch from config.retrofit, then its weights.
     dtype: "auto" (default, also None) keeps the dtype it was saved in; a name or torch dtype converts.
     attn_implementation: the kernel the patch wraps; default the recorded one (base_attn_implementation).
-    hub: token, cache_dir, local_files_only, as transformers takes them."""
+    hub: token, cache_dir, local_files_only, as transformers takes them; model_kwargs: from_pretrained's others."""
     kind = source_kind(source)
     if kind == "gguf":
         raise RetrofitError(f"{source} is a GGUF file, not a retrofit checkpoint; load it with retrofit.load.load")
@@ -112,7 +112,7 @@ def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, dev
                                   attn_implementation=attn_implementation or record.get("base_attn_implementation",
                                                                                         "sdpa"),
                                   trust_remote_code=False, output_loading_info=True, ignore_mismatched_sizes=True,
-                                  **hub)  # a misshapen weight is reported by check_base_keys, not a traceback
+                                  **(model_kwargs or {}), **hub)  # a misshapen weight: check_base_keys reports it
     check_base_keys(source, model, record, info)
     patch_from_record(model, record)
     saved = call_loader(source, kind, patch_tensors, source, kind, revision,

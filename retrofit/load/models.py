@@ -63,7 +63,7 @@ def load_config(source: str, revision: str | None = None, **hub):
 
 
 def plain_model(source: str, *, dtype=None, attn_implementation: str | None = None, revision: str | None = None,
-                device_map=None, **hub):
+                device_map=None, model_kwargs=None, **hub):
     """A causal LM from a Hub id, folder or .gguf file, exactly as transformers loads it (the patch-free branch of
     `retrofit.load.load`): in the dtype it was saved in by default (dtype "auto"); a .gguf file dequantized to
     float32 unless a dtype is named; attention sdpa unless named. hub: token, cache_dir, local_files_only.
@@ -76,7 +76,7 @@ def plain_model(source: str, *, dtype=None, attn_implementation: str | None = No
         model = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, revision=revision,
                             dtype=torch.float32 if dtype == AUTO else dtype,
                             attn_implementation=attn_implementation or "sdpa", device_map=device_map,
-                            trust_remote_code=False, **extra, **hub)
+                            trust_remote_code=False, **extra, **(model_kwargs or {}), **hub)
         forget_gguf_quantizer(model)
         return model.eval()
     load_config(source, revision, **hub)  # config.json's values, before any module is built
@@ -84,7 +84,7 @@ def plain_model(source: str, *, dtype=None, attn_implementation: str | None = No
         model, info = call_loader(source, kind, AutoModelForCausalLM.from_pretrained, where, revision=revision,
                                   dtype=dtype, attn_implementation=attn_implementation or "sdpa",
                                   device_map=device_map, trust_remote_code=False, output_loading_info=True,
-                                  ignore_mismatched_sizes=True, **extra, **hub)
+                                  ignore_mismatched_sizes=True, **extra, **(model_kwargs or {}), **hub)
     check_loaded_keys(source, info)  # checked like a retrofit checkpoint: nothing missing, extra or misshapen
     return model.eval()
 

@@ -18,7 +18,9 @@ Every loader in retrofit (eval, diagnose, patch, push, train, bench, the harness
     task.json next to the model      -> CountingModel(model) with its head (task_model.py)
 
 Both take transformers' loading arguments and forward them to every transformers call: revision, token,
-cache_dir, local_files_only, attn_implementation, device_map, dtype ("auto", the default: as saved).
+cache_dir, local_files_only, attn_implementation, device_map, dtype ("auto", the default: as saved), and any
+other keyword of `AutoModelForCausalLM.from_pretrained` (low_cpu_mem_usage, max_memory, offload_folder,
+use_safetensors, variant, ...) to the model's loading; `torch_dtype` is the deprecated name of dtype.
 trust_remote_code is always False (issue 26): True is refused in one line.
 """
 
@@ -48,28 +50,54 @@ from .task_model import HEAD_FILE, TASK_FILE, CountingModel, language_model
 ADAPTER_DIR = "adapter"
 
 
+# from_pretrained keywords retrofit sets itself: the config is the checkpoint's, the loading report is checked here
+OWN_KWARGS = ("config", "output_loading_info", "ignore_mismatched_sizes", "state_dict", "from_tf", "from_flax",
+              "gguf_file")
+
+
+def loading_arguments(dtype, torch_dtype, model_kwargs: dict, **named) -> dict:
+    """The `loading` dict every loader below takes: the named arguments, dtype (torch_dtype: its deprecated alias,
+    as transformers 5 takes it) and the other from_pretrained keywords, kept apart (model_kwargs) so that only the
+    model's own loading gets them."""
+    if torch_dtype is not None:
+        if dtype not in (None, "auto") and dtype != torch_dtype:
+            raise RetrofitError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree; give one (torch_dtype "
+                                "is transformers' deprecated name for dtype)")
+        dtype = torch_dtype
+    own = sorted(k for k in model_kwargs if k in OWN_KWARGS)
+    if own:
+        raise RetrofitError(f"{', '.join(own)}: retrofit sets {'it' if len(own) == 1 else 'them'} itself when it "
+                            "loads a model (the config and the weights come from the source); leave it out")
+    return {"dtype": dtype, **named, "model_kwargs": dict(model_kwargs)}
+
+
 def load(source, *, task_head: bool = True, adapter: bool = False, dtype=None, attn_implementation=None,
          device_map=None, revision=None, token=None, cache_dir=None, local_files_only: bool = False,
-         trust_remote_code: bool = False):
+         trust_remote_code: bool = False, torch_dtype=None, **model_kwargs):
     """The model behind any source (see the module docstring), in eval mode. `task_head=False` returns the
     language model of a counting run; `adapter=True` rebuilds a LoRA run from its base and adapter/.
-    attn_implementation: sdpa for a plain model unless named; for a checkpoint the recorded kernel unless named."""
+    attn_implementation: sdpa for a plain model unless named; for a checkpoint the recorded kernel unless named.
+    model_kwargs: any other keyword of transformers' from_pretrained (low_cpu_mem_usage, max_memory, ...)."""
     refuse_remote_code(trust_remote_code)
-    loading = {"dtype": dtype, "attn_implementation": attn_implementation, "device_map": device_map,
-               "revision": revision, "token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
+    loading = loading_arguments(dtype, torch_dtype, model_kwargs, attn_implementation=attn_implementation,
+                                device_map=device_map, revision=revision, token=token, cache_dir=cache_dir,
+                                local_files_only=local_files_only)
     return _load_source(source, loading, task_head=task_head, adapter=adapter, plain=True)
 
 
 def from_pretrained(pretrained_model_name_or_path, *, revision=None, token=None, cache_dir=None,
                     local_files_only: bool = False, attn_implementation=None, device_map=None, dtype="auto",
-                    trust_remote_code: bool = False):
+                    trust_remote_code: bool = False, torch_dtype=None, **model_kwargs):
     """transformers' from_pretrained for retrofit's models: a retrofit checkpoint or adapter (folder or Hub id), or
     a finished run folder, patched as recorded, in eval mode, taking transformers' loading arguments (forwarded).
-    dtype: "auto" keeps the dtype it was saved in (transformers 5's default); float32, bfloat16, float16 convert.
+    dtype: "auto" keeps the dtype it was saved in (transformers 5's default); float32, bfloat16, float16 convert;
+    torch_dtype is its deprecated alias. Every other keyword (low_cpu_mem_usage, max_memory, offload_folder,
+    use_safetensors, variant, ...) goes to transformers' from_pretrained of the model.
     A model without a patch record (or a .gguf file) is refused: load it with `retrofit.load.load` or transformers."""
     refuse_remote_code(trust_remote_code)
-    loading = {"dtype": dtype, "attn_implementation": attn_implementation, "device_map": device_map,
-               "revision": revision, "token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
+    loading = loading_arguments(dtype, torch_dtype, model_kwargs, attn_implementation=attn_implementation,
+                                device_map=device_map, revision=revision, token=token, cache_dir=cache_dir,
+                                local_files_only=local_files_only)
     return _load_source(pretrained_model_name_or_path, loading, task_head=False, adapter=False, plain=False)
 
 

@@ -38,6 +38,7 @@ COMMANDS = {
     "tokenizer": ("retrofit.commands.tokenizer", "train a small byte-level BPE tokenizer on text files"),
     "report": ("retrofit.commands.report", "judge finished results again: intervals, paired differences"),
     "adopt": ("retrofit.commands.adopt", "mark a folder an older retrofit wrote as retrofit's (listing it first)"),
+    "info": ("retrofit.commands.info", "what a folder, run, adapter or Hub id is: base, norm, options, rope, trained"),
 }
 
 

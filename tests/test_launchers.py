@@ -1,0 +1,55 @@
+"""The README's commands for several processes on a CPU are run here exactly as written (issue 40): the
+`ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2` line and the `torchrun` line each start two
+gloo processes that train 2 tiny steps together. (`accelerate launch --cpu --num_processes 2` starts one.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.tiny import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHERS = {"accelerate": "ACCELERATE_USE_CPU=1 accelerate launch", "torchrun": "torchrun --standalone"}
+
+
+def readme_line(start: str) -> str:
+    """The README's command line that starts with `start`, its trailing comment cut."""
+    lines = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(start)]
+    assert len(lines) == 1, f"the README should have one command starting {start!r}, has {len(lines)}"
+    return lines[0].split("  #")[0].strip()
+
+
+def as_argv(line: str, recipe: Path, out: Path) -> tuple[dict, list[str]]:
+    """(environment assignments, argv): RECIPE and runs/x become the test's; the launcher is this Python's."""
+    words = [str(recipe) if w == "RECIPE" else str(out) if w == "runs/x" else w for w in shlex.split(line)]
+    env = dict(w.split("=", 1) for w in words if "=" in w and w.split("=", 1)[0].isupper())
+    argv = [w for w in words if w.split("=", 1)[0] not in env]
+    program = Path(sys.executable).parent / argv[0]  # the console script next to this interpreter
+    if not program.is_file():
+        pytest.skip(f"{argv[0]} is not installed next to {sys.executable}")
+    return env, [str(program), *argv[1:]]
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_the_readmes_cpu_launch_line_starts_two_processes(launcher, tmp_path):
+    raw = {"model": {"config": {"model_type": "gpt2", **TINY["gpt2"], "vocab_size": 16}}, "patch": {"norm": "ssmax"},
+           "data": {"task": "counting", "seq_len": 16},
+           "train": {"steps": 2, "batch_size": 4, "micro_batch_size": 2, "warmup_steps": 1, "progress": False,
+                     "log_every": 1},
+           "eval": {"lengths": [16], "batches": 1, "batch_size": 2}}
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    env, argv = as_argv(readme_line(LAUNCHERS[launcher]), recipe, tmp_path / "run")
+    done = subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env},
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert (result["processes"], result["steps"]) == (2, 2)

@@ -176,3 +176,43 @@ def test_check_text_without_out_measures_and_says_nothing_was_saved(tiny_folder,
                  "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "loss on" in out and out.strip().endswith("nothing saved (no --out): this run only measured")
+
+
+# ---- 7. feedback on long work ----------------------------------------------------------------------------------------
+
+def test_the_rankings_forwards_show_a_bar_unless_told_not_to(capsys):
+    from retrofit.costs import head_costs, layer_costs
+    from tests.tiny import random_ids
+
+    model = tiny_model("llama")
+    retrofit.patch(model, "softmax1", learnable=True)
+    ids = random_ids(1, 12)
+    for measure, what in ((layer_costs, "rank layers"), (head_costs, "rank heads")):
+        measure(model, ids, progress=True)
+        assert what in capsys.readouterr().err
+        measure(model, ids, progress=False)
+        assert capsys.readouterr().err == ""
+
+
+def test_push_says_what_it_is_doing_unless_no_progress(tmp_path, capsys):
+    model = tiny_model("llama")
+    retrofit.patch(model, "softmax1")
+    model.save_pretrained(tmp_path / "m")
+    assert main(["push", str(tmp_path / "m"), "--repo", "me/x", "--dry-run", str(tmp_path / "a")]) == 0
+    assert "[push] staging" in capsys.readouterr().err
+    assert main(["push", str(tmp_path / "m"), "--repo", "me/x", "--dry-run", str(tmp_path / "b"), "--no-progress"]) == 0
+    assert "[push]" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-progress"]])
+def test_tokenizer_training_shows_the_libraries_bars_unless_no_progress(flag, tmp_path, monkeypatch):
+    import tokenizers.trainers
+
+    seen = {}
+    real = tokenizers.trainers.BpeTrainer
+    monkeypatch.setattr(tokenizers.trainers, "BpeTrainer", lambda **kw: seen.update(kw) or real(**kw))
+    text = tmp_path / "t.txt"
+    text.write_text("a few words of text to merge " * 50)
+    assert main(["tokenizer", "train", "--data", str(text), "--vocab-size", "300", "--out", str(tmp_path / "tok"),
+                 *flag]) == 0
+    assert seen["show_progress"] is (not flag)

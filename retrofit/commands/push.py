@@ -8,6 +8,7 @@ Parses the command line and calls `retrofit.hub.push` (what goes up, and how: re
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from . import add_progress_flag, check_out
@@ -27,12 +28,29 @@ def add_arguments(parser) -> None:
     add_progress_flag(parser, "no progress bars (staging the folder, the upload)")
 
 
+@contextlib.contextmanager
+def hub_progress(show: bool):
+    """huggingface_hub's progress bars (the upload's) off inside the block unless `show`; as they were, after."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_off = are_progress_bars_disabled()
+    if not show:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not show and not was_off:
+            enable_progress_bars()
+
+
 def run(args) -> int:
     from ..hub import push
 
     args.dry_run = check_out(args.dry_run, "--dry-run")  # new or empty; `~` expanded, once
-    where = push(args.source, args.repo, private=args.private, revision=args.revision, merged=args.merged,
-                 base_model=args.base_model, license=args.license, eval_dir=args.eval_dir, dry_run=args.dry_run)
+    with hub_progress(not args.no_progress):
+        where = push(args.source, args.repo, private=args.private, revision=args.revision, merged=args.merged,
+                     base_model=args.base_model, license=args.license, eval_dir=args.eval_dir, dry_run=args.dry_run,
+                     progress=not args.no_progress)
     if args.dry_run:
         files = sorted(p for p in Path(where).rglob("*") if p.is_file())
         for p in files:

@@ -25,6 +25,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -354,13 +355,16 @@ def _stage_eval(eval_dir, candidates, out: Path) -> str | None:
 
 def push(source, repo: str, *, private: bool = False, revision: str | None = None, merged: bool = False,
          base_model: str | None = None, license: str | None = None, eval_dir=None, dry_run=None,
-         command: str | None = None) -> str:
+         command: str | None = None, progress: bool = True) -> str:
     """Stage SOURCE and upload it to `repo` (or, with dry_run=DIR, write the staged folder there atomically).
-    Returns the commit URL, or the dry-run folder."""
+    Returns the commit URL, or the dry-run folder. progress: say what each step is doing (on stderr)."""
     check_repo(repo)
     publishable(source, eval_dir)  # links and a bad source refused before any folder is made
     token = None if dry_run else find_token()
     kwargs = dict(repo=repo, merged=merged, base_model=base_model, license=license, eval_dir=eval_dir, command=command)
+    say = (lambda text: print(f"[push] {text}", file=sys.stderr, flush=True)) if progress else (lambda text: None)
+    say(f"staging {source}" + (" (merging the adapter into its base first)" if merged else "")
+        + (f" into {dry_run}" if dry_run else ""))
     if dry_run:
         with atomic_folder(dry_run, "--dry-run") as tmp:
             stage(source, tmp, **kwargs)
@@ -369,6 +373,8 @@ def push(source, repo: str, *, private: bool = False, revision: str | None = Non
     with tempfile.TemporaryDirectory(prefix=".retrofit-push-",
                                      dir=parent if os.access(parent, os.W_OK) else None) as tmp:
         stage(source, tmp, link=True, **kwargs)
+        files = [p for p in Path(tmp).rglob("*") if p.is_file()]
+        say(f"uploading {len(files)} files ({sum(p.stat().st_size for p in files) / 2**20:,.1f} MiB) to {repo}")
         try:
             return upload_folder(tmp, repo, private=private, revision=revision, token=token)
         except RetrofitError:

@@ -19,7 +19,7 @@ A text is cut into rows of L for it (text_rows); a recipe calibrates on its trai
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -112,7 +112,8 @@ def as_batches(batches):
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, batches, *, max_batches: int | None = None) -> dict:
+def calibrate(model: nn.Module, batches: torch.Tensor | Mapping | Iterable[torch.Tensor | Mapping], *,
+              max_batches: int | None = None) -> dict:
     """Set each head's gain to mean_tokens RMS(original head output) / mean_tokens RMS(normalized output)
     (AVNorm mode=beyond: its exponent, fitted on RMS by length; see the module docstring).
 

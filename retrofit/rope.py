@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Mapping
 
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -259,7 +260,7 @@ def _check_reloadable(config, record: dict) -> None:
                             f"to {got[0].get('rope_type')!r} when loading; this model cannot keep it")
 
 
-def extend_rope(model: nn.Module, spec) -> dict:
+def extend_rope(model: nn.Module, spec: str | Mapping) -> dict:
     """Add a RoPE extension to a model retrofit patched without one, keeping its norm and trained parameters: e.g.
     an arm finetuned at 512 tokens with AVNorm, evaluated with dynamic NTK x4 beyond its 8192 positions (dynamic
     NTK is the original RoPE inside them, so inside they are the arm itself). Recorded, so unpatch restores it."""

@@ -178,7 +178,7 @@ def test_check_text_without_out_measures_and_says_nothing_was_saved(tiny_folder,
     assert "loss on" in out and out.strip().endswith("nothing saved (no --out): this run only measured")
 
 
-# ---- 7. feedback on long work ----------------------------------------------------------------------------------------
+# ---- 7. feedback on long work --------------------------------------------------------------------------------------
 
 def test_the_rankings_forwards_show_a_bar_unless_told_not_to(capsys):
     from retrofit.costs import head_costs, layer_costs
@@ -216,3 +216,25 @@ def test_tokenizer_training_shows_the_libraries_bars_unless_no_progress(flag, tm
     assert main(["tokenizer", "train", "--data", str(text), "--vocab-size", "300", "--out", str(tmp_path / "tok"),
                  *flag]) == 0
     assert seen["show_progress"] is (not flag)
+
+
+# ---- 6. the package's basics ---------------------------------------------------------------------------------------
+
+def test_license_changelog_and_py_typed_ship():
+    assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0" in (ROOT / "LICENSE").read_text()
+    assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text()
+    assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog")
+    assert (ROOT / "retrofit" / "py.typed").is_file()
+    assert re.search(r'^retrofit = \[.*"py\.typed".*\]$', (ROOT / "pyproject.toml").read_text(), re.M)
+
+
+def test_the_public_api_is_typed():
+    import inspect
+
+    for name in ("patch", "unpatch", "calibrate", "from_pretrained", "is_patched", "patch_record", "observe",
+                 "extend_rope", "patch_bypassed", "info", "peft_config", "available_norms", "describe_norms"):
+        signature = inspect.signature(getattr(retrofit, name))
+        assert signature.return_annotation is not inspect.Signature.empty, name
+        untyped = [p.name for p in signature.parameters.values() if p.annotation is inspect.Parameter.empty
+                   and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        assert not untyped, (name, untyped)

@@ -31,9 +31,10 @@ import os
 from pathlib import Path
 
 from huggingface_hub import snapshot_download
-from peft import PeftModel
+from peft import PeftConfig, PeftModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers.utils import cached_file
 
 from ..atomic import atomic_folder
@@ -95,7 +96,7 @@ def save_adapter(peft_model, folder, *, base_model: str | None = None, base_revi
     return out
 
 
-def peft_config(model, config):
+def peft_config(model: nn.Module, config: PeftConfig) -> PeftConfig:
     """`config` (a PEFT config: LoraConfig, ...) with the patch's own modules added to its `modules_to_save`, so
     that `get_peft_model(model, peft_config(model, config))` trains (and PEFT's save_pretrained saves) the norm's
     parameters along with the adapter. A patch without parameters (softmax, psoftmax) leaves it unchanged."""

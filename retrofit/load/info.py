@@ -17,6 +17,8 @@ import json
 import os
 from pathlib import Path
 
+from torch import nn
+
 from ..norms import get_norm, make_options
 from ..norms.base import AttentionShape
 from ..record import describe_selection
@@ -29,7 +31,7 @@ from .sources import source_kind
 MARKER = ".retrofit."  # the patch's tensors: children named `retrofit` of the attention modules
 
 
-def info(model_or_path) -> dict:
+def info(model_or_path: str | os.PathLike | nn.Module) -> dict:
     """Base, norm, options, layers/heads, rope, dtype, parameters added and whether they moved from their initial
     values, for a folder, Hub id, .gguf file, run folder or adapter (files only), or for a model in memory."""
     if isinstance(model_or_path, (str, os.PathLike)):

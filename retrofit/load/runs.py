@@ -30,7 +30,9 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import Any
 
+import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -73,7 +75,7 @@ def loading_arguments(dtype, torch_dtype, model_kwargs: dict, **named) -> dict:
 
 def load(source, *, task_head: bool = True, adapter: bool = False, dtype=None, attn_implementation=None,
          device_map=None, revision=None, token=None, cache_dir=None, local_files_only: bool = False,
-         trust_remote_code: bool = False, torch_dtype=None, **model_kwargs):
+         trust_remote_code: bool = False, torch_dtype=None, **model_kwargs) -> nn.Module:
     """The model behind any source (see the module docstring), in eval mode. `task_head=False` returns the
     language model of a counting run; `adapter=True` rebuilds a LoRA run from its base and adapter/.
     attn_implementation: sdpa for a plain model unless named; for a checkpoint the recorded kernel unless named.
@@ -85,9 +87,12 @@ def load(source, *, task_head: bool = True, adapter: bool = False, dtype=None, a
     return _load_source(source, loading, task_head=task_head, adapter=adapter, plain=True)
 
 
-def from_pretrained(pretrained_model_name_or_path, *, revision=None, token=None, cache_dir=None,
-                    local_files_only: bool = False, attn_implementation=None, device_map=None, dtype="auto",
-                    trust_remote_code: bool = False, torch_dtype=None, **model_kwargs):
+def from_pretrained(pretrained_model_name_or_path: str | os.PathLike, *, revision: str | None = None,
+                    token: str | bool | None = None, cache_dir: str | os.PathLike | None = None,
+                    local_files_only: bool = False, attn_implementation: str | None = None,
+                    device_map: str | dict | None = None, dtype: str | torch.dtype = "auto",
+                    trust_remote_code: bool = False, torch_dtype: str | torch.dtype | None = None,
+                    **model_kwargs: Any) -> nn.Module:
     """transformers' from_pretrained for retrofit's models: a retrofit checkpoint or adapter (folder or Hub id), or
     a finished run folder, patched as recorded, in eval mode, taking transformers' loading arguments (forwarded).
     dtype: "auto" keeps the dtype it was saved in (transformers 5's default); float32, bfloat16, float16 convert;

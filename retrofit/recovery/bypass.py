@@ -14,6 +14,7 @@ is refused: its teacher would need the position embeddings it removed.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 from torch import nn
 
@@ -29,7 +30,7 @@ def _records(model: nn.Module) -> list[dict]:
 
 
 @contextlib.contextmanager
-def patch_bypassed(model: nn.Module):
+def patch_bypassed(model: nn.Module) -> Iterator[nn.Module]:
     """While active, every attention module of `model` runs as it did before the patch (its norm detached)."""
     owners = [m for m in model.modules() if CHILD in m._modules]
     if not owners:

@@ -12,12 +12,10 @@ is refused unless --check-text asks for a measurement.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
 import tempfile
-import typing
 from pathlib import Path
 
 from ..atomic import atomic_folder
@@ -32,25 +30,6 @@ NORM_FLAGS = {name: {"type": {"str": str, "int": int, "float": float}.get(kind),
 # AVNorm with unit gains on a pretrained model, measured (README "Calibration"; SmolLM2-135M, 512 tokens)
 UNCALIBRATED_COST = ("on SmolLM2-135M unit gains took the loss on a paragraph from 3.91 to 14.29 (calibrated on 8192 "
                      "tokens: 4.58)")
-
-
-def norm_flags() -> dict[str, dict]:
-    """Every option of every registered norm as a flag: option -> {type (None = a switch), norms, doc}.
-
-    Generated from the norms' Options dataclasses (each option is declared once, in its norm's file); only
-    flags the user set are passed, so an option the chosen norm lacks is an error naming its options.
-    patch_flags.py holds its output, so that parsing imports no norm."""
-    from ..norms import NORMS
-
-    flags: dict[str, dict] = {}
-    for name, cls in sorted(NORMS.items()):
-        hints = typing.get_type_hints(cls.Options)
-        for f in dataclasses.fields(cls.Options):
-            kinds = [t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None)]
-            kind = None if kinds == [bool] else kinds[0] if kinds[0] in (int, float, str) else str
-            entry = flags.setdefault(f.name, {"type": kind, "norms": [], "doc": (f.metadata or {}).get("doc", "")})
-            entry["norms"].append(name)
-    return flags
 
 
 def add_arguments(parser):

@@ -37,11 +37,31 @@ FLAGS = {'kind': ('str', ['avnorm'], 'rms | layer | global'),
  'blend': ('float', ['ssmax'], 'alpha in factor 1 + alpha * (f(n) - 1): 0 = the original model, 1 = SSMax')}
 
 
+def norm_flags() -> dict[str, dict]:
+    """Every option of every registered norm as a flag: option -> {type (None = a switch), norms, doc}.
+
+    Generated from the norms' Options dataclasses (each option is declared once, in its norm's file); only
+    flags the user set are passed, so an option the chosen norm lacks is an error naming its options.
+    FLAGS above holds its output, so that parsing imports no norm."""
+    import dataclasses
+    import typing
+
+    from ..norms import NORMS
+
+    flags: dict[str, dict] = {}
+    for name, cls in sorted(NORMS.items()):
+        hints = typing.get_type_hints(cls.Options)
+        for f in dataclasses.fields(cls.Options):
+            kinds = [t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None)]
+            kind = None if kinds == [bool] else kinds[0] if kinds[0] in (int, float, str) else str
+            entry = flags.setdefault(f.name, {"type": kind, "norms": [], "doc": (f.metadata or {}).get("doc", "")})
+            entry["norms"].append(name)
+    return flags
+
+
 def generated() -> str:
     """The table as this file writes it, from the registry (imports every norm, and so torch)."""
     import pprint
-
-    from .patch import norm_flags
 
     table = {k: (v["type"].__name__ if v["type"] else None, v["norms"], v["doc"]) for k, v in norm_flags().items()}
     return "FLAGS = " + pprint.pformat(table, width=118, sort_dicts=False)

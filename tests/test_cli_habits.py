@@ -146,16 +146,19 @@ def test_a_near_miss_norm_name_points_at_the_right_spelling(name, hint):
 
 # ---- 2. patch without --out; uncalibrated AVNorm ---------------------------------------------------------------------
 
-def test_patch_without_out_refuses_before_loading(capsys):
-    assert main(["patch", "no/such/model", "--norm", "avnorm"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("retrofit patch: error: nothing would be saved") and err.count("\n") == 1
-
-
 @pytest.fixture
 def tiny_folder(tmp_path):
     tiny_model("llama").save_pretrained(tmp_path / "m")
     return tmp_path / "m"
+
+
+def test_patch_without_out_refuses_before_loading(tiny_folder, capsys, monkeypatch):
+    monkeypatch.setattr("retrofit.load.load", lambda *a, **k: pytest.fail("loaded the model"))
+    assert main(["patch", str(tiny_folder), "--norm", "avnorm"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("retrofit patch: error: nothing would be saved") and err.count("\n") == 1
+    assert main(["patch", "no/such/model", "--norm", "avnorm"]) == 2  # a bad source is still the first error
+    assert "no such file or folder" in capsys.readouterr().err
 
 
 def test_uncalibrated_avnorm_warns_with_the_measured_cost(tiny_folder, tmp_path, capsys):
@@ -199,9 +202,9 @@ def test_push_says_what_it_is_doing_unless_no_progress(tmp_path, capsys):
     retrofit.patch(model, "softmax1")
     model.save_pretrained(tmp_path / "m")
     assert main(["push", str(tmp_path / "m"), "--repo", "me/x", "--dry-run", str(tmp_path / "a")]) == 0
-    assert "[push] staging" in capsys.readouterr().err
+    assert "[push] staging" in capsys.readouterr().out
     assert main(["push", str(tmp_path / "m"), "--repo", "me/x", "--dry-run", str(tmp_path / "b"), "--no-progress"]) == 0
-    assert "[push]" not in capsys.readouterr().err
+    assert "[push]" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flag", [[], ["--no-progress"]])

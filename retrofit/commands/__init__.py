@@ -19,7 +19,8 @@ from pathlib import Path
 from ..atomic import check_output, output_path
 from ..errors import RetrofitError, check_utf8
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+# the names retrofit.load.models.as_dtype takes (that module imports torch: the parser must not)
+DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 
 
 def add_progress_flag(parser, what: str = "no progress bars") -> None:
@@ -28,9 +29,16 @@ def add_progress_flag(parser, what: str = "no progress bars") -> None:
     parser.add_argument("--quiet", dest="no_progress", action="store_true", help=argparse.SUPPRESS)
 
 
+def _dtype(name: str) -> str:
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; use auto (the saved dtype) or one of "
+                                         f"{', '.join(DTYPES[1:])}")
+    return name
+
+
 def add_dtype_flag(parser) -> None:
     """--dtype, default auto (the dtype the model was saved in), in every verb that loads a model."""
-    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+    parser.add_argument("--dtype", default="auto", type=_dtype,
                         help="auto (default: the dtype each model was saved in) | float32 | bfloat16 | float16")
 
 

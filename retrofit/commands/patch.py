@@ -21,7 +21,15 @@ from pathlib import Path
 from ..atomic import atomic_folder
 from ..errors import RetrofitError
 from ..selection import parse_selection
-from . import add_dtype_flag, add_progress_flag, check_counts, check_out, check_selection_counts, check_text_files
+from . import (
+    add_dtype_flag,
+    add_progress_flag,
+    check_counts,
+    check_model,
+    check_out,
+    check_selection_counts,
+    check_text_files,
+)
 from .patch_flags import FLAGS
 
 # option -> {type (None = a switch), norms, doc}: the written-out table (patch_flags.py; no norm imported to parse)
@@ -206,6 +214,7 @@ def _check_args(args) -> tuple[dict, list[float] | None]:
     positions = _positions(args.schedule_values) if args.schedule_values else None
     if positions and not args.check_text:
         raise RetrofitError("--schedule-values measures a loss: give the text with --check-text FILE")
+    check_model(args.source)  # a missing or damaged source is the error to report first
     if not (args.out or args.push_to_hub or args.check_text):
         raise RetrofitError("nothing would be saved: give --out DIR (or --push-to-hub REPO); without them only "
                             "--check-text FILE measures the patch, saving nothing")

@@ -25,7 +25,6 @@ import math
 import os
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -357,12 +356,13 @@ def push(source, repo: str, *, private: bool = False, revision: str | None = Non
          base_model: str | None = None, license: str | None = None, eval_dir=None, dry_run=None,
          command: str | None = None, progress: bool = True) -> str:
     """Stage SOURCE and upload it to `repo` (or, with dry_run=DIR, write the staged folder there atomically).
-    Returns the commit URL, or the dry-run folder. progress: say what each step is doing (on stderr)."""
+    Returns the commit URL, or the dry-run folder. progress: say what each step is doing (on stdout: stderr is
+    for the one-line error)."""
     check_repo(repo)
     publishable(source, eval_dir)  # links and a bad source refused before any folder is made
     token = None if dry_run else find_token()
     kwargs = dict(repo=repo, merged=merged, base_model=base_model, license=license, eval_dir=eval_dir, command=command)
-    say = (lambda text: print(f"[push] {text}", file=sys.stderr, flush=True)) if progress else (lambda text: None)
+    say = (lambda text: print(f"[push] {text}", flush=True)) if progress else (lambda text: None)
     say(f"staging {source}" + (" (merging the adapter into its base first)" if merged else "")
         + (f" into {dry_run}" if dry_run else ""))
     if dry_run:

@@ -141,8 +141,9 @@ def calibrate(model: nn.Module, batches: torch.Tensor | Mapping | Iterable[torch
                 break
             ids, mask = _unpack(batch)
             ids = ids.to(device)
-            positions = batch.get("position_ids") if isinstance(batch, dict) else None
+            positions = batch.get("position_ids") if isinstance(batch, Mapping) else None
             if positions is not None and mask is None:  # packed documents (data/packing.py): the resets mask
+                positions = torch.as_tensor(positions).reshape(ids.shape)  # a (T,) row became (1, T) above
                 model(input_ids=ids, position_ids=positions.to(device), use_cache=False)
                 mask = torch.ones_like(ids)
             else:

@@ -167,7 +167,7 @@ def describe(facts: dict) -> str:
     for key, value in facts.items():
         if dataclasses.is_dataclass(value):
             value = dataclasses.asdict(value)
-        shown = json.dumps(value, default=str) if isinstance(value, (dict, list)) else value
+        shown = json.dumps(value, default=str) if isinstance(value, (dict, list)) else "-" if value is None else value
         lines.append(f"{key + ':':<24} {shown}")
     return "\n".join(lines)
 

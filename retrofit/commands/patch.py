@@ -192,6 +192,7 @@ def save_atomically(model, tokenizer, out: str) -> None:
 def _check_args(args) -> tuple[dict, list[float] | None]:
     """Every check that needs no model, in one place: (the norm's options, the schedule positions)."""
     from ..hub import check_repo, find_token
+    from ..load import check_finished, source_kind
     from ..norms import make_options
     from ..rope import normalize_rope
 
@@ -214,7 +215,9 @@ def _check_args(args) -> tuple[dict, list[float] | None]:
     positions = _positions(args.schedule_values) if args.schedule_values else None
     if positions and not args.check_text:
         raise RetrofitError("--schedule-values measures a loss: give the text with --check-text FILE")
-    check_model(args.source)  # a missing or damaged source is the error to report first
+    check_finished(args.source)  # an unfinished run, a missing or damaged local source: the first error
+    if source_kind(args.source) != "hub":  # (a Hub id is looked up when it loads, after the token check)
+        check_model(args.source)
     if not (args.out or args.push_to_hub or args.check_text):
         raise RetrofitError("nothing would be saved: give --out DIR (or --push-to-hub REPO); without them only "
                             "--check-text FILE measures the patch, saving nothing")

@@ -18,9 +18,6 @@ from pathlib import Path
 
 from ..atomic import atomic_write_text, check_output, make_output
 from ..errors import RetrofitError
-from ..evaluate.merge import read_results
-from ..evaluate.rejudge import rejudge
-from ..evaluate.report import validate, write_report
 
 
 def add_arguments(parser):
@@ -33,6 +30,9 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from ..evaluate.rejudge import rejudge  # the library when the verb runs: `retrofit report --help` stays fast
+    from ..evaluate.report import write_report
+
     paths = [Path(f) / "results.json" for f in args.folders]
     loaded = [(path, _read(path)) for path in paths]  # every file is read and checked before any is rewritten
     if args.out is not None or args.reference is not None:
@@ -56,6 +56,9 @@ def run(args) -> int:
 
 
 def _read(path: Path) -> dict:
+    from ..evaluate.merge import read_results
+    from ..evaluate.report import validate
+
     if not path.is_file():
         raise RetrofitError(f"{path.parent} has no results.json: give a folder retrofit eval or experiment wrote")
     try:
@@ -72,6 +75,8 @@ def _read(path: Path) -> dict:
 
 
 def _experiment(out: Path, results: dict) -> None:
+    from ..evaluate.rejudge import rejudge
+    from ..evaluate.report import write_report
     from ..experiment.report import write_experiment_report  # the experiment stack, only for experiment folders
 
     control = results.get("control", "softmax")  # experiments written before control was recorded: the default

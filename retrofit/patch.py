@@ -26,7 +26,6 @@ import sys
 import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
 
 from torch import nn
 from transformers import AttentionInterface
@@ -229,7 +228,7 @@ def _check_query_scaling(norm: str, norm_cls, opts, config) -> str | None:
 
 def patch(model: nn.Module, norm: str | None = None, *, nope: bool = False, rope: str | Mapping | None = None,
           layers: str | Sequence[int] | None = None, heads: str | Sequence[int] | None = None,
-          **options: Any) -> PatchReport:
+          **options) -> PatchReport:
     """Attach `norm` to every self-attention module of `model` (in place) and return a PatchReport.
     norm is required (no default: uncalibrated AVNorm ruins a pretrained model, 3.91 -> 14.29 on SmolLM2).
     rope: extend RoPE, as 'yarn:4' or {'rope_type': 'yarn', 'factor': 4, ...} (see retrofit.rope); it applies to

@@ -11,7 +11,6 @@ Each maximum below says why it is where it is; the memory of a forward pass is r
 from __future__ import annotations
 
 from .errors import RetrofitError
-from .memory import available_bytes
 
 # (most, why): the why ends the one-line error
 MOST = {
@@ -45,6 +44,8 @@ def check_size(value, what: str, most: tuple[int, str], least: int = 1):
 
 def check_bytes(need: int, what: str, lower: str, device="cpu") -> None:
     """`need` bytes must fit in the memory available now (a one-line error naming both and what to lower)."""
+    from .memory import available_bytes  # torch: imported here, so --lengths can be parsed without it
+
     free = available_bytes(device)
     if need > free:
         raise RetrofitError(f"{what} needs about {need / 2 ** 30:,.1f} GiB but {free / 2 ** 30:,.1f} GiB is "

@@ -85,7 +85,7 @@ def test_version_names_the_distribution():
 def test_an_unknown_flag_is_reported_by_the_verb(verb, capsys):
     extra = {"train": ["r.yaml"], "experiment": ["r.yaml", "--out", "x"], "patch": ["m", "--norm", "avnorm"],
              "eval": ["m"], "diagnose": ["m", "--data", "d", "--out", "o"], "push": ["m", "--repo", "a/b"],
-             "tokenizer": ["train", "--data", "d", "--out", "o"], "info": ["m"],
+             "tokenizer": ["train", "--data", "d", "--out", "o"], "info": ["m"], "adopt": ["d"],
              "report": ["d"]}.get(verb, [])
     with pytest.raises(SystemExit) as done:
         main([verb, *extra, "--no-such-flag"])

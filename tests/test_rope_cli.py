@@ -321,8 +321,8 @@ def test_tables_name_the_rope_and_mark_beyond_the_original_positions():
                "models": [entry("plain", "none", L, L), entry("yarn", f"yarn x4 (orig {L})", L, 4 * L)]}
     validate(results)
     table = loss_table_markdown(results)
-    assert f"| yarn [yarn x4 (orig {L})] | 3.000 | 3.000 † | 3.000 † |" in table
-    assert "| plain | 3.000 | 3.000 † |" in table and "original positions" in table
+    assert f"| yarn [yarn x4 (orig {L})] | 3.000 (n=1) | 3.000 (n=1) † | 3.000 (n=1) † |" in table  # n beside each
+    assert "| plain | 3.000 (n=1) | 3.000 (n=1) † |" in table and "original positions" in table
     assert length_marks(results) == [(8, "train length"), (L, "original positions")]
 
 

@@ -27,7 +27,8 @@ import threading
 import torch
 
 
-def _status_mb(key: str) -> float:
+def status_mb(key: str) -> float:
+    """A /proc/self/status memory line (VmRSS, VmHWM, ...) in MiB (Linux)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
 
@@ -35,7 +36,7 @@ def _status_mb(key: str) -> float:
 def rss_mb() -> float:
     """The process's resident set now, MiB."""
     if sys.platform.startswith("linux"):
-        return _status_mb("VmRSS")
+        return status_mb("VmRSS")
     import psutil  # ships with accelerate
 
     return psutil.Process().memory_info().rss / 2 ** 20
@@ -91,7 +92,7 @@ class PeakMemory:
             torch.cuda.synchronize()
             self.peak_mb = torch.cuda.max_memory_allocated() / 2 ** 20
         elif self.hwm:
-            self.peak_mb = max(self.start_mb, _status_mb("VmHWM"))
+            self.peak_mb = max(self.start_mb, status_mb("VmHWM"))
         else:
             self._stop.set()
             self._thread.join()
@@ -109,37 +110,39 @@ def available_bytes(device="cpu") -> int:
 
 
 def activation_bytes(config, tokens: int, *, training: bool, dtype_bytes: int = 4,
-                     checkpointing: bool = False) -> int:
+                     checkpointing: bool = False, chunk_tokens: int = 1024) -> int:
     """A lower bound on the activation memory of one forward over `tokens` tokens (batch x length).
 
     Inference (evaluation scores the logits in chunks, so they are not counted): the residual stream and a
     few hidden-size tensors plus the MLP's hidden of the layer being run. Training keeps, per layer, at least
     the residual input, q/k/v, the attention output and the MLP's input and hidden (~6 x hidden +
-    intermediate per token; only the layer inputs under gradient checkpointing), and the logits with their
-    fp32 copy for the loss. The attention the kernels keep is O(T) (a log-sum-exp per head and query), so
-    it is counted per token too. Deliberately low: a run this refuses cannot fit; one it lets through may
-    still need more."""
+    intermediate per token; only the layer inputs under gradient checkpointing), and one chunk of logits with
+    its fp32 copy for the loss (chunk_tokens positions: train.loss_chunk_tokens; 0 = every token's). The
+    attention the kernels keep is O(T) (a log-sum-exp per head and query), so it is counted per token too.
+    Deliberately low: a run this refuses cannot fit; one it lets through may still need more."""
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
     inner = int(getattr(config, "intermediate_size", 0) or getattr(config, "n_inner", 0) or 4 * hidden)
     layer = (6 * hidden + inner + heads) * dtype_bytes  # what one layer keeps for its backward
+    logits = min(int(tokens), chunk_tokens or int(tokens)) * vocab * (dtype_bytes + 4) if training else 0
     if training and checkpointing:
-        per_token = layers * hidden * dtype_bytes + layer + vocab * (dtype_bytes + 4)
+        per_token = layers * hidden * dtype_bytes + layer
     elif training:
-        per_token = layers * layer + vocab * (dtype_bytes + 4)
+        per_token = layers * layer
     else:
         per_token = (4 * hidden + inner + heads) * dtype_bytes
-    return int(tokens) * per_token
+    return int(tokens) * per_token + logits
 
 
 def check_fits(config, tokens: int, *, training: bool, device="cpu", what: str = "", lower: str = "",
-               dtype_bytes: int = 4, checkpointing: bool = False) -> None:
+               dtype_bytes: int = 4, checkpointing: bool = False, chunk_tokens: int = 1024) -> None:
     """Refuse (one-line RetrofitError naming the numbers) activations that cannot fit in available memory."""
     from .errors import RetrofitError
 
-    need = activation_bytes(config, tokens, training=training, dtype_bytes=dtype_bytes, checkpointing=checkpointing)
+    need = activation_bytes(config, tokens, training=training, dtype_bytes=dtype_bytes, checkpointing=checkpointing,
+                            chunk_tokens=chunk_tokens)
     free = available_bytes(device)
     if need > free:
         gib = 2 ** 30
@@ -148,3 +151,65 @@ def check_fits(config, tokens: int, *, training: bool, device="cpu", what: str =
             f"({getattr(config, 'num_hidden_layers', '?')} layers, hidden {getattr(config, 'hidden_size', '?')}, "
             f"vocab {getattr(config, 'vocab_size', '?')}), but only {free / gib:,.1f} GiB is available on "
             f"{torch.device(device).type}; lower {lower or 'the length or the batch'}")
+
+
+# ---- planning a training run: `retrofit train --dry-run` ---------------------------------------------------------
+
+# What a CPU training process adds to its resident set once steps run, beyond tensors: autograd's and the BLAS /
+# oneDNN workspaces and glibc's arenas. Measured on this project's 2-core CPU (torch 2.13): 120 MiB, the same for
+# a 1M- and a 7M-parameter model (tests/test_chunked_loss.py, docs/results/train-memory).
+CPU_RUNTIME_BYTES = 120 * 2 ** 20
+
+
+def count_parameters(config) -> int:
+    """The parameter count of the causal LM `config` describes (built on the meta device: no memory, no init)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    return sum(p.numel() for p in model.parameters())  # shared (tied) tensors once
+
+
+def _layer_floats(config) -> int:
+    """Floats per token one decoder layer keeps for its backward (Llama-style block, sdpa): both norms' input, the
+    normalized value and its weighted copy (2 x 3d), q, k, v and the RoPE'd q, k, the key/value heads repeated to
+    the query heads and the attention output with its transposed copy (~6d + 3 kv), the MLP's gate, activation, up
+    and product (4 x intermediate), a log-sum-exp per head."""
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    kv = hidden * int(getattr(config, "num_key_value_heads", 0) or heads) // max(heads, 1)
+    inner = int(getattr(config, "intermediate_size", 0) or getattr(config, "n_inner", 0) or 4 * hidden)
+    return 12 * hidden + 3 * kv + 4 * inner + heads
+
+
+def plan_training(config, params: int, *, tokens: int, rows: int = 1, precision: str = "fp32",
+                  checkpointing: bool = False, chunk_tokens: int = 1024, trainable: int | None = None,
+                  process_bytes: int | None = None) -> dict:
+    """Predicted peak memory (bytes) of one training step of retrofit's loop, by part, and "total".
+
+    process: what the process holds before the model loads (the resident set now; process_bytes=0 on CUDA,
+    whose allocator counts tensors only), and on the CPU the runtime's own workspaces once a step runs
+    (CPU_RUNTIME_BYTES). weights fp32 (master weights), gradients and AdamW's two moments per trainable
+    parameter. Activations per token (`tokens` = micro-batch rows x length): every layer's saved tensors
+    (_layer_floats), or under gradient checkpointing each layer's input plus one layer recomputed in backward; in
+    the activation dtype (bf16: 2 bytes). Logits: the loss holds about three fp32 copies (logits or log-softmax,
+    and their gradients; plus the bf16 head output under bf16) of one chunk of `chunk_tokens` positions (0 = the
+    whole batch: train.loss_chunk_tokens)."""
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    act = 2 if precision in ("bf16", "fp16") else 4
+    trainable = params if trainable is None else trainable
+    per_layer = _layer_floats(config) * act
+    saved = layers * hidden * act + per_layer if checkpointing else layers * per_layer
+    chunk = tokens if not chunk_tokens else min(tokens, max(1, chunk_tokens // rows) * rows)
+    cpu = process_bytes is None
+    parts = {"process": rss_bytes() if cpu else process_bytes, "runtime": CPU_RUNTIME_BYTES if cpu else 0,
+             "weights": params * 4, "gradients": trainable * 4, "optimizer": trainable * 8,
+             "activations": tokens * (saved + 4 * hidden * act), "logits": chunk * vocab * (3 * 4 + (act % 4))}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def rss_bytes() -> int:
+    return int(rss_mb() * 2 ** 20)

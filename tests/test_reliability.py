@@ -270,9 +270,9 @@ def test_every_checkpoint_damaged_is_a_one_line_error(killed_after_step_8, tmp_p
 def test_a_non_finite_loss_on_a_save_step_writes_no_checkpoint(tmp_path, monkeypatch):
     real, calls = loop.loss_sum, []
 
-    def nan_at_step_5(model, part, task):  # 2 micro-batches per step: calls 9 and 10 are step 5
+    def nan_at_step_5(model, part, task, *chunk_tokens):  # 2 micro-batches per step: calls 9 and 10 are step 5
         calls.append(1)
-        loss = real(model, part, task)
+        loss = real(model, part, task, *chunk_tokens)
         return loss * float("nan") if len(calls) in (9, 10) else loss
 
     monkeypatch.setattr(loop, "loss_sum", nan_at_step_5)

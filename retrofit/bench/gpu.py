@@ -177,7 +177,7 @@ def finetune_arm(base, arm: str, args, sizes) -> dict:
     from ..patch import patch
     from ..recipe import recipe_from_dict
     from ..train import train
-    from .train import RandomTokens
+    from .loops import RandomTokens
 
     model = copy.deepcopy(base)  # its own config too: a patch never reaches the base or another arm
     if arm != "unpatched":

@@ -5,7 +5,7 @@ one process against N processes sharing each row (train.sequence_parallel, Ulyss
 
 Both runs train the same freshly built model (bench train's sizes, optionally patched) on the same random rows
 with the same recipe: one plain process, then `torch.distributed.run --nproc_per_node N`, each process running
-bench/sequence_parallel_worker.py (a separate module: it imports bench.train, which imports this one). Each measures
+bench/sequence_parallel_worker.py (a separate module: it imports bench.loops, the loops bench.train runs). Each measures
 its resident-memory high-water mark over the whole training call (retrofit.memory.PeakMemory: weights and
 libraries are in `start`, what training adds is `added`) and the run's tokens/s between its first and last log.
 Target: the N-process peak per process <= 0.6x the one-process peak.

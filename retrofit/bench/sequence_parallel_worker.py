@@ -19,7 +19,7 @@ def worker(args, workdir: Path) -> None:
     import torch
 
     from ..memory import PeakMemory
-    from .train import SIZES, run_retrofit
+    from .loops import SIZES, run_retrofit
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, processes = int(os.environ.get("RANK", "0")), args.sequence_parallel

@@ -17,27 +17,23 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from . import train_memory
+from .loops import SIZES, RandomTokens, bench_model, run_retrofit, run_trainer  # noqa: F401
 
-SIZES = {  # small enough for a CPU, with a real vocabulary so the LM head costs what it costs
-    "gpt2": dict(n_embd=128, n_layer=2, n_head=4, n_positions=1024, vocab_size=50257,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-    "llama": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=4096, vocab_size=50257),
-}
 LOOPS = ("retrofit", "hf-trainer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-type", default="gpt2", choices=sorted(SIZES), help="model built from a small config")
     parser.add_argument("--norm", default=None, help="patch both models with this norm first (default: unpatched)")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per step")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 4; --memory: 1)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--steps", type=int, default=12, help="steps per loop and repeat (a multiple of --warmup)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per loop and repeat (a multiple of --warmup; "
+                        "default 12; --memory: 2)")
     parser.add_argument("--warmup", type=int, default=3, help="steps excluded from timing; also the log interval")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each loop; medians are compared")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
@@ -48,81 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sequence-parallel", type=int, default=1, help="N > 1: retrofit's loop alone, one process "
                         "vs N sharing each row: peak memory per process, tokens/s (bench/sequence_parallel.py)")
 
-
-class RandomTokens:
-    """The data interface of retrofit.data for uniform random tokens (the same rows the Trainer gets)."""
-
-    task = "lm"
-
-    def __init__(self, rows):
-        self.rows = rows  # (N, T) LongTensor
-
-    def batch(self, step, rows, length):
-        ids = self.rows[(step * rows) % len(self.rows):][:rows]
-        return {"input_ids": ids, "labels": ids}
-
-    def eval_batches(self, length, batches, batch_size):
-        return []
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
-
-
-def _model(args):
-    from ..load import model_from_config
-    from ..patch import patch
-    model = model_from_config(args.model_type, seed=0, **SIZES[args.model_type])
-    if args.norm:
-        patch(model, args.norm)
-    return model
+    parser.add_argument("--memory", action="store_true", help="peak memory instead: each loop and length in a fresh "
+                        "process (retrofit/bench/train_memory.py); also writes a markdown table beside --out")
+    train_memory.add_arguments(parser)
 
 
 def _rows(args, vocab: int):
     import torch
     g = torch.Generator().manual_seed(0)
     return torch.randint(0, vocab, (args.batch * args.steps, args.seq_len), generator=g)
-
-
-def run_retrofit(args, rows, workdir: Path) -> list[float]:
-    from ..recipe import recipe_from_dict
-    from ..train import train
-    # The model and data are passed in directly; the recipe's tokenizer/files are never read.
-    recipe = recipe_from_dict({
-        "name": "bench", "model": {"config": {"model_type": args.model_type}, "tokenizer": "unused"},
-        "data": {"task": "lm", "seq_len": args.seq_len, "files": ["unused"]},
-        "train": {"steps": args.steps, "batch_size": args.batch, "micro_batch_size": args.batch, "lr": 1e-4,
-                  "warmup_steps": args.warmup, "precision": args.precision, "log_every": args.warmup,
-                  "progress": False, "cpu": args.cpu, "sequence_parallel": getattr(args, "sequence_parallel", 1)},
-        "output": {"dir": str(workdir)}})
-    stamps = []  # (step, time) at every log
-    train(recipe, model=_model(args), data=RandomTokens(rows), callbacks=[
-        lambda event, step, info: stamps.append((step, time.perf_counter())) if event == "step" else None])
-    return stamps
-
-
-def run_trainer(args, rows, workdir: Path) -> list[float]:
-    import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-    on_gpu = torch.cuda.is_available() and not args.cpu
-    stamps = []
-
-    class Stamp(TrainerCallback):
-        def on_log(self, targs, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:  # not the end-of-training summary, which is logged after the last step
-                stamps.append((state.global_step, time.perf_counter()))
-
-    dataset = [{"input_ids": r, "labels": r} for r in rows]
-    targs = TrainingArguments(
-        output_dir=str(workdir), per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=1e-4,
-        warmup_steps=args.warmup, lr_scheduler_type="cosine", weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0,
-        bf16=args.precision == "bf16", use_cpu=not on_gpu,  # optim: Trainer's default, adamw_torch_fused
-        logging_steps=args.warmup, save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
-        log_level="error", dataloader_num_workers=0, seed=0)
-    Trainer(model=_model(args), args=targs, train_dataset=dataset, callbacks=[Stamp()]).train()
-    return stamps
 
 
 def _tokens_per_s(stamps: list[tuple[int, float]], args) -> float:
@@ -134,6 +64,10 @@ def _tokens_per_s(stamps: list[tuple[int, float]], args) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.memory:
+        args.batch = args.batch or 1
+        return train_memory.run(args)
+    args.batch, args.steps = args.batch or 4, args.steps or 12
     if args.sequence_parallel > 1:
         from .sequence_parallel import run as run_sequence_parallel
         return run_sequence_parallel(args)

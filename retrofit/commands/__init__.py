@@ -152,6 +152,7 @@ def check_recipe(recipe) -> None:
     shared = recipe.train.sequence_parallel  # each of N processes holds seq_len / N tokens of a row
     check_fits(config, recipe.data.seq_len * recipe.train.micro_batch_size // shared, training=True, device=device,
                dtype_bytes=size, checkpointing=recipe.train.gradient_checkpointing,
+               chunk_tokens=recipe.train.loss_chunk_tokens,
                what=f"training at data.seq_len {recipe.data.seq_len:,} x train.micro_batch_size "
                     f"{recipe.train.micro_batch_size}", lower="data.seq_len or train.micro_batch_size")
     longest = max(recipe.eval.lengths or [recipe.data.seq_len])

@@ -4,6 +4,7 @@
     retrofit train recipes/demo.yaml train.steps=200 patch.norm=psoftmax patch.p=2
     accelerate launch -m retrofit train recipes/gpt2-avnorm-retrofit.yaml   # DDP / FSDP / DeepSpeed
     retrofit train RECIPE --resume runs/x                                   # continue where it stopped
+    retrofit train RECIPE data.seq_len=16384 --dry-run [--plan-for cuda:80]  # predicted peak memory; fits?
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="run folder (overrides output.dir)")
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its newest complete checkpoint")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="predict the run's peak memory (retrofit/train/plan.py), say whether it fits, and exit")
+    parser.add_argument("--plan-for", metavar="DEVICE[:GiB]",
+                        help="with --dry-run: plan for cpu:24, cuda:80 ... instead of this machine")
     parser.add_argument("--keys", action="store_true",
                         help="list every recipe key with its default and meaning, then exit")
     add_progress_flag(parser, "no progress bar (train.progress=false): for logs and files")
@@ -48,6 +53,12 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, overrides)
     if not args.out and recipe.output.dir:  # the recipe's own (or overridden) output.dir, `~` expanded here
         recipe.output.dir = check_out(recipe.output.dir, "output.dir", empty=False)
+    if args.dry_run:
+        from ..train.plan import describe, plan_recipe
+        print(describe(plan_recipe(recipe, args.plan_for)))
+        return 0
+    if args.plan_for:
+        raise RetrofitError("--plan-for goes with --dry-run")
     check_recipe(recipe)
     result = train(recipe, resume=bool(args.resume))
     last = result.losses.get(max(result.losses)) if result.losses else None

@@ -10,12 +10,11 @@ import hashlib
 import time
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..data import counting_batch, passkey_batch
 from ..errors import RetrofitError
-from ..logit_head import LOGIT_TRANSFORMS, chunk_slices, config_value, head_logits
+from ..logit_head import LOGIT_TRANSFORMS, config_value, head_logits, head_token_scores
 from ..memory import PeakMemory
 from ..positions import position_limit
 from .intervals import as_list, mean_interval, proportion_interval
@@ -61,13 +60,7 @@ def token_losses(model, windows: torch.Tensor, chunk_tokens: int = 1024) -> torc
     """(B, L + 1) windows -> (B, L) float32 next-token losses, running the head chunk by chunk."""
     inputs, targets = windows[:, :-1], windows[:, 1:]  # (B, L), (B, L)
     hidden = model.base_model(input_ids=inputs, use_cache=False)[0]  # (B, L, d)
-    B, L = targets.shape
-    losses = torch.empty(B, L, dtype=torch.float32, device=windows.device)
-    for part in chunk_slices(B, L, chunk_tokens):
-        logits = head_logits(model, hidden[:, part])  # (B, c, V): the only vocab-sized tensor
-        losses[:, part] = F.cross_entropy(logits.flatten(0, 1), targets[:, part].flatten(),
-                                          reduction="none").view(B, -1)
-    return losses
+    return head_token_scores(model, hidden, targets, chunk_tokens, hits=False)[0]  # the head chunk by chunk
 
 
 @torch.inference_mode()

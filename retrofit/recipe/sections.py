@@ -203,6 +203,9 @@ class TrainSection:
     double_every: int = knob(0, "steps between length doublings when init_len is set")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = knob("auto", "auto = bf16 on a GPU that has it, else fp32")
     gradient_checkpointing: bool = knob(False, "recompute activations in backward: ~30% slower, much less memory")
+    activation_offload: bool = knob(False, "saved activations wait in CPU RAM (save_on_cpu): less GPU memory, slower")
+    loss_chunk_tokens: int = knob(1024, "positions x rows whose logits the loss holds at once (recomputed in "
+                                        "backward); 0 = all (B, T, vocab) logits: more memory, no recompute")
     compile: bool = knob(False, "torch.compile the model (inductor); slow first steps, recompiles per staged length")
     cpu: bool = knob(False, "run on CPU even when a GPU is present")
     sequence_parallel: int = knob(1, "N processes share each row (Ulysses: each holds T/N tokens, attention sees the "
@@ -229,6 +232,7 @@ class TrainSection:
         need(self.log_every >= 1, f"train.log_every must be >= 1, got {self.log_every}")
         need(self.sequence_parallel >= 1, f"train.sequence_parallel must be >= 1 (1 = off), got "
                                           f"{self.sequence_parallel}")
+        need(self.loss_chunk_tokens >= 0, f"train.loss_chunk_tokens must be >= 0, got {self.loss_chunk_tokens}")
         if self.init_len is not None:
             need(self.init_len >= 2 and self.double_every >= 1,
                   "train: staged length needs init_len >= 2 and double_every >= 1")

@@ -15,6 +15,7 @@ own (the experiment driver builds a base once and finetunes several arms from it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -199,6 +200,15 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     else:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     lm.config.use_cache = False
+
+
+def activation_offload(enabled: bool, device):
+    """The context the training forward runs in: torch.autograd.graph.save_on_cpu when train.activation_offload
+    (every tensor saved for backward moves to CPU memory and comes back for its backward; pinned on CUDA), else
+    nothing. On a CPU device it changes where nothing lives: the knob runs, memory and results are the same."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.device(device).type == "cuda")
 
 
 def probe_schedule(model: nn.Module, data, recipe: Recipe, schedule):

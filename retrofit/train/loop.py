@@ -184,7 +184,8 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
             fn(event, step, {"accelerator": acc, **info})
 
     def run_eval(step):
-        metrics = evaluate(model, data, task, recipe.eval_lengths(), recipe.eval.batches, recipe.eval.batch_size, acc)
+        metrics = evaluate(model, data, task, recipe.eval_lengths(), recipe.eval.batches, recipe.eval.batch_size, acc,
+                           t.loss_chunk_tokens)
         if metrics:
             acc.log(metrics, step=step)
             result.evals[step] = metrics
@@ -230,8 +231,9 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
             part = {k: v[lo: lo + per_micro].to(acc.device) for k, v in batch.items() if torch.is_tensor(v)}
             part = shard(part, layout) if layout else part  # this rank's tokens of each row
             sync = contextlib.nullcontext() if i == accum - 1 else acc.no_sync(model)
-            with sync, sharded(model, layout):
-                loss = recovery_loss_sum(model, part, task, rec, step) if mixed else loss_sum(model, part, task)
+            with sync, sharded(model, layout), build.activation_offload(t.activation_offload, acc.device):
+                loss = (recovery_loss_sum(model, part, task, rec, step, t.loss_chunk_tokens) if mixed
+                        else loss_sum(model, part, task, t.loss_chunk_tokens))
                 acc.backward(loss * (world / n_items))  # DDP averages over processes: world/n makes it the global mean
             window_loss += loss.detach().double()
         if rec is not None and step < rec.match_steps:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..logit_head import final_hidden, head_loss_sum, head_token_scores, model_inputs, next_tokens
 from ..recovery import kl_and_ce_sum, match_sum
 
 # ---- losses and evaluation -------------------------------------------------------------------------------------------
@@ -25,48 +26,40 @@ def items(batch: dict, task: str) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
 
-def loss_sum(model: nn.Module, batch: dict, task: str) -> torch.Tensor:
-    """Sum (not mean) of the per-item losses of `batch`; the caller divides by the global item count."""
+def loss_sum(model: nn.Module, batch: dict, task: str, chunk_tokens: int = 1024) -> torch.Tensor:
+    """Sum (not mean) of the per-item losses of `batch`; the caller divides by the global item count.
+    lm/passkey: the body's final hidden states, then the head and cross-entropy on chunk_tokens positions at a time
+    (logit_head.head_loss_sum: no (B, T, V) logits, forward or backward); chunk_tokens 0 = the model's own
+    full-logits forward (more memory, no recomputation: the reference the chunked loss equals)."""
     if task == "counting":
         pred = model(batch["input_ids"])                      # (B, T)
         return (pred[:, 1:] - batch["counts"][:, 1:]).abs().sum()
     # a sequence-parallel shard (train/sequence_parallel.shard) brings labels shifted over the whole row
     labels = batch["shift_labels"] if "shift_labels" in batch else next_tokens(batch["labels"])  # (B, T)
-    logits = model(**model_inputs(batch), use_cache=False).logits  # (B, T, V)
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    if not chunk_tokens:
+        logits = model(**model_inputs(batch), use_cache=False).logits  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    return head_loss_sum(model, final_hidden(model, batch), labels, chunk_tokens=chunk_tokens)
 
 
-MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
-
-
-def model_inputs(batch: dict) -> dict:
-    """The batch's keys the model takes: position_ids carry packed documents (data/packing.py), whose mask
-    transformers builds from their resets only with no attention_mask and no cache (use_cache=False)."""
-    return {k: batch[k] for k in MODEL_INPUTS if k in batch}
-
-
-def recovery_loss_sum(model: nn.Module, batch: dict, task: str, recovery, step: int) -> torch.Tensor:
+def recovery_loss_sum(model: nn.Module, batch: dict, task: str, recovery, step: int,
+                      chunk_tokens: int = 1024) -> torch.Tensor:
     """The recipe's recovery losses (retrofit.recovery.distill), summed like loss_sum: attention-output matching
     for the first recovery.match_steps updates, then lm_weight * CE + kl_weight * KL(teacher || student)."""
     if step < recovery.match_steps:
         return match_sum(model, batch)
     if not recovery.kl_weight:
-        return recovery.lm_weight * loss_sum(model, batch, task)
+        return recovery.lm_weight * loss_sum(model, batch, task, chunk_tokens)
     return kl_and_ce_sum(model, batch, lm_weight=recovery.lm_weight, kl_weight=recovery.kl_weight,
                          temperature=recovery.kl_temperature, chunk_tokens=recovery.chunk_tokens)
 
 
-def next_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """labels shifted left with -100 at the end: position t is scored on token t+1. Shifting the labels
-    instead of the logits avoids copying the (B, T, vocab) logits."""
-    return F.pad(labels[:, 1:], (0, 1), value=-100)
-
-
 @torch.no_grad()
 def evaluate(model: nn.Module, data, task: str, lengths: list[int], batches: int, batch_size: int,
-             accelerator) -> dict:
+             accelerator, chunk_tokens: int = 1024) -> dict:
     """Validation metrics at each length: eval/loss@L (lm, passkey), eval/accuracy@L (passkey),
-    eval/l1@L and eval/mse@L (counting). Each process takes every n-th row; sums are all-reduced."""
+    eval/l1@L and eval/mse@L (counting). Each process takes every n-th row; sums are all-reduced. The head runs
+    on chunk_tokens positions at a time (logit_head.head_token_scores), never on (b, T, V) logits."""
     rank, world = accelerator.process_index, accelerator.num_processes
     was_training = model.training
     model.eval()
@@ -83,13 +76,11 @@ def evaluate(model: nn.Module, data, task: str, lengths: list[int], batches: int
                 err = model(part["input_ids"])[:, 1:] - part["counts"][:, 1:]  # (b, T-1)
                 values = [err.abs().sum(), err.numel(), err.pow(2).sum(), len(err)]
             else:
-                logits = model(**model_inputs(part), use_cache=False).logits  # (b, T, V)
-                labels = next_tokens(part["labels"])
+                labels = next_tokens(part["labels"])  # (b, T)
+                losses, hit = head_token_scores(model, final_hidden(model, part), labels, chunk_tokens or 1024)
                 mask = labels != -100
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                                       reduction="sum")
-                correct = ((logits.argmax(-1) == labels) | ~mask).all(1).sum()  # every answer token right
-                values = [loss, mask.sum(), correct, len(labels)]
+                correct = (hit | ~mask).all(1).sum()  # every answer token right
+                values = [losses.sum(), mask.sum(), correct, len(labels)]
             sums += weight * torch.tensor([float(v) for v in values], dtype=torch.float64, device=sums.device)
         sums = accelerator.reduce(sums, "sum")
         if sums[1] == 0:

@@ -24,6 +24,12 @@ MOST = {
     "vocab": (1 << 20, "four times the largest vocabulary in use (256K)"),
     # RoPE context extension: 1024 x a 4K model is a 4M context; beyond, positions overflow float32
     "rope_factor": (1024, "1024 x the trained context; beyond it rotary angles lose float32 precision"),
+    # text windows per length (eval --max-windows, diagnose --windows): every window's loss is kept in results.json
+    "windows": (100_000, "every window's loss is kept; 1,000 windows already give a tight interval"),
+    # diagnose --queries: query rows whose attention is measured per length, each row is kept in diagnose.json
+    "queries": (65_536, "each measured query row is kept in diagnose.json"),
+    # needle depths (eval --depths): each depth is a RULER/passkey pass per length
+    "depths": (101, "one pass per depth and length; 0,0.01,...,1 is already every percent"),
     # the deepest model in use has 126 layers
     "layers": (4096, "the deepest models in use have ~126 layers"),
     # a context built without a model to size it (--export-harness): 16M tokens

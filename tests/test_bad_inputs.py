@@ -541,6 +541,14 @@ CASES = [
      r"--samples 1,000,000,000 is outside 1..100,000"),
     ("eval-trials-huge", "eval {model} --tasks passkey --lengths 64 --trials 1000000000000000000000 --out {out}",
      r"--trials 1,000,000,000,000,000,000,000 is outside 1..100,000"),
+    ("eval-max-windows-huge", "eval {model} --data {text} --lengths 8 --max-windows 10000000000 --out {out}",
+     r"--max-windows 10,000,000,000 is outside 1..100,000"),
+    ("eval-depths-many", "eval {model} --tasks niah --data {text} --lengths 64 --depths " + ",".join(["0.5"] * 5000)
+     + " --out {out}", r"the number of depths 5,000 is outside 1..101"),
+    ("diagnose-windows-huge", "diagnose {model} --data {text} --lengths 8 --windows 10000000000 --out {out}",
+     r"--windows 10,000,000,000 is outside 1..100,000"),
+    ("diagnose-queries-huge", "diagnose {model} --data {text} --lengths 8 --queries 10000000000 --out {out}",
+     r"--queries 10,000,000,000 is outside 1..65,536"),
     ("eval-rope-1e308", "eval {model} --data {text} --lengths 8 --rope yarn:1e308 --out {out}",
      r"rope factor 1e\+308 is outside 1..1,024"),
     ("patch-rope-1e308", "patch {model} --norm avnorm --rope yarn:1e308 --out {out}",
@@ -583,7 +591,8 @@ CASES = [
 ]
 SIZE_CASES = ["eval-lengths-range-huge", "eval-export-length-huge", "eval-samples-huge", "eval-export-samples-huge",
               "eval-trials-huge", "eval-rope-1e308", "tokenizer-vocab-2-64", "eval-variants-aliases",
-              "patch-million-layers", "eval-million-layers"]
+              "patch-million-layers", "eval-million-layers", "eval-max-windows-huge", "diagnose-windows-huge",
+              "diagnose-queries-huge"]
 
 
 def argv(template: str, world: dict, out: Path) -> list[str]:

@@ -122,3 +122,24 @@ def test_config_json_is_checked_before_any_module_is_built(tmp_path, monkeypatch
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("a model was built"))
     with pytest.raises(RetrofitError, match=r"gpt2/config.json: n_positions must be an integer in 1..16,777,216"):
         load(str(tmp_path / "gpt2"))
+
+
+def test_an_adapters_record_and_patch_tensors_are_checked_like_a_checkpoints(tmp_path):
+    """retrofit.json of an adapter is the same record as config.retrofit: typed, and its tensors finite."""
+    from retrofit.load.adapters import load_adapter, save_adapter
+    from tests.test_adapters import peft_on_patched
+    model, _, _ = peft_on_patched(tmp_path)  # a LoRA on a calibrated AVNorm base
+    folder = save_adapter(model, tmp_path / "adapter")
+    meta = json.loads((folder / "retrofit.json").read_text())
+    meta["patch"]["nope"] = "false"
+    (folder / "retrofit.json").write_text(json.dumps(meta))
+    with pytest.raises(RetrofitError, match=r"retrofit.json: retrofit.nope must be true or false"):
+        load_adapter(str(folder))
+    meta["patch"]["nope"] = False
+    (folder / "retrofit.json").write_text(json.dumps(meta))
+    tensors = load_file(str(folder / "retrofit.safetensors"))
+    key = sorted(tensors)[0]
+    tensors[key][0] = float("nan")
+    save_file(tensors, str(folder / "retrofit.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(RetrofitError, match=rf"retrofit.safetensors: patch tensor {key} holds NaN"):
+        load_adapter(str(folder))

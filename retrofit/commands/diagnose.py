@@ -45,9 +45,12 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from ..bounds import MOST, check_size
     from ..diagnose import DiagnoseSpec, diagnose_sources
 
     check_counts(args, positive=("windows", "queries"), nonnegative=("calibrate_tokens",))
+    for name in ("windows", "queries"):  # before any text is read: every window and row is kept in diagnose.json
+        check_size(getattr(args, name), f"--{name}", MOST[name])
     args.out = check_out(args.out, "--out", empty=False)  # `~` expanded, once
     check_text_files([args.data], "--data")
     lengths = parse_lengths(args.lengths)

@@ -104,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
                                  "alphabet", "samples"))
     for name in ("samples", "trials"):  # before anything is built: every one is kept in results.json
         check_size(getattr(args, name), f"--{name}", MOST[name])
+    if args.max_windows is not None:
+        check_size(args.max_windows, "--max-windows", MOST["windows"])
     if args.export_harness:
         return export_command(args, _depths(args.depths))
     if args.merge:
@@ -190,6 +192,9 @@ def _print_tables(results: dict) -> None:
 
 def _depths(text: str) -> list[float]:
     """--depths as numbers in [0, 1] (0 = start of the haystack, 1 = its end)."""
+    from ..bounds import MOST, check_size
+
+    check_size(text.count(",") + 1, f"--depths {text[:40]!r}: the number of depths", MOST["depths"])
     try:
         depths = [float(d) for d in text.split(",")]
     except ValueError:

@@ -42,6 +42,7 @@ from ..errors import RetrofitError
 from ..patch import patch_from_record, patch_record
 from .checkpoint import checkpoint_or_plain, listed
 from .sources import hub_error, hub_reachable, source_kind
+from .validate import check_finite, check_record
 
 RECORD, TENSORS = "retrofit.json", "retrofit.safetensors"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -199,6 +200,7 @@ def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=
                                device_map=device_map, attn_implementation=attn_implementation,
                                model_kwargs=model_kwargs, **hub)
     record, existing = meta["patch"], patch_record(base)
+    check_record(record, str(folder / RECORD))  # typed like a checkpoint's config.retrofit: "false" is not a bool
     if existing is None:
         patch_from_record(base, record)
     elif not _same_patch(existing, record):
@@ -214,6 +216,7 @@ def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=
     if saved.keys() - expected:
         raise RetrofitError(f"{folder / TENSORS} holds patch tensors the patch does not have "
                             f"({listed(saved.keys() - expected)}): it belongs to another model or patch")
+    check_finite(saved, str(folder / TENSORS))
     base.load_state_dict(saved, strict=False)
     try:
         model = PeftModel.from_pretrained(base, str(folder), is_trainable=is_trainable)

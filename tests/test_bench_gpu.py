@@ -44,7 +44,7 @@ def test_bench_gpu_tiny_on_cpu_end_to_end(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     env = report["environment"]
     assert env["device"] == "cpu" and env["torch"] == torch.__version__ and "triton" in env and env["name"]
-    assert report["wall_s"] > 0 and list(report["parts"]) == ["parity", "attention", "finetune"]
+    assert report["wall_s"] > 0 and list(report["parts"]) == ["parity", "attention", "finetune", "long"]
     assert all(p["status"] == "ok" and p["seconds"] >= 0 for p in report["parts"].values())
 
     check = report["parts"]["parity"]
@@ -70,8 +70,16 @@ def test_bench_gpu_tiny_on_cpu_end_to_end(tmp_path, capsys):
         assert "error" not in r and r["steps"] == 2 and r["loss_finite"] and r["tokens_per_s"] > 0
         assert all(abs(x - math.log(gpu.TINY_LLAMA["vocab_size"])) < 0.5 for x in r["losses"])  # random tokens
 
+    long = report["parts"]["long"]
+    assert [(r["seq_len"], r["norm"]) for r in long["runs"]] == [(t, a) for t in gpu.TINY["long_seqs"]
+                                                                 for a in gpu.ARMS]
+    for r in long["runs"]:  # one sequence of seq_len tokens per step, gradient checkpointing on
+        assert "error" not in r and r["tokens_per_step"] == r["seq_len"] and r["loss_finite"]
+        assert r["steps"] == gpu.TINY["long_steps"] and r["peak_memory_mb"] > 0
+
     markdown = (out / "report.md").read_text()
     assert "## parity" in markdown and "## attention" in markdown and "## finetune" in markdown
+    assert "## long" in markdown and "gradient checkpointing" in markdown
     assert f"{check['passed']} passed, 0 failed" in markdown
     assert markdown in capsys.readouterr().out  # the same report printed
 

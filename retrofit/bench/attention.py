@@ -63,14 +63,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------- the child: one configuration
 
 
+def label(impl: str) -> str:
+    """The table's name for an implementation: IMPLS's, or `norm@backend` (a norm on one forced backend)."""
+    norm, _, backend = impl.partition("@")
+    return f"{IMPLS[norm]} [{backend}]" if backend else IMPLS[impl]
+
+
 def _function(impl: str, p: float, heads: int, device: str):
-    """(q, k, v) -> out for one implementation; the kernels' extra parameters take grads like a model's would."""
+    """(q, k, v) -> out for one implementation; the kernels' extra parameters take grads like a model's would.
+    `norm@backend` (psoftmax@cuda_flash, ssmax@flex, ...) runs that norm on that backend, forced."""
     import torch
     import torch.nn.functional as F
 
     import retrofit.kernels as K
 
-    forced = {"triton": "triton", "psoftmax": None if device == "cpu" else "blockwise"}.get(impl)
+    impl, _, backend = impl.partition("@")
+    forced = backend or {"triton": "triton", "psoftmax": None if device == "cpu" else "blockwise"}.get(impl)
     extra = torch.full((heads,), 0.5, device=device, requires_grad=True)  # SSMax s / softmax+1 sink
     fn = {
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
@@ -144,6 +152,9 @@ def measure(config: dict) -> dict:
     for fn in impls.values():
         forward_backward(fn, small, small_grad)  # warm-up: code paged in, kernels compiled
     qkv, grad = tensors(T)
+    if device == "cuda":  # compiled kernels specialize on the shape (FlexAttention): compile before measuring
+        for fn in impls.values():
+            forward_backward(fn, qkv, grad)
     fn = impls["impl"]
     from ..memory import PeakMemory
 
@@ -188,7 +199,7 @@ def _plan(args) -> tuple[list[int], list[str]]:
     except ValueError:
         raise RetrofitError(f"--seq must be a comma list of integers, like 1024,4096; got {args.seq!r}") from None
     impls = [s.strip() for s in args.impl.split(",") if s.strip()]
-    unknown = [s for s in impls if s not in IMPLS]
+    unknown = [s for s in impls if s.partition("@")[0] not in IMPLS]
     if unknown or not impls:
         raise RetrofitError(f"unknown --impl {unknown or args.impl!r}: choose from {', '.join(IMPLS)}")
     if not seqs or min(seqs) < 1 or args.heads < 1 or args.dim < 1 or args.batch < 1 or args.repeats < 1:
@@ -246,7 +257,7 @@ def _table(rows: list[dict]) -> str:
         base = next((r for r in rows if r["impl"] == "sdpa" and r["seq"] == row["seq"] and "error" not in r), None)
         mem_key = "fwd_peak_mb" if row.get("forward_only") else "fwd_bwd_peak_mb"
         note = row.get("skipped") or row.get("error")
-        lines.append([IMPLS[row["impl"]], row["seq"], row.get("fwd_ms", note), _ratio(row, base, "fwd_ms"),
+        lines.append([label(row["impl"]), row["seq"], row.get("fwd_ms", note), _ratio(row, base, "fwd_ms"),
                       row.get("fwd_bwd_ms"), _ratio(row, base, "fwd_bwd_ms"), row.get("fwd_peak_mb"),
                       row.get("fwd_bwd_peak_mb"), _ratio(row, base, mem_key)])
     return markdown_table(header, lines)
@@ -270,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
                 if need > available / 2:
                     rows.append(dict(config, skipped=f"skipped: needs ~{need / 1024:.0f} GB"))
                     continue
-            print(f"bench attention: {IMPLS[impl]}, T={T} (fresh process) ...", file=sys.stderr, flush=True)
+            print(f"bench attention: {label(impl)}, T={T} (fresh process) ...", file=sys.stderr, flush=True)
             start = time.perf_counter()
             rows.append(_child(config, args.timeout))
             print(f"  done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)

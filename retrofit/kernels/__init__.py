@@ -97,7 +97,7 @@ def _attention(q, k, v, p, sink, scale, causal, attn_mask, dropout_p, softcap):
     out_dtype = wide if autocast_on(q.device.type) else v.dtype  # SDPA's: autocast's dtype, else v's
     q, k, v = q.to(wide), k.to(wide), v.to(wide)  # no-ops (no copy, no graph node) when they already agree
     seed = torch.randint(2 ** 62, (), device="cpu") if dropout_p > 0 else None  # the dropout mask's seed
-    backend = _choose(q, k, v, p, attn_mask, dropout_p > 0, softcap)
+    backend = _choose(q, k, v, p, attn_mask, dropout_p > 0, softcap, bool(causal))
     out = ops.attention(q, k, v, sink, attn_mask, seed, p, scale, bool(causal), backend, softcap, dropout_p)
     return out.to(out_dtype)
 

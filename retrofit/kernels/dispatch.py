@@ -15,9 +15,12 @@ import contextvars
 
 import torch
 
-from . import blockwise, cpu_fused, decode
+from . import blockwise, cpu_fused, cuda_fused, decode, flex
 
-BACKENDS = ("blockwise", "cpu_fused", "decode", "triton")
+BACKENDS = ("blockwise", "cpu_fused", "decode", "triton", *cuda_fused.KERNELS, "flex")
+# On CUDA, the first backend of each list that takes a call computes it (chosen from `retrofit bench gpu`'s
+# attention table: docs/results/gpu-*/report.md). p = 1 covers softmax, SSMax and softmax+1.
+CUDA_ORDER = {"p=1": ("cuda_flash", "triton", "cuda_efficient"), "p!=1": ("triton", "cuda_flash", "cuda_efficient")}
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("retrofit_kernels_backend", default=None)
 _TRITON_UNSET = object()
 _triton = _TRITON_UNSET  # the module, imported once on first use (importing retrofit never needs Triton)
@@ -59,10 +62,23 @@ def module(name: str):
     """The backend module for a name that `choose` returned."""
     if name == "triton":
         return triton_backend()
-    return {"blockwise": blockwise, "cpu_fused": cpu_fused, "decode": decode}[name]
+    if name in cuda_fused.KERNELS:
+        return cuda_fused.KERNELS[name]
+    return {"blockwise": blockwise, "cpu_fused": cpu_fused, "decode": decode, "flex": flex}[name]
 
 
-def choose(q, k, v, p: float, mask, dropout: bool, softcap) -> str:
+def takes(name: str, q, k, v, mask, causal: bool) -> bool:
+    """Whether backend `name` computes this call (q, k, v in the compute dtype) exactly."""
+    if name == "triton":
+        return triton_backend() is not None and triton_backend().supports(q, v, mask)
+    if name == "cpu_fused":
+        return cpu_fused.available(q, v)
+    if name in cuda_fused.KERNELS or name == "flex":
+        return module(name).supports(q, k, v, mask, causal)
+    return True  # blockwise and decode take everything
+
+
+def choose(q, k, v, p: float, mask, dropout: bool, softcap, causal: bool = True) -> str:
     """The backend for one call (q, k, v already in the compute dtype)."""
     if dropout:  # the one backend that regenerates the dropout mask in its backward
         return "blockwise"
@@ -70,7 +86,7 @@ def choose(q, k, v, p: float, mask, dropout: bool, softcap) -> str:
     if softcap is not None:  # blockwise and decode cap the logits; the fused CPU and Triton kernels cannot
         return "decode" if name == "decode" or (name is None and decode.suits(q, k)) else "blockwise"
     if name is not None:
-        _check_forced(name, q, v, p, mask)
+        _check_forced(name, q, k, v, p, mask, causal)
         return name
     if q.shape[2] == 0 or k.shape[2] == 0:  # nothing to attend: blockwise returns zeros (fused CPU op crashes)
         return "blockwise"
@@ -78,14 +94,16 @@ def choose(q, k, v, p: float, mask, dropout: bool, softcap) -> str:
         # softmax (p = 1) on CPU: PyTorch's fused flash kernel spreads one decode row's keys over the threads, the
         # decode path's two bmm's do not (SmolLM2 shapes, 2048 keys, 2 threads: 190 vs 220 us a call; 1 thread: equal)
         return "cpu_fused" if p == 1.0 and cpu_fused.available(q, v) else "decode"
-    if q.is_cuda and triton_backend() is not None and triton_backend().supports(q, v, mask):
-        return "triton"
+    if q.is_cuda:
+        for name in CUDA_ORDER["p=1" if p == 1.0 else "p!=1"]:
+            if takes(name, q, k, v, mask, causal):
+                return name
     if p == 1.0 and cpu_fused.available(q, v):
         return "cpu_fused"
     return "blockwise"
 
 
-def _check_forced(name: str, q, v, p: float, mask) -> None:
+def _check_forced(name: str, q, k, v, p: float, mask, causal: bool) -> None:
     """A forced backend that cannot compute this call is an error, never a silently different computation."""
     if name == "cpu_fused" and p != 1.0:
         raise ValueError(f"force_backend('cpu_fused') computes softmax only (p = 1), not p = {p:g}: "
@@ -96,6 +114,10 @@ def _check_forced(name: str, q, v, p: float, mask) -> None:
     if name == "triton" and (triton_backend() is None or not triton_backend().supports(q, v, mask)):
         raise ValueError("force_backend('triton') needs Triton and CUDA tensors (or CPU tensors under "
                          "TRITON_INTERPRET=1) of fp16/bf16/fp32 with head size <= 256")
+    if (name in cuda_fused.KERNELS or name == "flex") and not takes(name, q, k, v, mask, causal):
+        raise ValueError(f"force_backend({name!r}) cannot compute this call ({q.device.type} {q.dtype}, head size "
+                         f"{q.shape[-1]}, q {q.shape[2]} x k {k.shape[2]}, mask {mask is not None}, causal {causal}): "
+                         "see retrofit/kernels/cuda_fused.py and flex.py for what each takes")
 
 
 def compute_dtype(q, k, v) -> torch.dtype:

@@ -25,6 +25,22 @@ def _one_line(capsys) -> str:
 # ---------------------------------------------------------------- bench gpu
 
 
+def test_a_part_in_its_own_process_keeps_its_rows_or_says_why_it_died(tmp_path):
+    """On CUDA each part runs in a child process (a sticky CUDA error ends that part only)."""
+    import argparse
+
+    from retrofit.bench import gpu
+
+    args = argparse.Namespace(device="cpu", tiny=True, steps=1, budgets="", model=None, backends=None,
+                              impls="sdpa,psoftmax", random_init=False)
+    part = gpu._in_child("attention", args)
+    assert part["status"] == "ok" and [(r["impl"], r["seq"]) for r in part["results"]] == [
+        (i, t) for t in gpu.TINY["seqs"] for i in ("sdpa", "psoftmax")]
+    args.model = str(tmp_path / "missing")  # the child refuses it before any part runs
+    part = gpu._in_child("finetune", args)
+    assert part["status"] == "failed" and "code 2" in part["error"] and "missing" in part["error"]
+
+
 def test_bench_gpu_without_cuda_is_one_line_exit_2(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "gpu"

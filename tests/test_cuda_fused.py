@@ -61,4 +61,5 @@ def test_every_norm_on_each_cuda_backend(backend, dtype):
             for norm in parity.NORMS for case in parity.CASES]
     failed = [r for r in rows if "skipped" not in r and not r["passed"]]
     assert not failed, failed[:3]
-    assert any("skipped" not in r for r in rows)  # the backend computed something
+    refuses_fp32 = backend in ("cuda_flash", "cuda_cudnn") and dtype == "float32"  # half-precision kernels only
+    assert any("skipped" not in r for r in rows) != refuses_fp32

@@ -52,9 +52,11 @@ CUDA_IMPLS = ("sdpa", "psoftmax@triton", "psoftmax@cuda_flash", "psoftmax@flex",
               "ssmax@flex", "softmax1@cuda_flash", "softmax1@cuda_efficient", "softmax1@cuda_cudnn", "softmax1@triton",
               "softmax1@flex")
 FULL = dict(seqs=(4096, 16384, 65536), tokens=131072, heads=16, dim=64, repeats=3, impls=CUDA_IMPLS, batch=8,
-            seq_len=2048, budget_s=120, parity_budget_s=120, long_seqs=(8192, 32768), long_steps=4, long_budget_s=90)
+            seq_len=2048, long_seqs=(8192, 32768), long_steps=4,
+            budgets=dict(parity=120, attention=120, finetune=120, long=90))
 TINY = dict(seqs=(64, 128), tokens=128, heads=2, dim=16, repeats=1, impls=("sdpa", "psoftmax", "ssmax", "softmax1"),
-            batch=2, seq_len=32, budget_s=60, parity_budget_s=60, long_seqs=(64,), long_steps=2, long_budget_s=60)
+            batch=2, seq_len=32, long_seqs=(64,), long_steps=2, budgets=dict(parity=60, attention=60, finetune=60,
+                                                                              long=60))
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, vocab_size=256)
 
@@ -70,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "finiteness do not depend on them); --model may then be a folder holding only config.json")
     parser.add_argument("--steps", type=int, default=None, help="finetune steps per norm (default 50; --tiny 2)")
     parser.add_argument("--parts", default="parity,attention,finetune,long", help="comma list of the parts to run")
+    parser.add_argument("--budgets", default="", help="seconds per part, e.g. parity=80,long=60 (past it, the "
+                        "part's remaining rows are recorded as not run)")
+    parser.add_argument("--backends", default=None, help="comma list: the parity part's backends (default: all)")
+    parser.add_argument("--impls", default=None, help="comma list: the attention part's implementations "
+                        "(norm@backend; default: every norm on every CUDA backend)")
+    parser.add_argument("--part-file", default=None, help=argparse.SUPPRESS)  # a child process's one part
 
 
 def default_model() -> str | None:
@@ -116,7 +124,16 @@ def device_info(device: str) -> dict:
 
 
 def part_parity(args, sizes) -> dict:
-    return parity.run_suite(args.device, tiny=args.tiny, budget_s=sizes["parity_budget_s"])
+    chosen = args.backends.split(",") if args.backends else None
+    return parity.run_suite(args.device, tiny=args.tiny, budget_s=sizes["budgets"]["parity"], backends_=chosen,
+                            on_row=(lambda summary: _progress(args, summary)) if args.part_file else None)
+
+
+def _progress(args, part: dict) -> None:
+    """A child process's part so far, kept on disk: if CUDA fails for good later (an illegal memory access poisons
+    the process), the rows measured before it still reach the report."""
+    if args.part_file:
+        atomic_write_text(Path(args.part_file), json.dumps(dict(part, status="running")) + "\n")
 
 
 def _flash_runs(device: str) -> bool | None:
@@ -144,19 +161,22 @@ def part_attention(args, sizes) -> dict:
 
     from .attention import measure
 
-    rows, start = [], time.perf_counter()
+    rows, start, budget = [], time.perf_counter(), sizes["budgets"]["attention"]
+    impls = args.impls.split(",") if args.impls else sizes["impls"]
     for T in sizes["seqs"]:
-        for impl in sizes["impls"]:
+        for impl in impls:
             config = dict(impl=impl, seq=T, batch=max(1, sizes["tokens"] // T), heads=sizes["heads"],
                           dim=sizes["dim"], dtype="bfloat16", device=args.device, p=2.0, repeats=sizes["repeats"],
                           forward_only=False)
-            if time.perf_counter() - start > sizes["budget_s"]:
-                rows.append(dict(config, skipped=f"over the part's {sizes['budget_s']} s budget"))
+            if time.perf_counter() - start > budget:
+                rows.append(dict(config, skipped=f"over the part's {budget} s budget"))
                 continue
             try:
                 rows.append(measure(config))
             except Exception as err:  # one configuration's failure (out of memory ...) is its row's result
                 rows.append(dict(config, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"))
+            _progress(args, {"results": rows, "dtype": "bfloat16", "p": 2.0, "tokens_per_length": sizes["tokens"],
+                             "sdpa_backend": "not recorded (the part did not finish)"})
             if args.device == "cuda":
                 torch.cuda.empty_cache()
             print(f"bench gpu: attention {impl} T={T} done", file=sys.stderr, flush=True)
@@ -238,10 +258,10 @@ def _release(device: str) -> None:
 
 def part_finetune(args, sizes) -> dict:
     base, source = _base_model(args)
-    runs, start = [], time.perf_counter()
+    runs, start, budget = [], time.perf_counter(), sizes["budgets"]["finetune"]
     for arm in ARMS:
-        if time.perf_counter() - start > sizes["budget_s"]:
-            runs.append({"norm": arm, "skipped": f"over the part's {sizes['budget_s']} s budget"})
+        if time.perf_counter() - start > budget:
+            runs.append({"norm": arm, "skipped": f"over the part's {budget} s budget"})
             continue
         try:
             runs.append(finetune_arm(base, arm, args, sizes))
@@ -249,6 +269,7 @@ def part_finetune(args, sizes) -> dict:
             runs.append({"norm": arm, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}",
                          "loss_finite": False})
         _release(args.device)  # the next arm's peak memory starts from the base, not this arm's leftovers
+        _progress(args, {"runs": runs})
         print(f"bench gpu: finetune {arm} done", file=sys.stderr, flush=True)
     return {"model": source, "model_type": base.config.model_type, "precision": "bf16", "steps": args.steps,
             "batch": sizes["batch"], "seq_len": sizes["seq_len"], "data": "random token ids, seed 0", "runs": runs}
@@ -259,12 +280,11 @@ def part_long(args, sizes) -> dict:
     gradient checkpointing and the chunked loss (train.loss_chunk_tokens, its default): peak memory, tokens/s."""
     base, source = _base_model(args)
     base.config.max_position_embeddings = max(base.config.max_position_embeddings or 0, max(sizes["long_seqs"]))
-    runs, start = [], time.perf_counter()
+    runs, start, budget = [], time.perf_counter(), sizes["budgets"]["long"]
     for seq_len in sizes["long_seqs"]:
         for arm in ARMS:
-            if time.perf_counter() - start > sizes["long_budget_s"]:
-                runs.append({"norm": arm, "seq_len": seq_len, "skipped": f"over the part's {sizes['long_budget_s']} "
-                             "s budget"})
+            if time.perf_counter() - start > budget:
+                runs.append({"norm": arm, "seq_len": seq_len, "skipped": f"over the part's {budget} s budget"})
                 continue
             try:
                 row = finetune_arm(base, arm, args, sizes, batch=1, seq_len=seq_len, steps=sizes["long_steps"],
@@ -274,6 +294,7 @@ def part_long(args, sizes) -> dict:
                 runs.append({"norm": arm, "seq_len": seq_len, "loss_finite": False,
                              "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"})
             _release(args.device)
+            _progress(args, {"runs": runs})
             print(f"bench gpu: long {arm} T={seq_len} done", file=sys.stderr, flush=True)
     return {"model": source, "model_type": base.config.model_type, "precision": "bf16", "steps": sizes["long_steps"],
             "batch": 1, "gradient_checkpointing": True, "loss": "chunked (train.loss_chunk_tokens default)",
@@ -310,25 +331,66 @@ def _check(args) -> list[str]:
     return parts
 
 
+def _sizes(args) -> dict:
+    sizes = copy.deepcopy(TINY if args.tiny else FULL)
+    for item in filter(None, args.budgets.split(",")):
+        name, _, seconds = item.partition("=")
+        if name not in sizes["budgets"] or not seconds.replace(".", "", 1).isdigit():
+            raise RetrofitError(f"--budgets {args.budgets!r}: give PART=SECONDS items, PART one of "
+                                f"{', '.join(sizes['budgets'])}")
+        sizes["budgets"][name] = float(seconds)
+    return sizes
+
+
+def _in_child(name: str, args) -> dict:
+    """Part `name` in a fresh process (CUDA): a sticky CUDA error (an illegal memory access) ends that process
+    and that part only. Rows the child measured before it failed are kept (its --part-file)."""
+    with tempfile.TemporaryDirectory() as work:
+        part_file = Path(work) / "part.json"
+        command = [sys.executable, "-m", "retrofit", "bench", "gpu", "--out", str(Path(work) / "unused"), "--parts",
+                   name, "--part-file", str(part_file), "--device", args.device, "--steps", str(args.steps),
+                   "--budgets", args.budgets]
+        for flag, value in (("--model", args.model), ("--backends", args.backends), ("--impls", args.impls)):
+            command += [flag, value] if value else []
+        command += ["--random-init"] if args.random_init else []
+        command += ["--tiny"] if args.tiny else []
+        done = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+        part = json.loads(part_file.read_text()) if part_file.exists() else {}
+        if done.returncode != 0 or part.get("status") != "ok":
+            lines = [line for line in done.stderr.splitlines() if line.strip()]
+            part.update(status="failed", error=f"its process ended with code {done.returncode}: "
+                        + (lines[-1][:400] if lines else "no message"), traceback="\n".join(lines[-30:])[-2000:])
+        return part
+
+
+def _one_part(name: str, args, sizes) -> dict:
+    try:
+        return dict(PARTS[name](args, sizes), status="ok")
+    except Exception as err:  # recorded, and the next part still runs
+        return {"status": "failed", "error": f"{type(err).__name__}: {err}"[:500],
+                "traceback": traceback.format_exc()[-2000:]}
+
+
 def run(args: argparse.Namespace) -> int:
     parts = _check(args)
     from .gpu_report import markdown
 
     args.steps = args.steps or (2 if args.tiny else 50)
-    sizes = TINY if args.tiny else FULL
+    sizes = _sizes(args)
+    if args.part_file:  # the child of _in_child: one part, written to the file
+        atomic_write_text(Path(args.part_file), json.dumps(_one_part(parts[0], args, sizes)) + "\n")
+        return 0
     started = time.perf_counter()
-    options = {k: getattr(args, k) for k in ("out", "device", "tiny", "model", "random_init", "steps", "parts")}
+    options = {k: getattr(args, k) for k in ("out", "device", "tiny", "model", "random_init", "steps", "parts",
+                                             "budgets", "backends", "impls")}
     report = {"benchmark": "gpu", "tiny": args.tiny, "options": options,
               "environment": device_info(args.device), "parts": {}}
     with output_folder(args.out) as tmp:
         print(f"bench gpu: writing into {tmp} (becomes {args.out} when every part has run)", file=sys.stderr)
         for name in parts:
             part_start = time.perf_counter()
-            try:
-                report["parts"][name] = dict(PARTS[name](args, sizes), status="ok")
-            except Exception as err:  # recorded, and the next part still runs
-                report["parts"][name] = {"status": "failed", "error": f"{type(err).__name__}: {err}"[:500],
-                                         "traceback": traceback.format_exc()[-2000:]}
+            isolated = args.device == "cuda" and not args.tiny
+            report["parts"][name] = _in_child(name, args) if isolated else _one_part(name, args, sizes)
             report["parts"][name]["seconds"] = round(time.perf_counter() - part_start, 1)
             report["wall_s"] = round(time.perf_counter() - started, 1)
             atomic_write_text(tmp / "report.json", json.dumps(report, indent=1) + "\n")

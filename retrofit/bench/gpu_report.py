@@ -80,6 +80,9 @@ def _long(part: dict) -> list[str]:
             f"gradient checkpointing, loss {part['loss']}, {part['data']}.", "", markdown_table(header, table)]
 
 
+KEYS = {"attention": ("sdpa_backend", "dtype"), "finetune": ("model", "model_type", "precision", "steps", "batch",
+                                                             "seq_len", "data"),
+        "long": ("model", "model_type", "precision", "steps", "loss", "data")}
 SECTIONS = {"parity": _parity, "attention": _attention, "finetune": _finetune, "long": _long}
 
 
@@ -96,5 +99,8 @@ def markdown(report: dict) -> str:
                              for name, p in report["parts"].items()])]
     for name, part in report["parts"].items():
         lines += ["", f"## {name}", ""]
-        lines += SECTIONS[name](part) if part["status"] == "ok" else [f"failed: {part['error']}"]
+        if part["status"] != "ok":
+            lines += [f"failed: {part['error']}", ""]
+        if part["status"] == "ok" or part.get("results") or part.get("runs") or part.get("checks"):  # measured rows
+            lines += SECTIONS[name](dict(part, **{k: part.get(k, "?") for k in KEYS.get(name, ())}))
     return "\n".join(lines) + "\n"

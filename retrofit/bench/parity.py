@@ -182,16 +182,22 @@ def backends(device: str) -> list[str]:
     return ["dispatch", "cpu_fused", "decode", "blockwise"]
 
 
-def run_suite(device: str, tiny: bool = False, dtypes=DTYPES, norms=tuple(NORMS), budget_s: float | None = None
-              ) -> dict:
+def run_suite(device: str, tiny: bool = False, dtypes=DTYPES, norms=tuple(NORMS), budget_s: float | None = None,
+              backends_: list[str] | None = None, on_row=None) -> dict:
     """Every backend x dtype x norm x case on `device`; counts, the worst error per dtype, and every row.
     Past `budget_s` seconds (first-time Triton and FlexAttention compilations are the slow part) the remaining
     checks are recorded as not run, and counted apart: a suite that did not finish has not passed. Backends go
-    one after another, so a budget cut falls on the last ones (FlexAttention), not on a dtype."""
+    one after another, so a budget cut falls on the last ones (FlexAttention), not on a dtype. `on_row(summary)`
+    is called after each check with the summary so far."""
     size = SIZES["tiny" if tiny else "full"]
     start = time.perf_counter()
     rows = []
-    for backend in backends(device):
+    chosen = backends_ or backends(device)
+
+    def summary() -> dict:
+        return summarize(rows, device, size, dtypes, norms, chosen, time.perf_counter() - start)
+
+    for backend in chosen:
         for dtype in dtypes:
             for norm in norms:
                 for case in CASES:
@@ -200,12 +206,18 @@ def run_suite(device: str, tiny: bool = False, dtypes=DTYPES, norms=tuple(NORMS)
                                      "not_run": f"over the part's {budget_s:g} s budget"})
                     else:
                         rows.append(check(norm, dtype, case, backend, device, size))
+                        if on_row is not None:
+                            on_row(summary())
+    return summary()
+
+
+def summarize(rows, device, size, dtypes, norms, chosen, seconds) -> dict:
     not_run = sum(1 for r in rows if "not_run" in r)
     rows_run = [r for r in rows if "not_run" not in r]
     ran = [r for r in rows_run if "skipped" not in r]
     worst = {dtype: max((max(r["errors"].values()) for r in ran if r["dtype"] == dtype and "errors" in r),
                         default=None) for dtype in dtypes}
     return {"device": device, "sizes": size, "tolerance": TOLERANCE, "cases": list(CASES), "norms": list(norms),
-            "backends": backends(device), "passed": sum(1 for r in ran if r["passed"]),
+            "backends": chosen, "passed": sum(1 for r in ran if r["passed"]),
             "failed": sum(1 for r in ran if not r["passed"]), "skipped": len(rows_run) - len(ran), "not_run": not_run,
-            "worst_error": worst, "seconds": round(time.perf_counter() - start, 1), "checks": rows}
+            "worst_error": worst, "seconds": round(seconds, 1), "checks": list(rows)}

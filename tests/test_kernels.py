@@ -32,7 +32,7 @@ def naive_logits(q, k, scale, causal, attn_mask):
     s = (q.double() @ k.double().transpose(-1, -2)) * scale
     allowed = torch.ones_like(s, dtype=torch.bool)
     if causal:
-        allowed = allowed & causal_mask(q.shape[2], k.shape[2])
+        allowed = allowed & causal_mask(q.shape[2], k.shape[2], q.device)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             allowed = allowed & attn_mask

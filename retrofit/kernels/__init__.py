@@ -55,7 +55,7 @@ import math
 
 import torch
 
-from . import blockwise, cpu_fused, decode, dispatch, ops  # noqa: F401  (the backends, for tests and benchmarks)
+from . import blockwise, cpu_fused, decode, dispatch, flex, ops  # noqa: F401  (the backends, for tests and benchmarks)
 from .dispatch import autocast_on, force_backend, triton_backend
 from .dispatch import choose as _choose
 from .dispatch import compute_dtype as _compute_dtype
@@ -98,6 +98,9 @@ def _attention(q, k, v, p, sink, scale, causal, attn_mask, dropout_p, softcap):
     q, k, v = q.to(wide), k.to(wide), v.to(wide)  # no-ops (no copy, no graph node) when they already agree
     seed = torch.randint(2 ** 62, (), device="cpu") if dropout_p > 0 else None  # the dropout mask's seed
     backend = _choose(q, k, v, p, attn_mask, dropout_p > 0, softcap, bool(causal))
+    if backend == "flex":  # differentiable and traceable by itself: no custom op around it (flex.py)
+        with dispatch.no_autocast(q.device.type):
+            return flex.attention(q, k, v, sink, p, scale, bool(causal)).to(out_dtype)
     out = ops.attention(q, k, v, sink, attn_mask, seed, p, scale, bool(causal), backend, softcap, dropout_p)
     return out.to(out_dtype)
 

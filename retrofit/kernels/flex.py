@@ -2,13 +2,10 @@
 
     out, L = flex_attention(q, k, v, block_mask=causal, scale=scale, return_lse=True)   # compiled, CUDA
 
-Forward: softmax, SSMax (q pre-scaled) and softmax+1 (ops.py turns L into logaddexp(L, b)) are one call;
-p-softmax is two, out = out_1 exp(L - N) with N = LSE(p s) / p from a call with scale p * scale.
-Backward recomputes through autograd: for p = 1 the gradient of sum(dO * out) with out = exp(s - N) v and
-dN/ds = exp(s - N) (softmax, and softmax+1 whatever its sink) equals softmax's vector-Jacobian product at
-the cotangent g = exp(L - N) dO (the derivation is DESIGN.md's identity for the fused kernels), so one
-recomputed call suffices; for p != 1 the two calls are differentiated as written (FlexAttention's L has a
-gradient on CUDA).
+Softmax and SSMax (q pre-scaled) are one call; softmax+1 is out * exp(L - logaddexp(L, b_h)); p-softmax is
+two, out = out_1 exp(L - N) with N = LSE(p s) / p from a call on p * q. Unlike the other backends this one
+is not wrapped in retrofit's custom op: FlexAttention is differentiable (its L too, on CUDA) and traceable by
+itself, and autograd does not record inside a custom op's implementation (the first H100 run failed so).
 
 Takes causal (bottom-right, as a block mask cached per shape) and unmasked calls; masks go elsewhere.
 FlexAttention on CPU has no backward and no L in torch 2.13 (DESIGN.md), so this backend is CUDA-only.
@@ -24,7 +21,7 @@ import torch
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def supports(q, k, v, mask, causal: bool) -> bool:
+def supports(q, k, v, mask, causal: bool) -> bool:  # dropout and soft-capping never reach it (dispatch.py)
     D = q.shape[-1]
     return (q.is_cuda and mask is None and q.dtype in _DTYPES and D == v.shape[-1] and D >= 16
             and D & (D - 1) == 0 and q.shape[2] > 0 and k.shape[2] > 0)
@@ -67,21 +64,13 @@ def _psoftmax(q, k, v, p: float, scale: float, causal: bool):
     return (out.float() * torch.exp(lse - norm).unsqueeze(-1)).to(q.dtype), norm
 
 
-def forward(q, k, v, p: float, scale: float, causal: bool, mask):
-    """out (B, H, Tq, D) in q's dtype and N (B, H, Tq) fp32: out = exp(s - N) v. Run with grad enabled (and the
-    graph dropped at once) so that forward and backward share one compiled kernel per shape, not two."""
-    with torch.enable_grad():
-        out, norm = _psoftmax(q, k, v, p, scale, causal) if p != 1.0 else _call(q, k, v, scale, causal)
-    return out.detach(), norm.detach()
-
-
-def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask):
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    with torch.enable_grad():
-        if p != 1.0:
-            again = _psoftmax(*leaves, p, scale, causal)[0]
-            cotangent = dout.to(again.dtype)
-        else:
-            again, lse = _call(*leaves, scale, causal)
-            cotangent = (dout.float() * torch.exp(lse.detach() - norm).unsqueeze(-1)).to(again.dtype)
-        return torch.autograd.grad(again, leaves, cotangent)
+def attention(q, k, v, sink, p: float, scale: float, causal: bool):
+    """out (B, H, Tq, D) in q's dtype, differentiable through FlexAttention's own backward (its L included):
+    softmax+1 is out * exp(L - logaddexp(L, b_h)), p-softmax the two calls above."""
+    if p != 1.0:
+        return _psoftmax(q, k, v, p, scale, causal)[0]
+    out, lse = _call(q, k, v, scale, causal)
+    if sink is None:
+        return out
+    with_sink = torch.logaddexp(lse, sink.float().view(1, -1, 1))
+    return (out.float() * torch.exp(lse - with_sink).unsqueeze(-1)).to(q.dtype)

@@ -1,4 +1,4 @@
-"""The README's commands for several processes on a CPU are run here exactly as written (issue 40): the
+"""The commands for several processes on a CPU that docs/many-gpus.md gives are run here exactly as written: the
 `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2` line and the `torchrun` line each start two
 gloo processes that train 2 tiny steps together. (`accelerate launch --cpu --num_processes 2` starts one.)"""
 
@@ -17,13 +17,14 @@ import yaml
 from tests.tiny import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "many-gpus.md"  # the guide that gives these lines (the README links to it)
 LAUNCHERS = {"accelerate": "ACCELERATE_USE_CPU=1 accelerate launch", "torchrun": "torchrun --standalone"}
 
 
-def readme_line(start: str) -> str:
-    """The README's command line that starts with `start`, its trailing comment cut."""
-    lines = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(start)]
-    assert len(lines) == 1, f"the README should have one command starting {start!r}, has {len(lines)}"
+def page_line(start: str) -> str:
+    """The page's command line that starts with `start`, its trailing comment cut."""
+    lines = [line for line in PAGE.read_text().splitlines() if line.startswith(start)]
+    assert len(lines) == 1, f"{PAGE.name} should have one command starting {start!r}, has {len(lines)}"
     return lines[0].split("  #")[0].strip()
 
 
@@ -39,7 +40,7 @@ def as_argv(line: str, recipe: Path, out: Path) -> tuple[dict, list[str]]:
 
 
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
-def test_the_readmes_cpu_launch_line_starts_two_processes(launcher, tmp_path):
+def test_the_guides_cpu_launch_line_starts_two_processes(launcher, tmp_path):
     raw = {"model": {"config": {"model_type": "gpt2", **TINY["gpt2"], "vocab_size": 16}}, "patch": {"norm": "ssmax"},
            "data": {"task": "counting", "seq_len": 16},
            "train": {"steps": 2, "batch_size": 4, "micro_batch_size": 2, "warmup_steps": 1, "progress": False,
@@ -47,7 +48,7 @@ def test_the_readmes_cpu_launch_line_starts_two_processes(launcher, tmp_path):
            "eval": {"lengths": [16], "batches": 1, "batch_size": 2}}
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump(raw))
-    env, argv = as_argv(readme_line(LAUNCHERS[launcher]), recipe, tmp_path / "run")
+    env, argv = as_argv(page_line(LAUNCHERS[launcher]), recipe, tmp_path / "run")
     done = subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env},
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -35,7 +35,7 @@ from .patch_flags import FLAGS
 # option -> {type (None = a switch), norms, doc}: the written-out table (patch_flags.py; no norm imported to parse)
 NORM_FLAGS = {name: {"type": {"str": str, "int": int, "float": float}.get(kind), "norms": norms, "doc": doc}
               for name, (kind, norms, doc) in FLAGS.items()}
-# AVNorm with unit gains on a pretrained model, measured (README "Calibration"; SmolLM2-135M, 512 tokens)
+# AVNorm with unit gains on a pretrained model, measured (docs/patching.md "Calibration"; SmolLM2-135M, 512 tokens)
 UNCALIBRATED_COST = ("on SmolLM2-135M unit gains took the loss on a paragraph from 3.91 to 14.29 (calibrated on 8192 "
                      "tokens: 4.58)")
 

@@ -2,6 +2,7 @@
 
     import retrofit
     report = retrofit.patch(model, "avnorm", kind="rms")
+    retrofit.patch(model, retrofit.PatchSpec.parse("avnorm:kind=rms,layers=16-29"))   # the same patch, as one value
     retrofit.calibrate(model, batches)          # per-head gains from text: start near the original function
     with retrofit.patch_bypassed(model): ...   # the original model, same weights (a distillation teacher)
     retrofit.extend_rope(model, "dynamic:4")   # a patched model without a RoPE extension gets one; its norm stays
@@ -30,7 +31,7 @@ _PUBLIC = {
     "PatchReport": "patch", "is_patched": "patch", "observe": "patch", "patch": "patch", "patch_record": "patch",
     "unpatch": "patch", "calibrate": "calibrate", "RetrofitError": "errors", "from_pretrained": "load",
     "available_norms": "norms", "describe_norms": "norms", "patch_bypassed": "recovery", "extend_rope": "rope",
-    "info": "load.info", "peft_config": "load.adapters",
+    "info": "load.info", "peft_config": "load.adapters", "PatchSpec": "patch_spec",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first use
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from .load.info import info
     from .norms import available_norms, describe_norms
     from .patch import PatchReport, is_patched, observe, patch, patch_record, unpatch
+    from .patch_spec import PatchSpec
     from .recovery import patch_bypassed
     from .rope import extend_rope
 
@@ -76,7 +78,7 @@ def __dir__():
 
 
 __all__ = [
-    "DISTRIBUTION", "PatchReport", "RetrofitError", "available_norms", "calibrate", "describe_norms", "extend_rope",
-    "from_pretrained", "info", "is_patched", "observe", "patch", "patch_bypassed", "patch_record", "peft_config",
-    "unpatch", "__version__",
+    "DISTRIBUTION", "PatchReport", "PatchSpec", "RetrofitError", "available_norms", "calibrate", "describe_norms",
+    "extend_rope", "from_pretrained", "info", "is_patched", "observe", "patch", "patch_bypassed", "patch_record",
+    "peft_config", "unpatch", "__version__",
 ]

@@ -103,7 +103,7 @@ def head_costs(model, ids: torch.Tensor, progress: bool = False) -> tuple[float,
     One forward for the baseline and one per query head."""
     norms = _norms(model)
     if not type(norms[0][1]).per_head:
-        raise RetrofitError(f"{norms[0][1].name} has no per-head parameters: its heads cannot be ranked")
+        raise RetrofitError(f"{norms[0][1].name} acts on every head alike: its heads cannot be ranked")
     baseline = selection_loss(model, ids, [])
     heads = sorted(set().union(*(_own_heads(n) for _, n in norms)))
     costs = []

@@ -41,8 +41,9 @@ from .families import (
     output_projection,
     position_query_scaling,
 )
-from .norms import AttentionShape, available_norms, get_norm, make_options
+from .norms import AttentionShape, get_norm
 from .norms.base import CHILD, drop_output_hooks
+from .patch_spec import PatchSpec
 from .positions import already_without_positions, has_positions_removed, remove_positions, restore_positions
 from .record import FORMAT, SELECTIVE_FORMAT, PatchReport, drop_record, read_record, write_record
 from .rope import apply_rope, describe_rope, plan_rope, reset_to_original, restore_rope
@@ -226,32 +227,29 @@ def _check_query_scaling(norm: str, norm_cls, opts, config) -> str | None:
     return f"{norm} stacked on the model's own {already}"
 
 
-def patch(model: nn.Module, norm: str | None = None, *, nope: bool = False, rope: str | Mapping | None = None,
-          layers: str | Sequence[int] | None = None, heads: str | Sequence[int] | None = None,
-          **options) -> PatchReport:
+def patch(model: nn.Module, norm: str | PatchSpec | None = None, *, nope: bool = False,
+          rope: str | Mapping | None = None, layers: str | Sequence[int] | None = None,
+          heads: str | Sequence[int] | None = None, **options) -> PatchReport:
     """Attach `norm` to every self-attention module of `model` (in place) and return a PatchReport.
-    norm is required (no default: uncalibrated AVNorm ruins a pretrained model, 3.91 -> 14.29 on SmolLM2).
+    norm: a name (its options as keywords) or a PatchSpec (then nothing else); required (no default: uncalibrated
+    AVNorm ruins a pretrained model, 3.91 -> 14.29 on SmolLM2).
     rope: extend RoPE, as 'yarn:4' or {'rope_type': 'yarn', 'factor': 4, ...} (see retrofit.rope); it applies to
     the whole model. layers / heads: patch only these attention modules, and (avnorm, ssmax, softmax1) only these
     query heads ('16-29', ':4', [16, 17]; retrofit.selection); the others keep the original attention, bitwise."""
-    if norm is None:
-        raise RetrofitError(f"retrofit.patch needs a norm: one of {', '.join(available_norms())} (e.g. "
-                            "retrofit.patch(model, 'softmax', rope='yarn:4'), or 'avnorm' then retrofit.calibrate)")
+    spec = PatchSpec.of(norm, nope=nope, rope=rope, layers=layers, heads=heads, **options)
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: patch the model (see unpatch)
-    norm_cls = get_norm(norm)
-    opts = make_options(norm, **options)
+    norm, nope, norm_cls, opts = spec.norm, spec.nope, get_norm(spec.norm), spec.norm_options
     base, wrap = _check_patchable(model, nope, norm_cls.on_output(opts))
     notes = [_check_query_scaling(norm, norm_cls, opts, model.config)]
     notes.append(_detach_config(model))
-    rope_plan = plan_rope(model, rope, nope=nope) if rope is not None else None  # refuses before any change
+    rope_plan = plan_rope(model, spec.rope) if spec.rope is not None else None  # refuses before any change
     modules = attention_modules(model)
     if not modules:
         family = family_of(model.config)
         tried = family.attention if family else "modules named *Attention with a layer_idx"
         raise RetrofitError(f"found no attention module to patch in {type(model).__name__} (looked for {tried})")
     config = model.config
-    modules, layers, heads = select(modules, layers, heads, _shape(modules[0][1], config).num_heads, nope=nope,
-                                    norm=norm, per_head=[n for n in available_norms() if get_norm(n).per_head])
+    modules, layers, heads = select(modules, spec.layers, spec.heads, _shape(modules[0][1], config).num_heads)
     notes.append(_check_sinks(norm, norm_cls, opts, config, modules))
     if not nope and layers_without_positions(config):
         notes.append(already_without_positions(config))
@@ -282,11 +280,11 @@ def patch(model: nn.Module, norm: str | None = None, *, nope: bool = False, rope
     if hasattr(type(model), "push_to_hub"):  # transformers' push: warned in one line (see PushWarning)
         model.push_to_hub = PushWarning(model)
     drop_record(model)  # a fresh record (a stale one may ride in a config loaded from a checkpoint)
-    write_record(model, norm=norm, options=dataclasses.asdict(opts), nope=bool(nope), base_attn_implementation=base,
+    write_record(model, norm=norm, options=dataclasses.asdict(opts), nope=nope, base_attn_implementation=base,
                  calibration=None, rope=rope_plan, layers=layers, heads=heads,  # older retrofits refuse a selection:
                  format=SELECTIVE_FORMAT if layers is not None or heads is not None else 1)  # (they'd patch all)
     return PatchReport(
-        model_type=config.model_type, norm=norm, options=dataclasses.asdict(opts), nope=bool(nope),
+        model_type=config.model_type, norm=norm, options=dataclasses.asdict(opts), nope=nope,
         modules=[name for name, _ in modules], base_attn_implementation=base, positions=positions,
         params_added=params_added, layers=layers, heads=heads, layer_count=len(attention_modules(model)),
         family="table" if family_of(config) else "generic", rope=describe_rope(rope_plan) if rope_plan else None,
@@ -321,16 +319,13 @@ def patch_record(model: nn.Module) -> dict | None:
 
 def patch_from_record(model: nn.Module, record: dict) -> PatchReport:
     """Re-apply a patch recorded in config.retrofit (used when loading a saved checkpoint)."""
-    if not isinstance(record, dict) or "norm" not in record:
-        raise RetrofitError("config.retrofit is not a retrofit patch record (no 'norm')")
-    if record.get("format", FORMAT) > FORMAT:
+    if isinstance(record, dict) and record.get("format", FORMAT) > FORMAT:
         raise RetrofitError(f"this checkpoint was written by a newer retrofit (format {record['format']}); "
                             "upgrade retrofit")
-    rope = record.get("rope")
-    if rope:  # the checkpoint's config.json carries the extended values: start from the recorded originals
-        reset_to_original(model, rope)
-    report = patch(model, record["norm"], nope=bool(record.get("nope")), rope=rope and rope["parameters"],
-                   layers=record.get("layers"), heads=record.get("heads"), **(record.get("options") or {}))
+    spec = PatchSpec.from_record(record)
+    if record.get("rope"):  # config.json carries the extended values: start from the recorded originals
+        reset_to_original(model, record["rope"])
+    report = patch(model, spec)
     write_record(model, calibration=record.get("calibration"))
     report.calibration = record.get("calibration")
     return report

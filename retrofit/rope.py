@@ -180,12 +180,10 @@ def _layer_types(config) -> list[str] | None:
     return [EXTENDED_LAYER_TYPE]
 
 
-def plan_rope(model: nn.Module, spec, *, nope: bool = False) -> dict:
+def plan_rope(model: nn.Module, spec) -> dict:
     """Check that `spec` can extend this model's RoPE and return the record `apply_rope` will carry out.
     Changes nothing, so `patch` can refuse before it touches the model."""
     spec = normalize_rope(spec)
-    if nope:
-        raise RetrofitError("rope and nope together make no sense: nope removes the rotary embedding; choose one")
     config = rope_config(model)
     family = family_of(config)
     if family is not None and family.positions == "learned":
@@ -270,7 +268,10 @@ def extend_rope(model: nn.Module, spec: str | Mapping) -> dict:
                             "retrofit.patch(model, 'softmax', rope=...)")
     if record.get("rope"):
         raise RetrofitError(f"this model already extends RoPE ({describe_rope(record)}): evaluate it as it is")
-    plan = plan_rope(model, spec, nope=bool(record.get("nope")))
+    if record.get("nope"):
+        raise RetrofitError("this model was patched with nope: its rotary embedding is removed, there is none to "
+                            "extend")
+    plan = plan_rope(model, spec)
     apply_rope(model, plan)
     write_record(model, rope=plan)
     return plan

@@ -83,15 +83,9 @@ def parse_selection(spec, count: int | None, what: str) -> list[int]:
     return sorted(chosen)
 
 
-def select(items: list, layers, heads, head_count: int, *, nope: bool, norm: str, per_head: list[str]):
+def select(items: list, layers, heads, head_count: int):
     """(the selected items — attention modules in model order —, the layer indices or None = all, the head indices
-    or None = all). per_head: the norms with per-head parameters, the only ones heads= applies to."""
-    if layers is not None and nope:
-        raise RetrofitError("nope removes positions from the whole model; it cannot be limited to some layers: "
-                            "drop layers= or nope")
-    if heads is not None and norm not in per_head:
-        raise RetrofitError(f"{norm} has no per-head parameters, so heads= cannot select heads of it; heads= "
-                            f"applies to {', '.join(per_head)}")
+    or None = all). The rules between fields (nope, per-head norms) are the PatchSpec's; this checks the range."""
     chosen = parse_selection(layers, len(items), "layers") if layers is not None else None
     picked = parse_selection(heads, head_count, "heads") if heads is not None else None
     return (items if chosen is None else [items[i] for i in chosen]), chosen, picked

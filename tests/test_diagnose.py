@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import retrofit
-from retrofit.diagnose import Plan, diagnose, parse_patch
+from retrofit import PatchSpec
+from retrofit.diagnose import Plan, diagnose
 from retrofit.diagnose import measures as M
 from retrofit.diagnose.capture import capture_rows
 from retrofit.errors import RetrofitError
@@ -276,7 +277,8 @@ def test_bad_input_is_a_one_line_error():
         parse_lengths("32,...,1024")
     assert parse_lengths("32,64,...,256") == [32, 64, 128, 256]
     assert parse_lengths("100,200,...,500") == [100, 200, 300, 400, 500]
-    assert parse_patch("avnorm:kind=layer,affine=true") == ("avnorm", {"kind": "layer", "affine": True})
+    spec = PatchSpec.parse("avnorm:kind=layer,affine=true")
+    assert (spec.norm, spec.options) == ("avnorm", {"kind": "layer", "affine": True})
     with pytest.raises(RetrofitError, match="tokens"):
         diagnose(tiny_model("gpt2"), random_ids(1, 16), Plan(lengths=[8, 32]), progress=False)
 

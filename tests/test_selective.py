@@ -181,8 +181,9 @@ def test_a_selection_that_is_everything_records_as_such():
 @pytest.mark.parametrize("call, message", [
     (dict(norm="avnorm", layers="4"), "layers: index 4 is out of range; this model has 4 layers (0-3)"),
     (dict(norm="avnorm", heads="4"), "heads: index 4 is out of range; this model has 4 heads (0-3)"),
-    (dict(norm="psoftmax", heads="0"), "psoftmax has no per-head parameters, so heads= cannot select heads of it"),
-    (dict(norm="softmax", heads="0"), "softmax has no per-head parameters"),
+    (dict(norm="psoftmax", heads="0"), "heads: psoftmax has no per-head parameters; heads= applies to avnorm, "
+                                       "softmax1, ssmax"),
+    (dict(norm="softmax", heads="0"), "heads: softmax has no per-head parameters"),
     (dict(norm="avnorm", layers=[]), "layers: the selection [] is empty"),
     (dict(norm="avnorm", heads=""), "heads: the selection '' is empty"),
     (dict(norm="avnorm", layers="1--2"), "layers: cannot read '1--2'"),
@@ -264,12 +265,10 @@ def test_syntax_only_check_takes_no_count():
 
 
 def test_eval_patch_spec_takes_a_selection():
-    """eval --patch avnorm:layers=1-2,heads=0+3: parse_patch splits on commas, '+' joins the selection's items."""
-    from retrofit.diagnose import parse_patch
+    """eval --patch avnorm:layers=1-2,heads=0+3: PatchSpec.parse splits on commas, '+' joins the selection's items."""
     from retrofit.evaluate import _patch_on_the_fly
     from retrofit.evaluate.spec import _eval_patch
-    norm, options = parse_patch("softmax1:layers=1-2,heads=0+3,sink=-1")
-    wanted = _eval_patch({"norm": norm, **options}, None)
+    wanted = _eval_patch("softmax1:layers=1-2,heads=0+3,sink=-1", None)
     assert wanted["layers"] == "1-2" and wanted["heads"] == "0+3" and wanted["options"]["sink"] == -1.0
     model = four_layers("llama")
     _patch_on_the_fly(model, wanted, "tiny")

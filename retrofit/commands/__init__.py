@@ -43,7 +43,7 @@ def add_dtype_flag(parser) -> None:
 
 
 def add_patch_flag(parser, help: str, repeatable: bool = False) -> None:
-    """--patch NORM[:KEY=VALUE,...] (retrofit.diagnose.spec.parse_patch reads it), in eval and diagnose."""
+    """--patch NORM[:KEY=VALUE,...] (retrofit.patch_spec.PatchSpec.parse reads it), in eval and diagnose."""
     parser.add_argument("--patch", metavar="NORM[:KEY=VALUE,...]", help=help,
                         **({"action": "append", "default": []} if repeatable else {"default": None}))
 

@@ -119,7 +119,6 @@ def _run_models(args: argparse.Namespace) -> int:
     """Score the models: every check first, then --out is made and the report written."""
     import torch
 
-    from ..diagnose import parse_patch
     from ..evaluate import EvalSpec, evaluation_names
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -127,10 +126,6 @@ def _run_models(args: argparse.Namespace) -> int:
     check_text_files(args.data or [], "--data")
     check_eval_memory(args.models, parse_lengths(args.lengths), args.batch_tokens, args.device, args.dtype)
     depths = _depths(args.depths)
-    patch = None
-    if args.patch:
-        norm, options = parse_patch(args.patch)
-        patch = {"norm": norm, **options}
     variants = _read_variants(args.variants) if args.variants else None
     counting = {"sequences": args.trials, **({"alphabet": args.alphabet} if args.alphabet else {})}
     spec = EvalSpec(
@@ -141,7 +136,7 @@ def _run_models(args: argparse.Namespace) -> int:
         batch_tokens=args.batch_tokens,
         chunk_tokens=args.chunk_tokens, dtype=args.dtype, device=args.device,
         passkey={"depths": depths, "trials": args.trials}, counting=counting, progress=not args.no_progress,
-        patch=patch, rope=args.rope, variants=variants,
+        patch=args.patch or None, rope=args.rope, variants=variants,
         ruler={"samples": args.samples, "depths": depths, "needle": args.needle, "seed": args.seed},
     )  # checked now: a bad setting fails before --out is made
     evaluation_names(args.models, spec)  # a wrong --names count or --reference fails before --out is made too

@@ -20,7 +20,6 @@ from pathlib import Path
 
 from ..atomic import atomic_folder
 from ..errors import RetrofitError
-from ..selection import parse_selection
 from . import (
     add_dtype_flag,
     add_progress_flag,
@@ -119,21 +118,14 @@ def _positions(text: str) -> list[float]:
     return values
 
 
-def _check_selection(args) -> None:
-    """--layers / --heads: the syntax, an empty selection, heads of a norm without per-head parameters and (when the
-    config names the counts) an index out of range fail before loading; retrofit.patch checks the range again."""
-    for flag, spec in (("layers", args.layers), ("heads", args.heads)):
-        if spec is not None:
-            parse_selection(spec, None, f"--{flag}")
-    from ..load import load_config
-    from ..norms import NORMS
-
-    if args.heads is not None and not NORMS[args.norm].per_head:
-        per_head = ", ".join(n for n, cls in sorted(NORMS.items()) if cls.per_head)
-        raise RetrofitError(f"--heads: {args.norm} has no per-head parameters; --heads applies to {per_head}")
+def _check_selection_range(args) -> None:
+    """--layers / --heads against the counts the config names, before loading (retrofit.patch checks the range again
+    against the attention modules; the syntax and the rules between flags are the PatchSpec's)."""
     if args.layers is None and args.heads is None:
         return
-    try:  # the range too, from the config: before loading the weights (a text-only config names both counts)
+    from ..load import load_config
+
+    try:  # the range, from the config: before loading the weights (a text-only config names both counts)
         config = load_config(args.source)
     except (RetrofitError, OSError, ValueError):
         return  # load() reports what is wrong with the source
@@ -189,25 +181,20 @@ def save_atomically(model, tokenizer, out: str) -> None:
             tokenizer.save_pretrained(tmp)
 
 
-def _check_args(args) -> tuple[dict, list[float] | None]:
-    """Every check that needs no model, in one place: (the norm's options, the schedule positions)."""
+def _check_args(args):
+    """Every check that needs no model, in one place: (the patch, as a PatchSpec; the schedule positions)."""
     from ..hub import check_repo, find_token
     from ..load import check_finished, source_kind
-    from ..norms import make_options
-    from ..rope import normalize_rope
+    from ..patch_spec import CLI, PatchSpec
 
     check_counts(args, positive=("calibrate_tokens", "check_tokens", "rank_k"))
     args.out = check_out(args.out, "--out")  # new or empty; `~` expanded, once
     check_text_files([args.calibration_text] if args.calibration_text else [], "--calibration-text")
     check_text_files([args.check_text] if args.check_text else [], "--check-text")
     options = {k: getattr(args, k) for k in NORM_FLAGS if getattr(args, k) is not None}
-    make_options(args.norm, **options)  # fail on a bad norm, option or rope before loading anything
-    _check_selection(args)
-    if args.rope is not None:
-        normalize_rope(args.rope)
-        if args.nope:
-            raise RetrofitError("--rope and --nope together make no sense: --nope removes the rotary embedding; "
-                                "choose one")
+    spec = PatchSpec(args.norm, options, nope=args.nope, rope=args.rope, layers=args.layers, heads=args.heads,
+                     spelling=CLI)  # a bad norm, option, rope or selection fails before loading anything
+    _check_selection_range(args)
     if args.calibration_text and args.norm != "avnorm" and not (args.norm == "psoftmax"
                                                                 and options.get("gain") is not None):
         raise RetrofitError("--calibration-text sets per-head gains; it needs --norm avnorm (or psoftmax with "
@@ -224,7 +211,7 @@ def _check_args(args) -> tuple[dict, list[float] | None]:
     if args.push_to_hub:  # a bad repo id or a missing token fails before any loading
         check_repo(args.push_to_hub)
         find_token()
-    return options, positions
+    return spec, positions
 
 
 def _warn_uncalibrated(args, options: dict) -> None:
@@ -241,15 +228,15 @@ def run(args) -> int:
     from ..load import load, load_tokenizer
     from ..patch import patch
 
-    options, positions = _check_args(args)
+    spec, positions = _check_args(args)
     model = load(args.source, task_head=False, dtype=args.dtype)
     needs_tokens = args.calibration_text or args.check_text
     tokenizer = load_tokenizer(args.source) if (needs_tokens or args.out or args.push_to_hub) else None
     check = _read_tokens(tokenizer, args.check_text, args.check_tokens) if args.check_text else None
     before = text_loss(model, check) if check is not None else None
     replaced = _unpatch_parameter_free(model, args.source, args.nope)
-    report = patch(model, args.norm, nope=args.nope, rope=args.rope, layers=args.layers, heads=args.heads, **options)
-    _warn_uncalibrated(args, options)
+    report = patch(model, spec)
+    _warn_uncalibrated(args, spec.options)
     if args.calibration_text:
         ids = _read_tokens(tokenizer, args.calibration_text, args.calibrate_tokens)
         report.calibration = calibrate_with_progress(model, text_rows(model, ids), progress=not args.no_progress)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from .collect import Plan, diagnose_model
 from .sources import diagnose, diagnose_sources
-from .spec import DiagnoseSpec, parse_patch
+from .spec import DiagnoseSpec, parse_patches
 from .summary import summarize
 
-__all__ = ["DiagnoseSpec", "Plan", "diagnose", "diagnose_model", "diagnose_sources", "parse_patch", "summarize"]
+__all__ = ["DiagnoseSpec", "Plan", "diagnose", "diagnose_model", "diagnose_sources", "parse_patches", "summarize"]

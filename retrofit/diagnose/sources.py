@@ -28,7 +28,7 @@ from ..patch import patch, patch_record
 from ..positions import position_limit
 from .collect import Plan, diagnose_model
 from .report import write_report
-from .spec import DiagnoseSpec, parse_patch
+from .spec import DiagnoseSpec, parse_patches
 from .summary import summarize
 
 SCHEMA = "retrofit.diagnose/1"  # diagnose.json: {schema, header, models: [summary.summarize results]}
@@ -65,14 +65,13 @@ def _variants(patches, source, label, model):
     """(label, model, norm, patch info, patched here?) for the source itself and each --patch."""
     record = patch_record(model)
     yield label, model, (record or {}).get("norm"), record, False
-    for spec in patches:
-        name, options = parse_patch(spec)
+    for spec in parse_patches(patches):
         if record:
             raise RetrofitError(f"{source} is already patched with {record['norm']}; --patch applies to "
                                 "unpatched sources only")
         variant = copy.deepcopy(model)  # deep-copies its config too: the original stays unpatched
-        report = patch(variant, name, **options)
-        yield f"{label}+{name}", variant, name, report.as_dict(), True
+        report = patch(variant, spec)
+        yield f"{label}+{spec.norm}", variant, spec.norm, report.as_dict(), True
 
 
 def _diagnose_source(spec: DiagnoseSpec, source: str, label: str, plan, calibrate_tokens: int, tokenizer):

@@ -12,28 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from ..errors import RetrofitError, shown
+from ..errors import RetrofitError
 from ..lengths import parse_lengths
-from ..norms import get_norm
-from ..recipe.schema import knob, load_yaml
+from ..patch_spec import PatchSpec, Spelling
+from ..recipe.schema import knob
+
+# how diagnose's --patch names a selection in its errors
+DIAGNOSE = Spelling("--patch layers", "--patch heads")
 
 
-def parse_patch(text: str) -> tuple[str, dict]:
-    """'avnorm' or 'psoftmax:p=2' or 'avnorm:kind=layer,affine=true' -> (norm, options)."""
-    name, _, rest = text.partition(":")
-    options = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise RetrofitError(f"--patch {text!r}: options are key=value, e.g. avnorm:kind=layer")
-        try:  # bounded: a 3000-deep [[[...]]] is a one-line error, not a RecursionError
-            options[key.strip()] = load_yaml(value, f"--patch {shown(text, 40)}", "an option is a number or a word")
-        except yaml.YAMLError:
-            raise RetrofitError(f"--patch {shown(text, 40)}: {key.strip()}={shown(value, 40)} is not a value; "
-                                "write key=value, e.g. avnorm:kind=layer") from None
-    return name.strip(), options
+def parse_patches(patches) -> list[PatchSpec]:
+    """Each --patch text as a checked PatchSpec: 'avnorm', 'psoftmax:p=2', 'avnorm:kind=layer,affine=true'."""
+    return [PatchSpec.parse(text, DIAGNOSE) for text in patches]
 
 
 @dataclass
@@ -60,10 +50,9 @@ class DiagnoseSpec:
             raise RetrofitError("--windows and --queries must be >= 1")
         self.lengths = parse_lengths(self.lengths) if isinstance(self.lengths, str) else list(self.lengths)
         self.patches = list(self.patches)
-        for spec in self.patches:
-            get_norm(parse_patch(spec)[0])  # an unknown norm fails now, not after loading a model
+        parse_patches(self.patches)  # an unknown norm or option fails now, not after loading a model
 
     @property
     def norms(self) -> list[str]:
         """The norm of each patched variant, in order."""
-        return [parse_patch(spec)[0] for spec in self.patches]
+        return [spec.norm for spec in parse_patches(self.patches)]

@@ -35,6 +35,7 @@ from ..load.task_model import TASK_FILE
 from ..memory import PeakMemory
 from ..patch import patch as patch_model
 from ..patch import patch_record
+from ..patch_spec import EVAL, PatchSpec
 from ..positions import position_limit
 from ..rope import describe_rope, extend_rope
 from .compare import check_references, paired_comparisons
@@ -202,8 +203,8 @@ def _patch_on_the_fly(lm, wanted: dict, name: str) -> None:
     """Patch an unpatched model as `wanted` says; keep a model that already carries it; refuse any other."""
     record = patch_record(lm)
     if record is None:
-        patch_model(lm, wanted["norm"] or "softmax", rope=wanted["rope"], layers=wanted.get("layers"),
-                    heads=wanted.get("heads"), **wanted["options"])
+        patch_model(lm, PatchSpec.from_flat({**wanted["options"], "norm": wanted["norm"] or "softmax",
+                                             **{k: wanted.get(k) for k in ("rope", "layers", "heads", "nope")}}, EVAL))
         return
     if record.get("rope") is None and wanted["rope"] is not None and wanted["norm"] is None:
         extend_rope(lm, wanted["rope"])  # --rope alone on a patched model without one: its norm stays, as trained

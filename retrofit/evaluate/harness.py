@@ -35,6 +35,7 @@ from ..errors import RetrofitError
 from ..load import load, load_tokenizer
 from ..norms import get_norm
 from ..patch import is_patched, patch
+from ..patch_spec import PatchSpec
 from ..positions import position_limit
 
 
@@ -64,13 +65,14 @@ class RetrofitLM(HFLM):
         if kwargs.pop("trust_remote_code", False) not in (False, "False", "false", None):
             raise RetrofitError("trust_remote_code: retrofit never runs a model's own code; use a model whose "
                                 "architecture transformers ships")
-        options = _split_options(norm, kwargs)
+        wanted = norm is not None or rope is not None or nope
+        spec = PatchSpec(norm or "softmax", _split_options(norm, kwargs), rope=rope, nope=nope) if wanted else None
         model = load(str(pretrained), task_head=False, dtype=None if dtype in (None, "auto") else dtype)
-        if norm is not None or rope is not None or nope:
+        if spec is not None:  # checked above, before loading
             if is_patched(model):
                 raise RetrofitError(f"{pretrained} is already patched ({model.config.retrofit['norm']}); "
                                     "norm=/rope= patch unpatched models only")
-            patch(model, norm or "softmax", rope=rope, nope=bool(nope), **options)
+            patch(model, spec)
         tok = load_tokenizer(tokenizer or str(pretrained))
         if tok is None:
             raise RetrofitError(f"{pretrained} has no tokenizer: pass tokenizer=FOLDER in --model_args")

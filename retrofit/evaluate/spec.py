@@ -9,17 +9,14 @@ bad norm, option or rope, a malformed variant. The result's schema is docs/resul
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import RetrofitError
 from ..lengths import parse_lengths
-from ..norms import make_options
+from ..patch_spec import EVAL, PatchSpec, parse_flat
 from ..recipe.schema import knob
-from ..rope import normalize_rope
-from ..selection import parse_selection
 from .ruler import ruler_options
 
 TASKS = ("lm", "passkey", "counting", "niah", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
@@ -54,9 +51,9 @@ class EvalSpec:
     ruler: dict | None = knob(None, "RULER task options: samples (per length and depth), depths, needle "
                                     "(word, number, uuid), seed; see retrofit/evaluate/ruler.py")
     progress: bool = knob(True, "progress bars")
-    patch: dict | None = knob(None, "{norm: NAME, **options}: patch each unpatched model before evaluating it; a "
-                                    "model already patched is evaluated as it is if it carries that same patch, "
-                                    "else refused")
+    patch: dict | str | None = knob(None, "{norm: NAME, **options} or 'NAME:KEY=VALUE,...' (PatchSpec.parse): "
+                                          "patch each unpatched model before evaluating it; a model already patched "
+                                          "is evaluated as it is if it carries that same patch, else refused")
     rope: str | dict | None = knob(None, "'yarn:4' or a mapping (retrofit.rope): extend each model's RoPE first "
                                          "(alone: softmax attention, i.e. attention unchanged)")
     variants: list[dict] | None = knob(None, "[{name, patch, rope, calibrate}, ...]: every source once per variant, "
@@ -109,18 +106,20 @@ def check_variants(variants) -> list[dict]:
 
 
 def _eval_patch(patch, rope, calibration=None) -> dict | None:
-    """{"norm", "options", "rope"} to apply at evaluation (None: nothing), checked without loading a model.
+    """{"norm", "options", "rope"[, "layers", "heads", "nope", "calibrate"]} to apply at evaluation (None: nothing),
+    checked (a PatchSpec) without loading a model. patch: a mapping {norm, **options} or a --patch string.
     norm None = --rope alone: softmax on an unpatched model, any norm on a patched one."""
     if patch is None and rope is None:
         return None
-    options = dict(patch or {})
-    norm = options.pop("norm", None)
-    if patch is not None and not norm:
+    flat = parse_flat(patch) if isinstance(patch, str) else dict(patch or {})
+    if patch is not None and not flat.get("norm"):
         raise RetrofitError("the evaluation patch needs a norm, e.g. --patch avnorm:kind=rms (see `retrofit norms`)")
-    selection = {k: options.pop(k) for k in ("layers", "heads") if options.get(k) is not None}  # retrofit.selection
-    for key, spec in selection.items():  # '+' joins items here: --patch splits its options on commas
-        parse_selection(spec, None, f"the evaluation patch's {key}")
-    if norm is not None:
-        options = dataclasses.asdict(make_options(norm, **options))
-    return {"norm": norm, "options": options, "rope": normalize_rope(rope) if rope is not None else None, **selection,
-            **({"calibrate": calibration} if calibration else {})}
+    if rope is not None:
+        if flat.get("rope") is not None:
+            raise RetrofitError("the evaluation patch names a rope and --rope gives another: give it once")
+        flat["rope"] = rope
+    spec = PatchSpec.from_flat({**flat, "norm": flat.get("norm") or "softmax"}, EVAL)
+    wanted = {"norm": flat.get("norm"), "options": spec.all_options() if flat.get("norm") else {}, "rope": spec.rope}
+    extra = {"layers": spec.layers, "heads": spec.heads, "nope": True if spec.nope else None,
+             "calibrate": calibration or None}
+    return {**wanted, **{k: v for k, v in extra.items() if v is not None}}

@@ -26,7 +26,6 @@ trust_remote_code is always False (issue 26): True is refused in one line.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -38,7 +37,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import RetrofitError
-from ..norms import make_options
 from ..patch import attention_modules, is_patched, patch, patch_record, unpatch
 from ..recipe import PatchSection, Recipe, load_recipe
 from ..rope import normalize_rope
@@ -191,27 +189,26 @@ def recipe_tokenizer(recipe: Recipe):
 def apply_patch(model: nn.Module, section: PatchSection):
     """Patch as the recipe says; a model that already carries this exact patch (norm, options, nope, rope) keeps
     it (and its trained parameters); a different patch replaces it. patch.norm null leaves the model as loaded."""
-    if section.norm is None:
+    spec = section.spec()
+    if spec is None:
         return None
     lm = language_model(model)
-    wanted = {"norm": section.norm, "nope": section.nope,
-              "options": dataclasses.asdict(make_options(section.norm, **section.options))}
     record = patch_record(lm)
-    if record and all(record.get(k) == v for k, v in wanted.items()) and same_rope(record.get("rope"), section.rope) \
-            and _same_selection(lm, record, section):
+    if record and record.get("norm") == spec.norm and record.get("nope") == spec.nope \
+            and record.get("options") == spec.all_options() and same_rope(record.get("rope"), spec.rope) \
+            and _same_selection(lm, record, spec):
         return None
     if is_patched(lm):
         unpatch(lm)
-    return patch(lm, section.norm, nope=section.nope, rope=section.rope, layers=section.layers, heads=section.heads,
-                 **section.options)
+    return patch(lm, spec)
 
 
-def _same_selection(lm: nn.Module, record: dict, section: PatchSection) -> bool:
+def _same_selection(lm: nn.Module, record: dict, spec) -> bool:
     """Whether the recorded layers/heads (resolved indices, None = all) are what patch.layers/heads select."""
-    layers = None if section.layers is None else \
-        parse_selection(section.layers, len(attention_modules(lm)), "patch.layers")
-    heads = None if section.heads is None else \
-        parse_selection(section.heads, lm.config.num_attention_heads, "patch.heads")
+    layers = None if spec.layers is None else \
+        parse_selection(spec.layers, len(attention_modules(lm)), "patch.layers")
+    heads = None if spec.heads is None else \
+        parse_selection(spec.heads, lm.config.num_attention_heads, "patch.heads")
     return record.get("layers") == layers and record.get("heads") == heads
 
 

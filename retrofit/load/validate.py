@@ -25,6 +25,7 @@ from transformers.utils import logging as hf_logging
 
 from ..errors import RetrofitError, shown
 from ..norms import available_norms, make_options
+from ..patch_spec import PatchSpec
 from ..record import FIELDS, FORMAT
 
 # Sizes and counts config.json may hold (transformers' names; GPT-2's n_head etc. map onto them): each an integer
@@ -167,7 +168,7 @@ def check_record(record: dict, where: str) -> None:
                 else "a number or null" if default is None else "a string" if isinstance(default, str) \
                 else type(default).__name__
             raise RetrofitError(f"{where}: retrofit.options.{key} must be {kind}, got {shown(value)}")
-    make_options(record["norm"], **record.get("options", {}))  # ranges and unknown keys, in the norm's own words
+    PatchSpec.from_record(record)  # the patch's rules; the options' ranges and unknown keys in the norm's own words
 
 
 def _option_type_ok(default, value) -> bool:

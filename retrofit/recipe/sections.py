@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from ..errors import closest, shown
-from ..norms import NORMS, make_options
-from ..rope import normalize_rope
-from ..selection import parse_selection
+from ..norms import NORMS
+from ..patch_spec import RECIPE, PatchSpec
 from .schema import knob, need
 
 
@@ -60,25 +59,19 @@ class PatchSection:
                  f"patch: {', '.join(given) or 'nope/calibrate_tokens/rope'} given but patch.norm is null; set "
                  "patch.norm (softmax keeps attention unchanged)")
             return
-        if self.rope is not None:
-            normalize_rope(self.rope)  # unknown type (closest match), bad factor or key -> a one-line error
-            need(not self.nope, "patch: rope and nope together make no sense (nope removes the rotary embedding); "
-                                "choose one")
-        for key in ("layers", "heads"):  # the syntax and an empty selection now; the range once the model is loaded
-            if getattr(self, key) is not None:
-                parse_selection(getattr(self, key), None, f"patch.{key}")
-        need(self.heads is None or NORMS[self.norm].per_head,
-             f"patch.heads: {self.norm} has no per-head parameters; patch.heads applies to "
-             f"{', '.join(n for n, cls in sorted(NORMS.items()) if cls.per_head)}")
-        need(self.layers is None or not self.nope, "patch: nope removes positions from the whole model; it cannot be "
-                                                   "limited to patch.layers")
-        made = make_options(self.norm, **self.options)  # unknown norm / option of another norm / bad value -> error
-        self.options = {k: getattr(made, k) for k in self.options}  # as the norm reads them (p: 2 -> 2.0)
+        self.options = self.spec().options  # every rule of the patch is checked there; options typed (p: 2 -> 2.0)
         need(self.calibrate_tokens is None or self.calibrate_tokens >= 0,
              f"patch.calibrate_tokens must be >= 0 tokens, got {self.calibrate_tokens}")
         need(not self.calibrate_tokens or self.norm == "avnorm",
              f"patch.calibrate_tokens sets AVNorm gains, but patch.norm is {self.norm!r}; set "
              "patch.calibrate_tokens: 0")
+
+    def spec(self) -> PatchSpec | None:
+        """The patch as a PatchSpec (None: patch.norm null, the model as loaded)."""
+        if self.norm is None:
+            return None
+        return PatchSpec(self.norm, self.options, nope=self.nope, rope=self.rope, layers=self.layers,
+                         heads=self.heads, spelling=RECIPE)
 
     def tokens_to_calibrate(self, pretrained: bool) -> int:
         """patch.calibrate_tokens, or its default: 8192 for AVNorm (no gain given) on a pretrained model, else 0."""

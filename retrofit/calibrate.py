@@ -25,21 +25,20 @@ import torch
 from torch import nn
 
 from .errors import RetrofitError
-from .norms.avnorm import EXPONENT_RANGE, AVNorm
-from .norms.psoftmax import PSoftmax
+from .norms import Norm, calibrated_norm_hints
+from .norms.avnorm import EXPONENT_RANGE
 from .patch import check_unsharded
 from .record import read_record, write_record
 
 
-def calibrated_norms(model: nn.Module) -> list[nn.Module]:
-    """The norm modules that carry a per-head gain calibrate() can set."""
-    return [m for m in model.modules()
-            if isinstance(m, AVNorm) or (isinstance(m, PSoftmax) and m.gain is not None)]
+def calibrated_norms(model: nn.Module) -> list[Norm]:
+    """The norm modules that carry per-head values calibrate() can set (Norm.calibrated_parameter)."""
+    return [m for m in model.modules() if isinstance(m, Norm) and m.calibrated_parameter() is not None]
 
 
-def _by_length(norm: nn.Module) -> bool:
-    """AVNorm mode=beyond: an exponent fitted on RMS by length, not a gain."""
-    return isinstance(norm, AVNorm) and norm.options.mode == "beyond"
+def _by_length(norm: Norm) -> bool:
+    """An exponent fitted on RMS by length (AVNorm mode=beyond), not a gain."""
+    return norm.calibrated_parameter() == "exponent"
 
 
 def _add_by_length(sums: torch.Tensor, counts: torch.Tensor, n: torch.Tensor, rms: torch.Tensor,
@@ -124,8 +123,8 @@ def calibrate(model: nn.Module, batches: torch.Tensor | Mapping | Iterable[torch
     """
     norms = calibrated_norms(model)
     if not norms:
-        raise RetrofitError("calibrate needs a model patched with avnorm (or psoftmax with gain=1.0); no norm "
-                            "with a per-head gain found")
+        raise RetrofitError(f"calibrate needs a model patched with a norm that has per-head gains "
+                            f"({calibrated_norm_hints()}); no norm with a per-head gain found")
     check_unsharded(norms, "calibrate")
     device = next(model.parameters()).device
     before = [torch.zeros(n.ref_len + 1 if _by_length(n) else 1, n.shape.num_heads, dtype=torch.float64,
@@ -167,7 +166,7 @@ def calibrate(model: nn.Module, batches: torch.Tensor | Mapping | Iterable[torch
         raise RetrofitError("calibration saw no tokens: pass at least one non-empty batch of text")
     fitted = []
     for i, n in enumerate(norms):
-        param = n.exponent if _by_length(n) else n.gain
+        param = getattr(n, n.calibrated_parameter())
         value = fit_exponents(before[i], after[i]) if _by_length(n) else before[i] / after[i].clamp_min(1e-12)
         param.data.copy_(value.to(param.dtype))
         fitted.append(value)

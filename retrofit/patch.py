@@ -212,8 +212,7 @@ def _check_sinks(norm: str, norm_cls, opts, config, modules) -> str | None:
     refusal = norm_cls.sink_refusal(opts)
     if refusal:
         raise RetrofitError(f"{config.model_type} has learned attention sinks: {refusal}")
-    how = "stacked with softmax1's sink" if norm == "softmax1" else "kept"
-    return f"the model's learned attention sinks are {how}"
+    return f"the model's learned attention sinks are {norm_cls.sink_note(opts)}"
 
 
 def _check_query_scaling(norm: str, norm_cls, opts, config) -> str | None:
@@ -283,8 +282,10 @@ def patch(model: nn.Module, norm: str | PatchSpec | None = None, *, nope: bool =
     write_record(model, norm=norm, options=dataclasses.asdict(opts), nope=nope, base_attn_implementation=base,
                  calibration=None, rope=rope_plan, layers=layers, heads=heads,  # older retrofits refuse a selection:
                  format=SELECTIVE_FORMAT if layers is not None or heads is not None else 1)  # (they'd patch all)
+    hidden, calibrated = norm_cls.report_options(dataclasses.asdict(opts))
     return PatchReport(
         model_type=config.model_type, norm=norm, options=dataclasses.asdict(opts), nope=nope,
+        hidden_options=hidden, calibrated=calibrated,
         modules=[name for name, _ in modules], base_attn_implementation=base, positions=positions,
         params_added=params_added, layers=layers, heads=heads, layer_count=len(attention_modules(model)),
         family="table" if family_of(config) else "generic", rope=describe_rope(rope_plan) if rope_plan else None,

@@ -113,16 +113,17 @@ class PatchReport:
     layers: list[int] | None = None  # the selected attention modules' indices (None: all)
     heads: list[int] | None = None  # the selected query heads per patched layer (None: all)
     layer_count: int | None = None  # attention modules in the model (patched or not)
+    hidden_options: list[str] = field(default_factory=list)  # left out of the table (Norm.report_options)
+    calibrated: str | None = None  # the option shown with its calibration ("gain"), from Norm.report_options
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def _rows(self) -> list[tuple[str, str]]:
-        hidden = {"gain", "exponent"} | ({"ref_len"} if self.options.get("mode") != "beyond" else set())
-        shown = {k: v for k, v in self.options.items() if not (self.norm == "avnorm" and k in hidden)}
+        shown = {k: v for k, v in self.options.items() if k not in self.hidden_options}
         opts = ", ".join(f"{k}={v}" for k, v in shown.items()) or "no options"
-        if self.norm == "avnorm":
-            what = "exponent" if self.options.get("mode") == "beyond" else "gain"
+        if self.calibrated:
+            what = self.calibrated
             opts += f", {what} " + (f"calibrated on {self.calibration['tokens']} tokens" if self.calibration
                                     else f"{self.options.get(what, 1.0)} (not calibrated)")
         rows = [

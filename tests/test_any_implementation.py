@@ -13,13 +13,15 @@ from peft import LoraConfig, get_peft_model
 
 import retrofit
 from retrofit.errors import RetrofitError
+from retrofit.norms import get_norm, make_options, patched_norms
 from retrofit.recovery import patch_bypassed
 from tests.tiny import random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-NORMS = [("avnorm", {"kind": "rms"}), ("avnorm", {"kind": "layer", "affine": True}), ("psoftmax", {"p": 2.0}),
-         ("ssmax", {}), ("softmax1", {"learnable": True})]
+# Every registered norm but the baseline with its example options (a new norm joins by registering), and AVNorm's
+# LayerNorm kind with an affine weight besides.
+NORMS = [(n, get_norm(n).example_options) for n in patched_norms()] + [("avnorm", {"kind": "layer", "affine": True})]
 
 
 def _reference(model_type, norm, options, ids):
@@ -59,7 +61,7 @@ def test_every_norm_under_every_implementation_gives_todays_logits(norm, options
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     torch.testing.assert_close(logits, _reference("llama", norm, options, ids), atol=1e-5, rtol=1e-5)
-    if norm == "avnorm":  # the model keeps its own implementation
+    if get_norm(norm).on_output(make_options(norm, **options)):  # the model keeps its own implementation
         assert model.config._attn_implementation == implementation
     else:
         assert model.config._attn_implementation.startswith("retrofit")

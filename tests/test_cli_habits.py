@@ -165,7 +165,7 @@ def test_patch_without_out_refuses_before_loading(tiny_folder, capsys, monkeypat
 def test_uncalibrated_avnorm_warns_with_the_measured_cost(tiny_folder, tmp_path, capsys):
     assert main(["patch", str(tiny_folder), "--norm", "avnorm", "--out", str(tmp_path / "out")]) == 0
     err = capsys.readouterr().err
-    assert "warning: AVNorm without --calibration-text" in err and "14.29" in err and "4.58" in err
+    assert "warning: AVNorm without calibration" in err and "14.29" in err and "4.58" in err
     assert main(["patch", str(tiny_folder), "--norm", "avnorm", "--gain", "2", "--out", str(tmp_path / "o2")]) == 0
     assert "warning" not in capsys.readouterr().err  # gains given: nothing to warn about
 

@@ -126,7 +126,8 @@ def test_corollary1_bounds_hold_on_random_instances(norm):
         else:  # ssmax: the caller scales the logits and a by s log n
             factor = float(torch.rand(1, generator=g)) * math.log(n)
             w, a = M.softmax_weights(logits * factor), a * factor
-        lo, hi = M.log_weight_bounds(norm, torch.tensor(math.log(n), dtype=D64), a, p=p, sink=sink[0])
+        lo, hi = M.log_weight_bounds(torch.tensor(math.log(n), dtype=D64), a, p=p if norm == "psoftmax" else 1.0,
+                                     sink=sink[0] if norm == "softmax1" else None)
         assert (w.log() >= lo - 1e-9).all() and (w.log() <= hi + 1e-9).all(), (seed, norm)
 
 

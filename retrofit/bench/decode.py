@@ -28,8 +28,6 @@ from pathlib import Path
 from ..atomic import atomic_write_text
 from ..errors import RetrofitError
 
-NORMS = ("avnorm", "psoftmax", "ssmax", "softmax1")
-TARGETS = {"psoftmax": 1.15}  # time per token vs unpatched; every other norm: DEFAULT_TARGET
 DEFAULT_TARGET = 1.05
 OUT_KIND = "file-or-folder"  # --out FILE, or an existing folder to write bench-decode.json into (commands/bench.py)
 FILE_NAME = "bench-decode.json"
@@ -40,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="a model folder, .gguf file or Hub id")
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (random ids, seeded)")
     parser.add_argument("--new-tokens", type=int, default=64, help="greedy decoding steps after the prompt")
-    parser.add_argument("--norms", default=",".join(NORMS), help="comma list of norms to compare with the "
-                        "unpatched model (default: " + ",".join(NORMS) + ")")
+    parser.add_argument("--norms", default=None, help="comma list of norms to compare with the unpatched model "
+                        "(default: every registered norm but the baseline, with its example options)")
     parser.add_argument("--p", type=float, default=2.0, help="p of psoftmax")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per arm; medians are reported")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -49,9 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=FILE_NAME, help=f"JSON file, or an existing folder for {FILE_NAME}")
 
 
-def _norms(text: str) -> list[str]:
-    from ..norms import available_norms
+def _norms(text: str | None) -> list[str]:
+    from ..norms import available_norms, patched_norms
 
+    if text is None:
+        return patched_norms()
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in available_norms()]
     if unknown or not names:
@@ -131,7 +131,13 @@ def generate(model, prompt, new_tokens: int) -> tuple[float, float, list[int]]:
 
 
 def _arm_options(norm: str, p: float) -> dict:
-    return {"p": p} if norm == "psoftmax" else {}
+    """The norm's example options (Norm.example_options), with --p for a norm that has a p."""
+    from ..norms import get_norm
+
+    if norm == "unpatched":
+        return {}
+    options = dict(get_norm(norm).example_options)
+    return {**options, "p": p} if "p" in options else options
 
 
 def measure(model, prompt, arms: list[str], args) -> dict[str, dict]:
@@ -163,6 +169,8 @@ def summarize(times: dict[str, dict], new_tokens: int, p: float) -> list[dict]:
     """One row per arm: medians, decode tokens/s and the time-per-token ratio to the unpatched arm vs its target."""
     base = statistics.median(times["unpatched"]["decode_s"]) / new_tokens
     base_prefill = statistics.median(times["unpatched"]["prefill_s"])
+    from ..norms import get_norm
+
     rows = []
     for arm, t in times.items():
         per_token = statistics.median(t["decode_s"]) / new_tokens
@@ -173,7 +181,7 @@ def summarize(times: dict[str, dict], new_tokens: int, p: float) -> list[dict]:
                "prefill_s_all": [round(x, 4) for x in t["prefill_s"]],
                "decode_tokens_per_s_all": [round(new_tokens / x, 2) for x in t["decode_s"]]}
         if arm != "unpatched":
-            row["target"] = TARGETS.get(arm, DEFAULT_TARGET)
+            row["target"] = get_norm(arm).decode_target or DEFAULT_TARGET
             row["meets_target"] = per_token / base <= row["target"]
         rows.append(row)
     return rows

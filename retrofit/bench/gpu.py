@@ -40,7 +40,7 @@ from pathlib import Path
 from ..atomic import atomic_folder, atomic_write_text
 from ..errors import RetrofitError
 from . import parity
-from .gpu_train import ARMS, TINY_LLAMA, default_model, part_finetune, part_long, progress  # noqa: F401
+from .gpu_train import TINY_LLAMA, arms, default_model, part_finetune, part_long, progress  # noqa: F401
 
 OUT_KIND = "folder"  # --out must be new or empty (commands/bench.py checks it before anything runs)
 NO_CUDA = ("no CUDA device: retrofit bench gpu needs an NVIDIA GPU; use --device cpu --tiny to check the "

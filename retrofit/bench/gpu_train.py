@@ -19,9 +19,15 @@ from pathlib import Path
 from ..atomic import atomic_write_text
 from ..errors import RetrofitError
 
-ARMS = ("unpatched", "avnorm", "psoftmax", "ssmax", "softmax1")
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, vocab_size=256)
+
+
+def arms() -> tuple[str, ...]:
+    """The unpatched model, then every registered norm but the baseline (a new norm is benchmarked by registering)."""
+    from ..norms import patched_norms
+
+    return ("unpatched", *patched_norms())
 
 
 def default_model() -> str | None:
@@ -68,6 +74,7 @@ def finetune_arm(base, arm: str, args, sizes, batch=None, seq_len=None, steps=No
     import torch
 
     from ..memory import PeakMemory
+    from ..norms import get_norm
     from ..patch import patch
     from ..recipe import recipe_from_dict
     from ..train import train
@@ -75,7 +82,7 @@ def finetune_arm(base, arm: str, args, sizes, batch=None, seq_len=None, steps=No
 
     model = copy.deepcopy(base)  # its own config too: a patch never reaches the base or another arm
     if arm != "unpatched":
-        patch(model, arm, **({"p": 2.0} if arm == "psoftmax" else {}))
+        patch(model, arm, **get_norm(arm).example_options)
     batch, seq_len, steps = batch or sizes["batch"], seq_len or sizes["seq_len"], steps or args.steps
     log_every = 1 if steps < 10 else 10
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -116,7 +123,7 @@ def _release(device: str) -> None:
 def part_finetune(args, sizes) -> dict:
     base, source = _base_model(args)
     runs, start, budget = [], time.perf_counter(), sizes["budgets"]["finetune"]
-    for arm in ARMS:
+    for arm in arms():
         if time.perf_counter() - start > budget:
             runs.append({"norm": arm, "skipped": f"over the part's {budget} s budget"})
             continue
@@ -139,7 +146,7 @@ def part_long(args, sizes) -> dict:
     base.config.max_position_embeddings = max(base.config.max_position_embeddings or 0, max(sizes["long_seqs"]))
     runs, start, budget = [], time.perf_counter(), sizes["budgets"]["long"]
     for seq_len in sizes["long_seqs"]:
-        for arm in ARMS:
+        for arm in arms():
             if time.perf_counter() - start > budget:
                 runs.append({"norm": arm, "seq_len": seq_len, "skipped": f"over the part's {budget} s budget"})
                 continue

@@ -29,20 +29,17 @@ from . import (
     check_selection_counts,
     check_text_files,
 )
-from .patch_flags import FLAGS
+from .patch_flags import FLAGS, NAMES
 
 # option -> {type (None = a switch), norms, doc}: the written-out table (patch_flags.py; no norm imported to parse)
 NORM_FLAGS = {name: {"type": {"str": str, "int": int, "float": float}.get(kind), "norms": norms, "doc": doc}
               for name, (kind, norms, doc) in FLAGS.items()}
-# AVNorm with unit gains on a pretrained model, measured (docs/patching.md "Calibration"; SmolLM2-135M, 512 tokens)
-UNCALIBRATED_COST = ("on SmolLM2-135M unit gains took the loss on a paragraph from 3.91 to 14.29 (calibrated on 8192 "
-                     "tokens: 4.58)")
 
 
 def add_arguments(parser):
     parser.add_argument("source", help="Hub id, local model folder, or .gguf file")
     parser.add_argument("--norm", required=True,
-                        help="softmax | avnorm | psoftmax | ssmax | softmax1 (see `retrofit norms`)")
+                        help=f"{' | '.join(NAMES)} (see `retrofit norms`)")
     parser.add_argument("--nope", action="store_true", help="also remove positional information")
     parser.add_argument("--layers", metavar="SEL", default=None,
                         help="patch only these attention layers (0-based, model order): 16-29, 0,3, 0-29:4 or :4 "
@@ -185,6 +182,7 @@ def _check_args(args):
     """Every check that needs no model, in one place: (the patch, as a PatchSpec; the schedule positions)."""
     from ..hub import check_repo, find_token
     from ..load import check_finished, source_kind
+    from ..norms import calibrated_norm_hints, get_norm
     from ..patch_spec import CLI, PatchSpec
 
     check_counts(args, positive=("calibrate_tokens", "check_tokens", "rank_k"))
@@ -195,10 +193,9 @@ def _check_args(args):
     spec = PatchSpec(args.norm, options, nope=args.nope, rope=args.rope, layers=args.layers, heads=args.heads,
                      spelling=CLI)  # a bad norm, option, rope or selection fails before loading anything
     _check_selection_range(args)
-    if args.calibration_text and args.norm != "avnorm" and not (args.norm == "psoftmax"
-                                                                and options.get("gain") is not None):
-        raise RetrofitError("--calibration-text sets per-head gains; it needs --norm avnorm (or psoftmax with "
-                            "--gain 1)")
+    if args.calibration_text and not get_norm(spec.norm).calibrates(spec.norm_options):
+        raise RetrofitError(f"--calibration-text sets per-head gains; it needs a norm that has them: "
+                            f"{calibrated_norm_hints()}")
     positions = _positions(args.schedule_values) if args.schedule_values else None
     if positions and not args.check_text:
         raise RetrofitError("--schedule-values measures a loss: give the text with --check-text FILE")
@@ -214,12 +211,13 @@ def _check_args(args):
     return spec, positions
 
 
-def _warn_uncalibrated(args, options: dict) -> None:
-    """AVNorm (mode=always) with unit gains on a pretrained model: say what it costs, measured."""
-    if args.norm == "avnorm" and not args.calibration_text and options.get("gain") is None \
-            and options.get("mode", "always") == "always":
-        print(f"retrofit patch: warning: AVNorm without --calibration-text starts every head at gain 1, which ruins "
-              f"a pretrained model until trained: {UNCALIBRATED_COST}; add --calibration-text FILE", file=sys.stderr)
+def _warn_uncalibrated(args, spec) -> None:
+    """A norm whose uncalibrated start ruins a pretrained model (AVNorm's unit gains): say what it costs, measured."""
+    from ..norms import get_norm
+
+    cost = None if args.calibration_text else get_norm(spec.norm).uncalibrated_cost(spec.options)
+    if cost:
+        print(f"retrofit patch: warning: {cost}; add --calibration-text FILE", file=sys.stderr)
 
 
 def run(args) -> int:
@@ -236,7 +234,7 @@ def run(args) -> int:
     before = text_loss(model, check) if check is not None else None
     replaced = _unpatch_parameter_free(model, args.source, args.nope)
     report = patch(model, spec)
-    _warn_uncalibrated(args, spec.options)
+    _warn_uncalibrated(args, spec)
     if args.calibration_text:
         ids = _read_tokens(tokenizer, args.calibration_text, args.calibrate_tokens)
         report.calibration = calibrate_with_progress(model, text_rows(model, ids), progress=not args.no_progress)

@@ -4,9 +4,10 @@
 Generated from the norms' Options dataclasses (each option is declared once, in its norm's file):
 `python -m retrofit.commands.patch_flags` prints the table to paste here; tests/test_cli_habits.py fails when a
 norm's options change and this table was not regenerated. option -> (type: "str" | "int" | "float" | None = a
-switch, the norms that have it, its doc).
+switch, the norms that have it, its doc); NAMES: the registered norms (--norm's help).
 """
 
+NAMES = ['avnorm', 'psoftmax', 'softmax', 'softmax1', 'ssmax']
 FLAGS = {'kind': ('str', ['avnorm'], 'rms | layer | global'),
  'affine': (None, ['avnorm'], 'add a learned per-channel weight (and bias for layer/global)'),
  'eps': ('float', ['avnorm'], 'added to the variance before the square root'),
@@ -63,8 +64,10 @@ def generated() -> str:
     """The table as this file writes it, from the registry (imports every norm, and so torch)."""
     import pprint
 
+    from ..norms import available_norms
+
     table = {k: (v["type"].__name__ if v["type"] else None, v["norms"], v["doc"]) for k, v in norm_flags().items()}
-    return "FLAGS = " + pprint.pformat(table, width=118, sort_dicts=False)
+    return f"NAMES = {available_norms()!r}\n" + "FLAGS = " + pprint.pformat(table, width=118, sort_dicts=False)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@ stays bounded by one layer's rows. Why rows suffice: the models are causal, so t
 L-1 of a long window is exactly the last row of a length-L forward on the same prefix, for every
 norm here (each works per query row, SSMax counting the row's visible keys).
 
-How each norm's weights are rebuilt from the logits l = q.k * scaling (what the output sees, `head_out`,
-is always produced by the norm module itself):
+Each norm rebuilds its own weights from the logits l = q.k * scaling (`Norm.weights` in its file; what the output
+sees, `head_out`, is always produced by the norm module itself), for example:
 
     softmax / none   a = softmax(l)
     avnorm           a = softmax(l)  (weights untouched; the head output is normalized afterwards)
     psoftmax         a = exp(l) / ||exp(l)||_p
-    ssmax            a = softmax(s_h log(n) l),  n = keys the row sees
+    ssmax            a = softmax(f(n) l),  n = keys the row sees (Norm.logit_factor)
     softmax1         a = exp(l) / (exp(b_h) + sum exp(l)),  b_h the sink logit
 """
 
@@ -30,6 +30,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..errors import RetrofitError
+from ..norms import baseline_norm
 from ..patch import IMPLEMENTATIONS, attention_modules, eager_attention_of, observe
 from . import measures
 
@@ -58,26 +59,15 @@ class LayerRows:
     sink: torch.Tensor | None = None  # (H, 1) sink logit of softmax+1
 
 
-def weight_map(norm, heads: int) -> tuple[str, Callable, float, torch.Tensor | None, torch.Tensor | None]:
-    """(name, weight_fn(logits, T, n), p, sink (H, 1), ssmax s (H, 1, 1)) for a retrofit norm or None.
+def weight_map(norm) -> tuple[str, Callable, float, torch.Tensor | None]:
+    """(name, weight_fn(logits, T, n), p, sink (H, 1) or None) for a retrofit norm or None (the model's own softmax).
 
-    Temperature divides every logit the norm sees, the softmax+1 sink logit included (the classic
-    sink b = 0 is unchanged by it)."""
-    name = "softmax" if norm is None else norm.name
-    if name in ("softmax", "avnorm"):
-        return name, lambda s_, t, n: measures.softmax_weights(s_ / t), 1.0, None, None
-    if name == "psoftmax":
-        p = float(norm.options.p)
-        return name, lambda s_, t, n: measures.psoftmax_weights(s_ / t, p), p, None, None
-    if name == "ssmax":
-        s = norm.s.detach().float().view(heads, 1, 1)
-        return name, lambda s_, t, n: measures.softmax_weights(s_ * s.to(s_.dtype) * n.log() / t), 1.0, None, s
-    if name == "softmax1":
-        sink = norm.sink.detach().float().view(heads, 1)
-        return (name, lambda s_, t, n: measures.softmax1_weights(s_ / t, sink.to(s_.dtype)[..., None] / t), 1.0, sink,
-                None)
-    raise RetrofitError(f"diagnose does not know how norm {name!r} makes its weights; add it to "
-                        "retrofit/diagnose/capture.py")
+    The norm says how it makes its weights (Norm.weights, Norm.bound_terms): no norm is named here. Temperature
+    divides every logit the norm sees, the softmax+1 sink logit included (the classic sink b = 0 is unchanged)."""
+    if norm is None:
+        return baseline_norm(), lambda s_, t, n: measures.softmax_weights(s_ / t), 1.0, None
+    p, sink = norm.bound_terms()
+    return norm.name, lambda s_, t, n: norm.weights(s_, n, t), p, sink
 
 
 def _visible_rows(attention_mask, positions, batch: int, kv_len: int) -> torch.Tensor:
@@ -118,10 +108,11 @@ def layer_rows(module, query, key, value, attention_mask, scaling, norm, positio
     if cap:  # Gemma-2 soft-caps its logits before the softmax
         logits = cap * torch.tanh(logits / cap)
     logits = logits.masked_fill(~visible, -math.inf)
-    name, fn, p, sink, s = weight_map(norm, H)  # fn(logits, temperature, n)
+    name, fn, p, sink = weight_map(norm)  # fn(logits, temperature, n)
     n = visible.sum(-1, keepdim=True).float()                              # (B, H, R, 1)
     weights = fn(logits, 1.0, n)
-    factor = s * n.log() if s is not None else torch.ones_like(n)
+    factor = norm.logit_factor(n) if norm is not None else None
+    factor = torch.ones_like(n) if factor is None else factor.float()
     out_raw = weights @ v                                                   # (B, H, R, D)
     if norm is None:
         out = out_raw

@@ -134,7 +134,7 @@ def _vanishing(rows: LayerRows, L: int, sl: slice, acc: Accumulator) -> None:
     k_max = rows.k_norm[:, :, None, :L].masked_fill(~vis, 0).amax(-1)      # max_j ||k_j|| (B, H, q)
     a = rows.q_norm[:, :, sl] * k_max * rows.scaling * rows.logit_factor[:, :, sl, 0].abs()
     sink = None if rows.sink is None else rows.sink.view(1, H, 1).expand_as(a)
-    lo, hi = measures.log_weight_bounds(rows.norm, n.log(), a, p=rows.p, sink=sink)
+    lo, hi = measures.log_weight_bounds(n.log(), a, p=rows.p, sink=sink)
     min_w = w.masked_fill(~vis, math.inf).amin(-1)
     acc.add(f"{L}/min_weight", layer, min_w)
     acc.add(f"{L}/cor1_exponent", layer, 2 * a)

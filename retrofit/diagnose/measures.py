@@ -62,7 +62,7 @@ def row_stats(weights: torch.Tensor, visible: torch.Tensor) -> dict[str, torch.T
             "sq_norm": w.pow(2).sum(-1), "entropy": entropy}
 
 
-def log_weight_bounds(norm: str, log_n: torch.Tensor, a: torch.Tensor, *, p: float = 1.0,
+def log_weight_bounds(log_n: torch.Tensor, a: torch.Tensor, *, p: float = 1.0,
                       sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Corollary 1 (Eq. 5), in logs and generalized per norm: (log lower, log upper) bound on every a_i.
 
@@ -74,14 +74,15 @@ def log_weight_bounds(norm: str, log_n: torch.Tensor, a: torch.Tensor, *, p: flo
                                                            Lemma 1's premise fails, as intended)
         psoftmax          log a_i in -(log n)/p -+ 2a     (a_i = e^l_i / (sum e^(p l_j))^(1/p))
         softmax1          [e^-a / (e^b + n e^a), e^a / (e^b + n e^-a)]  (b the sink logit)
+
+    By what the norm gives (Norm.bound_terms): a sink logit -> the softmax+1 bounds; else p (1 for softmax).
     """
-    if norm == "softmax1":
-        b = torch.zeros_like(a) if sink is None else sink.to(a.dtype).expand_as(a)
+    if sink is not None:
+        b = sink.to(a.dtype).expand_as(a)
         lower = -a - torch.logaddexp(b, log_n + a)
         upper = a - torch.logaddexp(b, log_n - a)
         return lower, upper
-    scale = 1.0 / p if norm == "psoftmax" else 1.0
-    return -scale * log_n - 2 * a, -scale * log_n + 2 * a
+    return -log_n / p - 2 * a, -log_n / p + 2 * a
 
 
 # ---------------------------------------------------------------- variance collapse (the L2-softmax post)

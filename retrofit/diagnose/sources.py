@@ -24,6 +24,7 @@ from ..calibrate import calibrate
 from ..data.read import read_tokens
 from ..errors import RetrofitError, check_utf8
 from ..load import load, load_tokenizer
+from ..norms import get_norm
 from ..patch import patch, patch_record
 from ..positions import position_limit
 from .collect import Plan, diagnose_model
@@ -90,7 +91,7 @@ def _diagnose_source(spec: DiagnoseSpec, source: str, label: str, plan, calibrat
         raise RetrofitError(f"the tokenizer makes ids beyond {source}'s vocabulary: pass the model's own --tokenizer")
     results = []
     for name, variant, norm, info, fresh in _variants(spec.patches, source, label, model):
-        if fresh and norm == "avnorm" and calibrate_tokens:  # a fresh AVNorm starts from calibrated gains
+        if fresh and get_norm(norm).calibrated_by_default and calibrate_tokens:  # a fresh AVNorm: calibrated gains
             chunk = min(Lmax, 512)
             batches = [calib[j:j + chunk][None] for j in range(0, len(calib) - chunk + 1, chunk)]
             info = {**info, "calibration": calibrate_with_progress(variant, batches, progress=spec.progress)}
@@ -110,7 +111,7 @@ def diagnose_sources(sources: list[str], spec: DiagnoseSpec) -> Path:
         raise RetrofitError(f"--label was given {len(labels)} time(s) for {len(sources)} source(s)")
     check_utf8(spec.data, "--data")  # the one text rule (retrofit.errors): UTF-8 or a one-line error
     plan = Plan(lengths=list(spec.lengths), queries=spec.queries, seed=spec.seed)
-    calibrate_tokens = spec.calibrate_tokens if "avnorm" in spec.norms else 0
+    calibrate_tokens = spec.calibrate_tokens if any(get_norm(n).calibrated_by_default for n in spec.norms) else 0
     shared_tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer else None
     if spec.tokenizer and shared_tokenizer is None:
         raise RetrofitError(f"--tokenizer {spec.tokenizer}: no tokenizer found there")

@@ -15,26 +15,13 @@ import warnings
 
 import numpy as np
 
+from ..norms import NORMS, baseline_norm
 from . import measures
 from .collect import Accumulator, Plan
 
-# How each measure is read for each normalization (written into the report). Measures 3 and 4 (Theorems
-# 1 and 2) take any weights as they are; where a norm changes the reading of 1, 2 or 5 it is said here.
-GENERALIZATION = {
-    "softmax": "the paper's setting: every measure as defined.",
-    "avnorm": "weights are softmax, so 1, 3, 4, 5 are the paper's; 2 measures the head output after the per-head "
-              "norm (`out`) as well as the softmax average before it (`AV`).",
-    "psoftmax": "weights exp(s)/||exp(s)||_p do not sum to 1: 1 reports the entropy of the renormalized row and "
-                "Corollary 1 becomes n^(-1/p) e^(+-2a); 2: ||A||_2^2 = 1 at p = 2, so the prediction no longer "
-                "shrinks; 3 uses the weight left outside the top-N set where the paper has 1 - abar_N; 5 perturbs "
-                "exp(l/T)/||exp(l/T)||_p (Corollary 3's 1/(4T) is softmax's, Lemma 2 is the general bound).",
-    "ssmax": "weights are softmax(s log(n) l): L enters theta, so Lemma 1's premise fails by design; Corollary 1 "
-             "is applied to the effective logits (a -> s log(n) a); 5 perturbs the logits l before the s log(n) "
-             "factor, so T = 1 is the model as it is.",
-    "softmax1": "weights exp(s)/(exp(b)+sum exp(s)) sum to less than 1 (the sink takes the rest): 1 reports the "
-                "entropy of the renormalized row and the sink-aware Corollary 1 bounds; 3 uses the weight left "
-                "outside the top-N set; 5 divides the sink logit by T too.",
-}
+# How each measure is read for each normalization (written into the report) is the norm's own `diagnosis`
+# (retrofit/norms/*): measures 3 and 4 (Theorems 1 and 2) take any weights as they are; where a norm changes the
+# reading of 1, 2 or 5 its diagnosis says so.
 
 
 def _round(a, digits=5):
@@ -164,7 +151,8 @@ def summarize(acc: Accumulator, plan: Plan, meta: dict) -> dict:
         "separability": {"length": Lmax, "by_n": separability, "plateau": plateau, "plateau_ns": big},
         "gradient": gradient,
     }
-    norm = meta.get("norm") or "softmax"
-    return {**meta, "generalization": GENERALIZATION.get(norm, ""), "layers": acc.shape[0], "heads": acc.shape[1],
+    norm = NORMS.get(meta.get("norm") or baseline_norm())
+    reading = norm.diagnosis if norm is not None else ""
+    return {**meta, "generalization": reading, "layers": acc.shape[0], "heads": acc.shape[1],
             "lengths": plan.lengths, "queries": {L: q for L, (_, q) in plan.rows_by_length.items()},
             "summary": _clean(summary), "per_head": per_head}

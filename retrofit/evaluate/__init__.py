@@ -33,6 +33,7 @@ from ..load import CountingModel, language_model, load, load_tokenizer
 from ..load.runs import same_rope
 from ..load.task_model import TASK_FILE
 from ..memory import PeakMemory
+from ..norms import baseline_norm
 from ..patch import patch as patch_model
 from ..patch import patch_record
 from ..patch_spec import EVAL, PatchSpec
@@ -203,7 +204,7 @@ def _patch_on_the_fly(lm, wanted: dict, name: str) -> None:
     """Patch an unpatched model as `wanted` says; keep a model that already carries it; refuse any other."""
     record = patch_record(lm)
     if record is None:
-        patch_model(lm, PatchSpec.from_flat({**wanted["options"], "norm": wanted["norm"] or "softmax",
+        patch_model(lm, PatchSpec.from_flat({**wanted["options"], "norm": wanted["norm"] or baseline_norm(),
                                              **{k: wanted.get(k) for k in ("rope", "layers", "heads", "nope")}}, EVAL))
         return
     if record.get("rope") is None and wanted["rope"] is not None and wanted["norm"] is None:

@@ -33,7 +33,7 @@ from lm_eval.models.huggingface import HFLM
 
 from ..errors import RetrofitError
 from ..load import load, load_tokenizer
-from ..norms import get_norm
+from ..norms import baseline_norm, get_norm
 from ..patch import is_patched, patch
 from ..patch_spec import PatchSpec
 from ..positions import position_limit
@@ -66,7 +66,8 @@ class RetrofitLM(HFLM):
             raise RetrofitError("trust_remote_code: retrofit never runs a model's own code; use a model whose "
                                 "architecture transformers ships")
         wanted = norm is not None or rope is not None or nope
-        spec = PatchSpec(norm or "softmax", _split_options(norm, kwargs), rope=rope, nope=nope) if wanted else None
+        options = _split_options(norm, kwargs)
+        spec = PatchSpec(norm or baseline_norm(), options, rope=rope, nope=nope) if wanted else None
         model = load(str(pretrained), task_head=False, dtype=None if dtype in (None, "auto") else dtype)
         if spec is not None:  # checked above, before loading
             if is_patched(model):

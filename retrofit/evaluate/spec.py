@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import RetrofitError
 from ..lengths import parse_lengths
+from ..norms import baseline_norm
 from ..patch_spec import EVAL, PatchSpec, parse_flat
 from ..recipe.schema import knob
 from .ruler import ruler_options
@@ -118,7 +119,7 @@ def _eval_patch(patch, rope, calibration=None) -> dict | None:
         if flat.get("rope") is not None:
             raise RetrofitError("the evaluation patch names a rope and --rope gives another: give it once")
         flat["rope"] = rope
-    spec = PatchSpec.from_flat({**flat, "norm": flat.get("norm") or "softmax"}, EVAL)
+    spec = PatchSpec.from_flat({**flat, "norm": flat.get("norm") or baseline_norm()}, EVAL)
     wanted = {"norm": flat.get("norm"), "options": spec.all_options() if flat.get("norm") else {}, "rope": spec.rope}
     extra = {"layers": spec.layers, "heads": spec.heads, "nope": True if spec.nope else None,
              "calibrate": calibration or None}

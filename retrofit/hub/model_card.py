@@ -21,20 +21,6 @@ from ..norms import get_norm
 from ..record import GUARD  # config.json's attn_implementation in every saved patched model: plain transformers refuses
 from ..version import INSTALL
 
-WHY = {
-    "softmax": "the unpatched baseline, published for comparison: softmax weights sum to 1, so as the context "
-               "grows they spread out and each head's output variance falls roughly as 1/L (variance collapse).",
-    "avnorm": "softmax weights sum to 1, so a head that averages more values as the context grows outputs a "
-              "smaller and smaller vector (its variance falls roughly as 1/L: variance collapse), and the layers "
-              "after it see a scale they were never trained on. AVNorm normalizes each head's output per token, "
-              "so its scale no longer depends on the context length.",
-    "psoftmax": "exp(s) is divided by its Lp norm instead of its sum; with p = 2 the squared weights sum to 1, "
-                "so a head averaging L values keeps their variance at every length instead of collapsing as 1/L.",
-    "ssmax": "Scalable-Softmax multiplies the logits by s*log(n) (n = keys the query sees), so attention stays "
-             "as peaked over many keys as over few, instead of flattening as the context grows.",
-    "softmax1": "softmax+1 puts a sink in the denominator, so a head can attend to nothing rather than being "
-                "forced to spread its weight over irrelevant tokens of a long context.",
-}
 NOPE_WHY = ("Positional information was removed (NoPE): lengths beyond those seen in training carry no "
             "out-of-distribution position signal.")
 
@@ -89,7 +75,7 @@ def model_card(info: dict) -> str:
         f"| parameters added | {info['params_added']:,} |",
         f"| calibration | {_text(json.dumps(calibration)) if calibration else 'none'} |",
         f"| retrofit version | {_text(record.get('retrofit_version'))} |", "",
-        f"Why: {WHY.get(norm, get_norm(norm).summary)}" + (f" {NOPE_WHY}" if record.get("nope") else ""), "",
+        f"Why: {get_norm(norm).card or get_norm(norm).summary}" + (f" {NOPE_WHY}" if record.get("nope") else ""), "",
         "## How to load", "",
         "```python",
         f"import retrofit  # {INSTALL}  (PyPI's `retrofit` is another project)",

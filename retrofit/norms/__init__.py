@@ -35,6 +35,23 @@ def available_norms() -> list[str]:
     return sorted(NORMS)
 
 
+def baseline_norm() -> str:
+    """The name of the norm that is the model's own attention (Norm.baseline): the control arm, what an unpatched
+    model is labelled, what a RoPE extension alone patches with."""
+    return next(name for name, cls in sorted(NORMS.items()) if cls.baseline)
+
+
+def patched_norms() -> list[str]:
+    """Every norm but the baseline: what benchmarks compare with the unpatched model."""
+    return [name for name in available_norms() if not NORMS[name].baseline]
+
+
+def calibrated_norm_hints() -> str:
+    """'avnorm, or psoftmax with gain=1 (--gain 1)': how to ask for each norm calibration can set, for errors."""
+    hints = [cls.calibration_hint for _, cls in sorted(NORMS.items()) if cls.calibration_hint]
+    return ", or ".join(hints)
+
+
 # Names people use for a norm (papers, posts, other libraries) -> what to write here. difflib alone would send
 # `l2softmax` to softmax, the one norm it is not.
 NEAR_MISSES = {
@@ -96,6 +113,6 @@ def describe_norms() -> list[dict]:
 from . import avnorm, psoftmax, softmax, softmax1, ssmax  # noqa: E402,F401
 
 __all__ = [
-    "NORMS", "AttentionShape", "Norm", "available_norms", "describe_norms", "get_norm", "make_options",
-    "register_norm",
+    "NORMS", "AttentionShape", "Norm", "available_norms", "baseline_norm", "calibrated_norm_hints", "describe_norms",
+    "get_norm", "make_options", "patched_norms", "register_norm",
 ]

@@ -47,6 +47,9 @@ from .base import Norm, finite_number, option, visible_keys
 
 KINDS = ("rms", "layer", "global")
 MODES = ("always", "beyond")
+# AVNorm with unit gains on a pretrained model, measured (docs/patching.md "Calibration"; SmolLM2-135M, 512 tokens)
+UNCALIBRATED_COST = ("on SmolLM2-135M unit gains took the loss on a paragraph from 3.91 to 14.29 (calibrated on 8192 "
+                     "tokens: 4.58)")
 EXPONENT_RANGE = (-1.0, 1.0)  # calibrate() clamps the fitted b_h here: a fit on short text must not explode beyond L
 
 
@@ -58,6 +61,14 @@ class AVNorm(Norm):
     acts_on_output = True  # a pre-hook on the output projection: any attention implementation (retrofit.patch)
     per_head = True  # heads= selects heads; the others pass through unchanged (Norm.keep_unselected)
     knob, knob_identity = "floor", 8.0  # f = 8: within ~0.01 nats of the original on SmolLM2 (f = inf is exact)
+    card = ("softmax weights sum to 1, so a head that averages more values as the context grows outputs a smaller and "
+            "smaller vector (its variance falls roughly as 1/L: variance collapse), and the layers after it see a "
+            "scale they were never trained on. AVNorm normalizes each head's output per token, so its scale no "
+            "longer depends on the context length.")
+    diagnosis = ("weights are softmax, so 1, 3, 4, 5 are the paper's; 2 measures the head output after the per-head "
+                 "norm (`out`) as well as the softmax average before it (`AV`).")
+    calibrated_by_default = True  # unit gains ruin a pretrained model (UNCALIBRATED_COST)
+    calibration_hint = "avnorm"
 
     @dataclass
     class Options:
@@ -94,6 +105,25 @@ class AVNorm(Norm):
     @classmethod
     def on_output(cls, options) -> bool:
         return options.mode != "beyond"  # beyond needs n per query: it acts inside the attention function
+
+    @classmethod
+    def calibrates(cls, options) -> bool:
+        return True
+
+    def calibrated_parameter(self) -> str:
+        return "exponent" if self.options.mode == "beyond" else "gain"
+
+    @classmethod
+    def uncalibrated_cost(cls, given: dict) -> str | None:
+        if given.get("gain") is None and given.get("mode", "always") == "always":
+            return f"AVNorm without calibration starts every head at gain 1, which ruins a pretrained model until " \
+                   f"trained: {UNCALIBRATED_COST}"
+        return None
+
+    @classmethod
+    def report_options(cls, options: dict) -> tuple[list[str], str]:
+        beyond = options.get("mode") == "beyond"  # ref_len means something with mode=beyond only
+        return ["gain", "exponent"] + ([] if beyond else ["ref_len"]), "exponent" if beyond else "gain"
 
     def __init__(self, options, shape):
         super().__init__(options, shape)

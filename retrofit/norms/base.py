@@ -63,6 +63,17 @@ class Norm(nn.Module):
     # True: the norm acts per head (per-head parameters or a per-head value), so `retrofit.patch(..., heads=)` can
     # select heads; the unselected heads keep the original attention (see select_heads).
     per_head: ClassVar[bool] = False
+    # What the rest of retrofit says about this norm comes from here, never from a branch on its name elsewhere
+    # (docs/adding-a-norm.md): the model card, diagnose's report, calibration, the reports and the benchmarks.
+    baseline: ClassVar[bool] = False  # True: the model's own attention (softmax): the control arm, the unpatched label
+    card: ClassVar[str] = ""  # the model card's "Why:" (what this norm changes and why it helps); "" = the summary
+    diagnosis: ClassVar[str] = ""  # how diagnose's five measures read under this norm (its report says it)
+    example_options: ClassVar[dict] = {}  # the options benchmarks and the norm contract test patch with (p=2 ...)
+    decode_target: ClassVar[float | None] = None  # `retrofit bench decode`: time per token vs unpatched; None: 1.05
+    # True: a fresh patch on a pretrained model is calibrated unless told not to (patch.calibrate_tokens, diagnose):
+    # its starting point would ruin the model (AVNorm's unit gains). False: calibration only when asked (gain=1).
+    calibrated_by_default: ClassVar[bool] = False
+    calibration_hint: ClassVar[str | None] = None  # how to ask for a calibrated patch of it, in errors: "avnorm"
 
     def __init__(self, options: Any, shape: AttentionShape):
         super().__init__()
@@ -114,6 +125,57 @@ class Norm(nn.Module):
         """Why this norm cannot keep a model's own learned attention sinks (gpt_oss), or None if it keeps them.
         Norms that call the wrapped kernel (softmax, AVNorm) keep them: the model's eager function applies them."""
         return None
+
+    @classmethod
+    def sink_note(cls, options) -> str:
+        """What happens to a model's own learned sinks under this norm, for the PatchReport's note."""
+        return "kept"
+
+    # ---- calibration (retrofit.calibrate) and how a report shows it -------------------------------------------------
+
+    @classmethod
+    def calibrates(cls, options) -> bool:
+        """Whether this norm, built with `options`, has per-head values retrofit.calibrate sets."""
+        return False
+
+    def calibrated_parameter(self) -> str | None:
+        """The parameter retrofit.calibrate sets: "gain" (a per-head scale: mean RMS before over after), "exponent"
+        (a per-head power of n / L, fitted on RMS by length), or None."""
+        return None
+
+    @classmethod
+    def uncalibrated_cost(cls, given: dict) -> str | None:
+        """What patching a pretrained model with these options (those the user gave) and no calibration costs,
+        measured, for `retrofit patch`'s warning; None: nothing to warn about."""
+        return None
+
+    @classmethod
+    def report_options(cls, options: dict) -> tuple[list[str], str | None]:
+        """(options a PatchReport leaves out, the one it shows with its calibration: "gain" calibrated on N tokens)."""
+        return [], None
+
+    # ---- diagnose: the weights this norm gives the logits l = q.k * scaling of some query rows -----------------------
+
+    def logit_factor(self, n: torch.Tensor) -> torch.Tensor | None:
+        """The factor this norm multiplies the logits by before its map, for n visible keys (B, H, R, 1); None: 1."""
+        return None
+
+    def bound_terms(self) -> tuple[float, torch.Tensor | None]:
+        """(p, sink logit (H, 1) or None): what Corollary 1's bounds on a weight need of this norm."""
+        return 1.0, None
+
+    def weights(self, logits: torch.Tensor, n: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """(B, H, R, T) logits (-inf on hidden keys), n (B, H, R, 1) visible keys -> the weights this norm makes,
+        every logit divided by `temperature` first (diagnose's g(T, eps)). Softmax here; AVNorm keeps it."""
+        return softmax_rows(self.scaled(logits, n) / temperature)
+
+    def scaled(self, logits: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """The logits times logit_factor(n); hidden keys stay -inf (a factor 0, log 1 for one visible key, keeps them
+        hidden, as scaling q in the forward does)."""
+        factor = self.logit_factor(n)
+        if factor is None:
+            return logits
+        return torch.where(torch.isneginf(logits), logits, logits * factor.to(logits.dtype))
 
     # ---- acts_on_output norms: hooks on the owner's output projection ----------------------------------------------
     # The hooks hold no per-forward state, so concurrent forwards of one model (threads) cannot see each other's:
@@ -285,3 +347,11 @@ def finite_number(value, what: str, hint: str = "") -> float:
     if not math.isfinite(value):
         raise RetrofitError(f"{what} must be finite{hint}, got {value!r}")
     return value
+
+
+def softmax_rows(logits: torch.Tensor, p: float = 1.0) -> torch.Tensor:
+    """exp(l) / ||exp(l)||_p along the last dim (p = 1: softmax); -inf logits are hidden keys (weight 0)."""
+    m = logits.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
+    e = torch.exp(logits - m)
+    norm = e.sum(-1, keepdim=True) if p == 1.0 else e.pow(p).sum(-1, keepdim=True).pow(1.0 / p)
+    return e / norm.clamp_min(1e-300)

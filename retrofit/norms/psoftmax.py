@@ -32,7 +32,7 @@ from torch import nn
 from ..errors import RetrofitError
 from ..kernels import psoftmax_attention, softmax1_attention
 from . import register_norm
-from .base import Norm, kernel_call, model_sink, option
+from .base import Norm, kernel_call, model_sink, option, softmax_rows
 
 
 @register_norm
@@ -41,6 +41,15 @@ class PSoftmax(Norm):
     summary = "exp(s) normalized by its Lp norm (p=2: variance-preserving L2 softmax)"
     formula = "a = exp(s) / ||exp(s)||_p"
     knob, knob_identity = "p", 1.0
+    card = ("exp(s) is divided by its Lp norm instead of its sum; with p = 2 the squared weights sum to 1, so a head "
+            "averaging L values keeps their variance at every length instead of collapsing as 1/L.")
+    diagnosis = ("weights exp(s)/||exp(s)||_p do not sum to 1: 1 reports the entropy of the renormalized row and "
+                 "Corollary 1 becomes n^(-1/p) e^(+-2a); 2: ||A||_2^2 = 1 at p = 2, so the prediction no longer "
+                 "shrinks; 3 uses the weight left outside the top-N set where the paper has 1 - abar_N; 5 perturbs "
+                 "exp(l/T)/||exp(l/T)||_p (Corollary 3's 1/(4T) is softmax's, Lemma 2 is the general bound).")
+    example_options = {"p": 2.0}
+    decode_target = 1.15  # two kernel calls per decoded token (bench decode; DESIGN: 11.2 vs 19.4 tok/s on CPU)
+    calibration_hint = "psoftmax with gain=1 (--gain 1)"
 
     @dataclass
     class Options:
@@ -62,6 +71,19 @@ class PSoftmax(Norm):
         gain = None if options.gain is None else nn.Parameter(torch.full((shape.num_heads,), options.gain))
         self.register_parameter("gain", gain)  # (H,) or None
         self.calibration = None  # a list while retrofit.calibrate() collects statistics
+
+    @classmethod
+    def calibrates(cls, options) -> bool:
+        return options.gain is not None
+
+    def calibrated_parameter(self) -> str | None:
+        return None if self.gain is None else "gain"
+
+    def bound_terms(self) -> tuple[float, None]:
+        return float(self.p), None
+
+    def weights(self, logits: torch.Tensor, n: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        return softmax_rows(logits / temperature, float(self.p))
 
     def set_knob(self, value: float) -> None:
         value = _p(value)

@@ -17,6 +17,10 @@ class Softmax(Norm):
     name = "softmax"
     summary = "the unpatched baseline (bitwise identical to the original model)"
     formula = "a = exp(s) / sum_j exp(s_j)"
+    baseline = True
+    card = ("the unpatched baseline, published for comparison: softmax weights sum to 1, so as the context grows "
+            "they spread out and each head's output variance falls roughly as 1/L (variance collapse).")
+    diagnosis = "the paper's setting: every measure as defined."
 
     @dataclass
     class Options:

@@ -32,6 +32,12 @@ class Softmax1(Norm):
     formula = "a = exp(s) / (exp(b_h) + sum_j exp(s_j)), b_h = 0 or learned"
     knob, knob_identity = "sink", -30.0
     per_head = True  # heads= selects heads; the others keep plain softmax, no sink (patch: Norm.keep_unselected)
+    card = ("softmax+1 puts a sink in the denominator, so a head can attend to nothing rather than being forced to "
+            "spread its weight over irrelevant tokens of a long context.")
+    diagnosis = ("weights exp(s)/(exp(b)+sum exp(s)) sum to less than 1 (the sink takes the rest): 1 reports the "
+                 "entropy of the renormalized row and the sink-aware Corollary 1 bounds; 3 uses the weight left "
+                 "outside the top-N set; 5 divides the sink logit by T too.")
+    example_options = {"learnable": True}
 
     @dataclass
     class Options:
@@ -64,6 +70,21 @@ class Softmax1(Norm):
 
     def knob_value(self) -> float:
         return float(self.sink[0])
+
+    @classmethod
+    def sink_note(cls, options) -> str:
+        return "stacked with softmax1's sink"
+
+    def bound_terms(self) -> tuple[float, torch.Tensor]:
+        return 1.0, self.sink.detach().float().view(-1, 1)
+
+    def weights(self, logits: torch.Tensor, n: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """exp(l / T) / (exp(b_h / T) + sum exp(l / T)), shifted by the row's max (the sink counted in it)."""
+        logits = logits / temperature
+        sink = (self.sink.detach().to(logits.dtype).view(-1, 1, 1) / temperature).expand_as(logits[..., :1])
+        m = torch.maximum(logits.amax(-1, keepdim=True), sink)
+        e = torch.exp(logits - m)
+        return e / (torch.exp(sink - m) + e.sum(-1, keepdim=True))
 
     @classmethod
     def sink_refusal(cls, options) -> str | None:

@@ -55,6 +55,11 @@ class SSMax(Norm):
     scales_queries_by_position = True
     knob, knob_identity = "blend", 0.0
     per_head = True  # heads= selects heads; the others keep plain softmax logits (patch: Norm.keep_unselected)
+    card = ("Scalable-Softmax multiplies the logits by s*log(n) (n = keys the query sees), so attention stays as "
+            "peaked over many keys as over few, instead of flattening as the context grows.")
+    diagnosis = ("weights are softmax(s log(n) l): L enters theta, so Lemma 1's premise fails by design; Corollary 1 "
+                 "is applied to the effective logits (a -> s log(n) a); 5 perturbs the logits l before the s log(n) "
+                 "factor, so T = 1 is the model as it is.")
 
     @dataclass
     class Options:
@@ -88,6 +93,10 @@ class SSMax(Norm):
             s_init = options.s_init if options.s_init is not None else 1.0 / math.log(self.ref_len)
             self.s = nn.Parameter(torch.full((shape.num_heads,), s_init))  # (H,)
         self.blend = options.blend  # the scheduled knob
+
+    def logit_factor(self, n: torch.Tensor) -> torch.Tensor:
+        """(B, H, R, 1) visible keys -> the factor (B, H, R, 1) this norm's logits are multiplied by."""
+        return self.blended(self.factor(n[..., 0])).unsqueeze(-1)
 
     def set_knob(self, value: float) -> None:
         self.blend = _blend(value)

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import RetrofitError
+from ..norms import baseline_norm
 from .schema import knob
 from .sections import PatchSection, RecoverySection
 
@@ -46,7 +47,7 @@ def check_lr(value, key: str) -> None:
 class ReferenceSection:
     file: str = knob("", "JSON with `context_lengths` and the published loss curves (one per key)")
     control: str = knob("", "dotted key of the published curve our control arm stands for, e.g. pe.l1_baseline")
-    control_arm: str = knob("softmax", "our arm compared against `control`")
+    control_arm: str = knob(baseline_norm(), "our arm compared against `control`")
     arms: dict[str, str] = knob(factory=dict,
                                 doc="our arm -> dotted key of its published curve, e.g. avnorm: pe.rmsnorm")
     note: str = knob("", "one line on what the reference measured (model, data, trained length, steps)")
@@ -95,7 +96,7 @@ class ExperimentSection:
                                       "(clipped to finetune_steps): the recovery curve")
     recovery_lengths: list[int] | None = knob(None, "lengths the recovery curve is measured at (the first "
                                                     "eval.batches validation blocks, cut); null = [data.seq_len]")
-    control: str = knob("softmax", "the arm every other arm's recovery gap is measured against; an experiment "
+    control: str = knob(baseline_norm(), "the arm every other arm's recovery gap is measured against; an experiment "
                                    "without an arm of that name reports no gaps")
     seeds: list[int] | None = knob(None, "training seeds: every arm is finetuned once per seed (DIR/arms/NAME-seedS, "
                                          "train.seed = S), all scored on the same windows; reports give each arm's "

@@ -62,9 +62,10 @@ class PatchSection:
         self.options = self.spec().options  # every rule of the patch is checked there; options typed (p: 2 -> 2.0)
         need(self.calibrate_tokens is None or self.calibrate_tokens >= 0,
              f"patch.calibrate_tokens must be >= 0 tokens, got {self.calibrate_tokens}")
-        need(not self.calibrate_tokens or self.norm == "avnorm",
-             f"patch.calibrate_tokens sets AVNorm gains, but patch.norm is {self.norm!r}; set "
-             "patch.calibrate_tokens: 0")
+        by_default = [name for name, cls in sorted(NORMS.items()) if cls.calibrated_by_default]
+        need(not self.calibrate_tokens or self.norm in by_default,
+             f"patch.calibrate_tokens sets the per-head gains of {', '.join(by_default)}, but patch.norm is "
+             f"{self.norm!r}; set patch.calibrate_tokens: 0")
 
     def spec(self) -> PatchSpec | None:
         """The patch as a PatchSpec (None: patch.norm null, the model as loaded)."""
@@ -74,10 +75,12 @@ class PatchSection:
                          heads=self.heads, spelling=RECIPE)
 
     def tokens_to_calibrate(self, pretrained: bool) -> int:
-        """patch.calibrate_tokens, or its default: 8192 for AVNorm (no gain given) on a pretrained model, else 0."""
+        """patch.calibrate_tokens, or its default: 8192 for a norm calibrated by default (AVNorm: Norm.
+        calibrated_by_default) on a pretrained model when no gain is given, else 0."""
         if self.calibrate_tokens is not None:
             return self.calibrate_tokens
-        return 8192 if self.norm == "avnorm" and pretrained and self.options.get("gain") is None else 0
+        default = self.norm is not None and NORMS[self.norm].calibrated_by_default
+        return 8192 if default and pretrained and self.options.get("gain") is None else 0
 
     @staticmethod
     def option_documentation(prefix: str) -> list[tuple[str, str, str]]:

@@ -31,6 +31,7 @@ from torch import nn
 from ..calibrate import calibrate
 from ..errors import RetrofitError, check_token_ids
 from ..load import CountingModel, language_model
+from ..norms import get_norm
 from ..positions import position_limit
 from ..recipe import PeftSection, Recipe, RecoverySection, TrainSection
 from ..recovery import is_patch_parameter, knob_norms
@@ -158,14 +159,15 @@ def wrap_task(model: nn.Module, task: str) -> nn.Module:
 def calibrate_patch(model: nn.Module, data, recipe: Recipe) -> dict | None:
     """Calibrated per-head gains from the recipe's own data (see retrofit/calibrate.py for why): AVNorm's
     (patch.calibrate_tokens), p-softmax's when patch.gain is set (recovery.calibrate_tokens)."""
+    spec = recipe.patch.spec()
+    if spec is None or not get_norm(spec.norm).calibrates(spec.norm_options):
+        return None
     pretrained = recipe.model.source is not None
     tokens = recipe.patch.tokens_to_calibrate(pretrained=pretrained)
-    if recipe.patch.norm == "psoftmax" and recipe.patch.options.get("gain") is not None:
+    if not get_norm(spec.norm).calibrated_by_default:  # asked for (psoftmax's gain): recovery.calibrate_tokens
         recovery = recipe.section("recovery")
         given = recovery.calibrate_tokens if recovery is not None else None
         tokens = given if given is not None else 8192 * pretrained
-    elif recipe.patch.norm != "avnorm":
-        return None
     if not tokens:
         return None
     batches = data.calibration(tokens, recipe.data.seq_len)

@@ -1,0 +1,177 @@
+"""The norm contract (issue 41 item 2): every registered norm, with its example options, passes the same checks on a
+tiny Llama — causal, KV cache, left padding, reload, unpatch, torch.compile (aot_eager), bf16, and its own `weights`
+hook against its forward. A new norm is tested by being registered (docs/adding-a-norm.md); nothing here names one.
+
+The patch's parameters are randomized first (gains, sinks, s in [0.5, 1.5]), so a check cannot pass because a fresh
+patch happens to be the identity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import retrofit
+from retrofit.norms import Norm, available_norms, get_norm
+from tests.tiny import random_ids, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NORMS = available_norms()
+T = 12
+
+
+def _patched(norm: str, **config):
+    model = tiny_model("llama", **config)
+    retrofit.patch(model, norm, **get_norm(norm).example_options)
+    g = torch.Generator().manual_seed(3)
+    for name, p in model.named_parameters():
+        if ".retrofit." in name:
+            p.data.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    return model.eval()
+
+
+def _logits(model, ids, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False, **kwargs).logits
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_causal(norm):
+    """Changing the tokens after position t changes no logit up to t."""
+    model, ids = _patched(norm), random_ids(1, T)
+    changed = ids.clone()
+    changed[:, T // 2:] = (changed[:, T // 2:] + 7) % model.config.vocab_size
+    a, b = _logits(model, ids), _logits(model, changed)
+    torch.testing.assert_close(a[:, :T // 2], b[:, :T // 2], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(a[:, T // 2:], b[:, T // 2:])  # the check can fail: the later logits did move
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_kv_cache_decoding_equals_the_full_forward(norm):
+    """A prefill of half the tokens, then one token at a time through the cache: the full forward's logits."""
+    model, ids = _patched(norm), random_ids(1, T)
+    full = _logits(model, ids)
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :T // 2], use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        for t in range(T // 2, T):
+            out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+            cache = out.past_key_values
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_left_padding_changes_nothing(norm):
+    """A row left-padded in a batch has the logits it has alone, on its real tokens."""
+    model, ids = _patched(norm), random_ids(2, T)
+    pad = 4
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, :pad] = 0
+    padded = ids.clone()
+    padded[1, :pad] = 0
+    batch = _logits(model, padded, attention_mask=mask)
+    alone = _logits(model, ids[1:, pad:])
+    torch.testing.assert_close(batch[1:, pad:], alone, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_reload_gives_the_same_logits(norm, tmp_path):
+    """save_pretrained, then retrofit.from_pretrained: the same patch, the same (randomized) parameter values."""
+    model, ids = _patched(norm), random_ids(2, T)
+    model.save_pretrained(tmp_path / "m")
+    again = retrofit.from_pretrained(str(tmp_path / "m")).eval()
+    assert retrofit.patch_record(again)["norm"] == norm
+    torch.testing.assert_close(_logits(again, ids), _logits(model, ids), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_unpatch_gives_the_original_model_bitwise(norm):
+    ids = random_ids(2, T)
+    original = _logits(tiny_model("llama").eval(), ids)
+    model = _patched(norm)
+    retrofit.unpatch(model)
+    assert not retrofit.is_patched(model) and not any(isinstance(m, Norm) for m in model.modules())
+    torch.testing.assert_close(_logits(model, ids), original, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_compiled_equals_eager(norm):
+    """torch.compile (aot_eager: traced by Dynamo and AOTAutograd, no C compiler needed) computes what eager does."""
+    torch._dynamo.reset()
+    model, ids = _patched(norm), random_ids(2, T)
+    eager = _logits(model, ids)
+    compiled = torch.compile(model, backend="aot_eager")
+    torch.testing.assert_close(_logits(compiled, ids), eager, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_bf16_autocast_is_finite_and_close_to_fp32(norm):
+    """Under bf16 autocast (q, k in fp32 from RoPE, v in bf16) the loss is finite, within 2% of fp32's, and every
+    trainable parameter gets a finite gradient."""
+    model, ids = _patched(norm), random_ids(2, T)
+    model.train()
+    with torch.no_grad():
+        fp32 = float(model(input_ids=ids, labels=ids).loss)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert loss.isfinite() and abs(float(loss) - fp32) <= 0.02 * fp32, (float(loss), fp32)
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_the_weights_hook_matches_the_forward(norm):
+    """What diagnose rebuilds from the norm's own `weights` hook, times the values, is what its forward computes
+    (a norm acting inside attention); a norm acting on the heads' outputs keeps softmax weights, so there the
+    rebuilt average is the wrapped kernel's output and the norm's output differs from it."""
+    from retrofit.diagnose.capture import capture_rows
+
+    model, ids = _patched(norm), random_ids(1, T)
+    rows = []
+    with capture_rows(model, torch.arange(T), rows.append), torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    assert len(rows) == model.config.num_hidden_layers
+    for r in rows:
+        assert torch.isfinite(r.weights).all() and (r.weights[~r.visible] == 0).all()
+        norm_module = next(m for m in model.modules() if isinstance(m, Norm))
+        if not norm_module.acts_on_output:
+            torch.testing.assert_close(r.head_out, r.head_out_raw, atol=1e-4, rtol=1e-4)
+
+
+# ---- what a norm knows lives in its file --------------------------------------------------------------------------
+# A registered norm's name as a whole string constant outside retrofit/norms/ is knowledge of that norm kept elsewhere
+# (a branch, a table, a list): what is left, and why it is not.
+NAMED_ELSEWHERE = {
+    "retrofit/commands/patch_flags.py": "generated from the registry (python -m retrofit.commands.patch_flags) so "
+                                        "that `retrofit patch --help` imports no norm; a test checks it is current",
+    "retrofit/bench/attention.py": "names retrofit.kernels' attention functions (psoftmax_attention, ...), not norms",
+    "retrofit/bench/gpu.py": "the kernels the attention benchmark runs (bench/attention.py's names), not norms",
+    "retrofit/bench/parity.py": "the kernels' float64 reference, keyed by kernel (psoftmax at p = 1, 2, 3, ...)",
+    "retrofit/commands/report.py": "results.json written before `control` was recorded: the control arm's name then",
+    "retrofit/experiment/report.py": "the same: old results' control arm, by the name it had",
+}
+
+
+def _norm_names_in(path) -> list[str]:
+    import ast
+
+    return [f"{path}:{node.lineno} {node.value!r}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and node.value in NORMS]
+
+
+def test_no_norm_is_named_outside_its_file():
+    """Adding a norm means adding its file (docs/adding-a-norm.md): the card, diagnose, calibration, reports and
+    benchmarks ask the norm class (Norm's hooks) or iterate the registry, never test its name."""
+    from tests.test_layout import ROOT
+
+    found = [line for path in sorted(ROOT.rglob("*.py")) if "norms" not in path.relative_to(ROOT).parts
+             and str(path.relative_to(ROOT.parent)) not in NAMED_ELSEWHERE for line in _norm_names_in(path)]
+    assert found == []
+    assert all((ROOT.parent / path).is_file() for path in NAMED_ELSEWHERE)  # no stale exception
+
+
+def test_the_name_check_catches_a_branch(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text('def gain(norm):\n    return 1.0 if norm == "avnorm" else None\n')
+    assert _norm_names_in(planted) == [f"{planted}:2 'avnorm'"]

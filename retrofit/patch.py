@@ -4,6 +4,7 @@
     report = retrofit.patch(model, "avnorm", kind="rms")   # a PatchReport: print(report) shows what was patched
     retrofit.patch(model, "softmax", rope="yarn:4")         # RoPE extension composes with every norm (rope.py)
     retrofit.unpatch(model)                                  # exactly the original model again
+    retrofit.patch(model, PatchSpec.parse("avnorm:layers=16-29"))  # one value for the patch (patch_spec.py)
 
 How: transformers calls
 `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)(module, q, k, v, mask, ...)`.
@@ -205,7 +206,7 @@ def has_sinks(module: nn.Module) -> bool:
     return isinstance(getattr(module, "sinks", None), nn.Parameter)
 
 
-def _check_sinks(norm: str, norm_cls, opts, config, modules) -> str | None:
+def _check_sinks(norm_cls, opts, config, modules) -> str | None:
     """Refuse a norm that would drop or double the model's learned sinks; returns the report's note."""
     if not any(has_sinks(m) for _, m in modules):
         return None
@@ -249,7 +250,7 @@ def patch(model: nn.Module, norm: str | PatchSpec | None = None, *, nope: bool =
         raise RetrofitError(f"found no attention module to patch in {type(model).__name__} (looked for {tried})")
     config = model.config
     modules, layers, heads = select(modules, spec.layers, spec.heads, _shape(modules[0][1], config).num_heads)
-    notes.append(_check_sinks(norm, norm_cls, opts, config, modules))
+    notes.append(_check_sinks(norm_cls, opts, config, modules))
     if not nope and layers_without_positions(config):
         notes.append(already_without_positions(config))
     params_added = 0

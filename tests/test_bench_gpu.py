@@ -167,7 +167,7 @@ def test_bench_decode_tiny_folder_writes_a_row_per_norm(tmp_path, capsys):
     result = json.loads((results / "bench-decode.json").read_text())
     assert result["threads"] == 1 and result["prompt_tokens"] == 24 and "random token ids" in result["prompt"]
     rows = {r["norm"]: r for r in result["results"]}
-    assert list(rows) == ["unpatched", "avnorm", "psoftmax", "ssmax", "softmax1"]
+    assert list(rows) == ["unpatched", *patched_norms()]  # every registered norm but the baseline
     assert rows["unpatched"]["ratio"] == 1.0 and "target" not in rows["unpatched"]
     assert rows["psoftmax"]["target"] == 1.15 and rows["psoftmax"]["options"] == {"p": 2.0}
     for name, r in rows.items():

@@ -41,11 +41,6 @@ def model_arms(results: dict) -> dict[str, str]:
     return {m["name"]: m["arm"] for m in results["models"] if m.get("arm") is not None and m.get("seed") is not None}
 
 
-def check_reference(reference, names: list[str]) -> str | None:
-    """The first reference's name (see check_references)."""
-    return next(iter(check_references(reference, names)), None)
-
-
 def paired_comparisons(results: dict, reference=None) -> dict | None:
     """{"reference": FIRST, "references": [NAME, ...], "rows": [...]}: for each reference, one row per (other model,
     length both have), or None when fewer than two models have language-modelling rows. Each row: reference,

@@ -1,5 +1,5 @@
 """The logit head and the loss, once: final hidden states -> float32 logits as the model's own forward makes them,
-run a chunk of positions at a time. Training (train/tasks.py), the loop's evaluation, `retrofit eval`
+run a chunk of positions at a time. Training (train/losses.py), the loop's validation, `retrofit eval`
 (evaluate/losses.py) and distillation (recovery/distill.py) all score with it.
 
     hidden = final_hidden(model, batch)                        # (B, T, d): the body, through the model's forward

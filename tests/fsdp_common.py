@@ -5,7 +5,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import retrofit
-from retrofit.train import tasks
+from retrofit.train import losses
 from tests.tiny import tiny_model
 
 
@@ -29,10 +29,10 @@ def global_batch(seed: int = 0) -> torch.Tensor:
 
 
 def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
-    """The training loop's loss (retrofit.train.tasks.loss_sum: the head chunked and checkpointed outside the
+    """The training loop's loss (retrofit.train.losses.loss_sum: the head chunked and checkpointed outside the
     model's forward, so FSDP2's gathered head weight must get its gradient), as a mean over scored tokens."""
     batch = {"input_ids": ids, "labels": ids}
-    return tasks.loss_sum(model, batch, "lm", chunk_tokens=8) / tasks.items(batch, "lm")
+    return losses.loss_sum(model, batch, "lm", chunk_tokens=8) / losses.items(batch, "lm")
 
 
 @torch.no_grad()

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from retrofit.recipe import load_recipe  # noqa: E402
 from retrofit.train import train  # noqa: E402
+from retrofit.train.losses import loss_sum  # noqa: E402
 from retrofit.train.sequence_parallel import sequence_layout, shard, sharded  # noqa: E402
-from retrofit.train.tasks import loss_sum  # noqa: E402
 from tests.sequence_parallel_common import CASES, batch, build, grads  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Issue 38 item 1: the loss without (B, T, V) logits (retrofit/logit_head.py head_loss_sum). The same sum and the
 same gradients (hidden states, head weight, every parameter) as the full computation, in fp32 and bf16, with -100
-labels, soft-capping and a tied head; through training's loss_sum, the loop's evaluation and the KL of recovery;
+labels, soft-capping and a tied head; through training's loss_sum, the loop's validation and the KL of recovery;
 under torch.compile and LoRA; and no saved tensor ever holds more than one chunk of logits."""
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from retrofit.logit_head import (
 )
 from retrofit.recipe import recipe_from_dict
 from retrofit.recovery.distill import chunked_kl_sum
-from retrofit.train import build, tasks, train
+from retrofit.train import build, train
+from retrofit.train.losses import items, loss_sum
+from retrofit.train.validation import validation_metrics
 from tests.test_train import lm_recipe, write_corpus
 from tests.tiny import VOCAB, random_ids, tiny_model
 
@@ -108,11 +110,11 @@ def test_training_loss_sum_equals_the_models_own_loss_with_every_gradient(model_
     model = tiny_model(model_type, seed=2).train()
     ids = random_ids(2, 20)
     batch = {"input_ids": ids, "labels": _labels(ids)}
-    n = tasks.items(batch, "lm")
+    n = items(batch, "lm")
     own = model(input_ids=ids, labels=batch["labels"], use_cache=False).loss * n  # transformers' shifted mean
     want = _param_grads(model, own)
     for chunk in (0, 6):  # 0: the full-logits path the knob keeps
-        got_loss = tasks.loss_sum(model, batch, "lm", chunk)
+        got_loss = loss_sum(model, batch, "lm", chunk)
         torch.testing.assert_close(got_loss, own.detach(), rtol=1e-5, atol=1e-5)
         got = _param_grads(model, got_loss)
         assert got.keys() == want.keys()
@@ -150,7 +152,7 @@ def test_backward_keeps_no_vocabulary_wide_activation_outside_one_chunk():
     for chunk in (8, 0):
         kept.clear()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = tasks.loss_sum(model, {"input_ids": ids, "labels": ids}, "lm", chunk_tokens=chunk)
+            loss = loss_sum(model, {"input_ids": ids, "labels": ids}, "lm", chunk_tokens=chunk)
         loss.backward()
         assert (max(kept) >= 64) if chunk == 0 else kept == [], (chunk, kept)
 
@@ -163,7 +165,7 @@ def test_loop_evaluation_scores_chunked_like_the_full_logits():
     data = types.SimpleNamespace(eval_batches=lambda length, batches, size: [{"input_ids": ids, "labels": labels}])
     acc = types.SimpleNamespace(process_index=0, num_processes=1, device=torch.device("cpu"),
                                 reduce=lambda t, op: t)
-    got = tasks.evaluate(model, data, "passkey", [12], 1, 4, acc, chunk_tokens=5)
+    got = validation_metrics(model, data, "passkey", [12], 1, 4, acc, chunk_tokens=5)
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
     shifted = next_tokens(labels)
@@ -178,9 +180,9 @@ def test_loop_evaluation_scores_chunked_like_the_full_logits():
 def test_compiled_model_trains_with_the_chunked_loss_like_eager():
     model = tiny_model("llama", seed=2).train()
     batch = {"input_ids": random_ids(2, 16), "labels": random_ids(2, 16)}
-    want = _param_grads(model, tasks.loss_sum(model, batch, "lm", 6))
+    want = _param_grads(model, loss_sum(model, batch, "lm", 6))
     compiled = torch.compile(model, backend="aot_eager")
-    got = _param_grads(model, tasks.loss_sum(compiled, batch, "lm", 6))
+    got = _param_grads(model, loss_sum(compiled, batch, "lm", 6))
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
     torch._dynamo.reset()
@@ -191,8 +193,8 @@ def test_lora_gradients_through_the_chunked_loss_equal_the_full_logits():
     model = get_peft_model(tiny_model("llama", seed=2), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                                                                    init_lora_weights=False)).train()
     batch = {"input_ids": random_ids(2, 16), "labels": random_ids(2, 16)}
-    want = _param_grads(model, tasks.loss_sum(model, batch, "lm", 0))
-    got = _param_grads(model, tasks.loss_sum(model, batch, "lm", 5))
+    want = _param_grads(model, loss_sum(model, batch, "lm", 0))
+    got = _param_grads(model, loss_sum(model, batch, "lm", 5))
     assert want and all("lora_" in n for n in want)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -1,6 +1,6 @@
 """data.packing: documents: whole documents per row, positions restarting, attention confined to each document.
 
-The parity tests run a packed row through the training loss (retrofit.train.tasks.loss_sum) and check that each
+The parity tests run a packed row through the training loss (retrofit.train.losses.loss_sum) and check that each
 document's loss and gradients equal that document run alone, for every norm, on a tiny model built here.
 """
 
@@ -18,7 +18,7 @@ from retrofit.data.packing import pack_documents, packed_batch, plan_rows
 from retrofit.errors import RetrofitError
 from retrofit.recipe import DataSection, recipe_from_dict
 from retrofit.train import read_log, train
-from retrofit.train.tasks import loss_sum
+from retrofit.train.losses import loss_sum
 from tests.test_data import char_tokenizer, lm_section
 from tests.test_train import lm_recipe, write_corpus
 from tests.tiny import VOCAB, tiny_model

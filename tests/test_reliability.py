@@ -21,7 +21,7 @@ from retrofit.cli import main
 from retrofit.errors import RetrofitError
 from retrofit.experiment import driver as experiment
 from retrofit.recipe import load_recipe, recipe_from_dict
-from retrofit.train import checkpoint, loop, read_log, train
+from retrofit.train import checkpoint, loop, read_log, train, update
 from tests.tiny import TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -268,14 +268,14 @@ def test_every_checkpoint_damaged_is_a_one_line_error(killed_after_step_8, tmp_p
 # ---- divergence, lock, final save ----------------------------------------------------------------------------------
 
 def test_a_non_finite_loss_on_a_save_step_writes_no_checkpoint(tmp_path, monkeypatch):
-    real, calls = loop.loss_sum, []
+    real, calls = update.loss_sum, []
 
     def nan_at_step_5(model, part, task, *chunk_tokens):  # 2 micro-batches per step: calls 9 and 10 are step 5
         calls.append(1)
         loss = real(model, part, task, *chunk_tokens)
         return loss * float("nan") if len(calls) in (9, 10) else loss
 
-    monkeypatch.setattr(loop, "loss_sum", nan_at_step_5)
+    monkeypatch.setattr(update, "loss_sum", nan_at_step_5)
     run = tmp_path / "run"
     with pytest.raises(RetrofitError) as err:  # step 5 saves (save_every 5) but does not log (log_every 2)
         train(recipe_from_dict(counting_recipe(run, save_every=5, log_every=2)))

@@ -20,9 +20,9 @@ import retrofit
 from retrofit.errors import RetrofitError
 from retrofit.recipe import load_recipe, recipe_from_dict
 from retrofit.train import checkpoint, train
+from retrofit.train.losses import loss_sum
 from retrofit.train.sequence_parallel import SequenceLayout, check_recipe, shard
 from retrofit.train.sequence_parallel import sharded as sharded_model
-from retrofit.train.tasks import loss_sum
 from tests.sequence_parallel_common import CASES, batch, build, grads
 from tests.test_train import lm_recipe, losses_of, write_corpus
 

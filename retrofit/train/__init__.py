@@ -9,8 +9,9 @@
     result = train(load_recipe("recipes/train-tiny-counting.yaml"))   # TrainResult: losses, evals, model
     model = retrofit.load.load(result.run_dir)                         # LM or CountingModel, ready to evaluate
 
-Modules: loop (the loop), build (accelerator, task wrapper, LoRA, optimizer, schedule), tasks (losses,
-periodic evaluation), checkpoint (atomic resumable state), runlog (log.jsonl), fsdp (FSDP2 units),
+Modules: loop (the loop, step by step), state (the Run it carries), update (one optimizer update), build
+(accelerator, task wrapper, LoRA, optimizer, schedule), losses (each task's loss), validation (the periodic
+metrics), checkpoint (atomic resumable state), runlog (log.jsonl), fsdp (FSDP2 units),
 sequence_parallel (train.sequence_parallel: Ulysses, N processes per row). Loading the model and
 saving the final one is retrofit.load; the CLI is retrofit/commands/train.py.
 """

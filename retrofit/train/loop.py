@@ -3,14 +3,13 @@
     result = train(load_recipe("recipes/train-tiny-counting.yaml"))
     result = train(recipe, model=my_model, resume=True, callbacks=[on_event])
 
-Each optimizer step takes the step's global batch (built identically on every process), trains this
-process's slice of it in `micro_batch_size` pieces (no gradient sync until the last), and divides
-every loss sum by the global item count, so the gradient is the exact mean over the global batch for
-any number of processes or accumulation steps. With train.sequence_parallel N, groups of N processes share each
-row (sequence_parallel.py: each scores its T/N tokens; attention sees the whole row), and the groups split the batch;
-evaluation and saving run unsharded. The learning rate is a pure function of the step, so
-a resumed run needs only model, optimizer, RNG and data position to continue identically (plus the
-open log window's loss sum, so a window spanning the resume logs the same mean).
+_train reads as the recipe of a run, one named step per line: split the batch across processes, stop if a
+resumed run already finished, build the Run (state.py: model, optimizer, data, log window, divergence flag),
+resume from the newest good checkpoint, set the schedule's knob, open the run folder, then the steps (update.py:
+one optimizer update; after it what is due: a log line, an evaluation, a checkpoint) and the final save.
+Evaluation and saving run unsharded. The learning rate is a pure function of the step, so a resumed run needs
+only model, optimizer, RNG and data position to continue identically (plus the open log window's loss sum, so a
+window spanning the resume logs the same mean).
 
 Reliability: the run folder is locked (RUN/.lock holds the pid) for the life of the run; a device-side
 flag records the first step whose loss or gradient norm was not finite, checked at log steps and before
@@ -29,7 +28,6 @@ import contextlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,18 +40,10 @@ from ..load import apply_patch, language_model, load_base, recipe_tokenizer, sav
 from ..recipe import Recipe, flat, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, knob_values, record_knob
 from . import build, checkpoint
-from .sequence_parallel import check_recipe, shard, sharded
-from .tasks import evaluate, items, loss_sum, recovery_loss_sum
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    steps: int                                                   # optimizer steps completed
-    losses: dict[int, float] = field(default_factory=dict)      # step -> mean training loss of its log window
-    evals: dict[int, dict] = field(default_factory=dict)        # step -> eval metrics
-    resumed_from: int | None = None
-    model: nn.Module | None = None                               # the trained model, as saved
+from .sequence_parallel import check_recipe
+from .state import Divergence, LogWindow, Run, Split, StepStats, TrainResult
+from .update import train_step
+from .validation import validation_metrics
 
 
 def run_dir_of(recipe: Recipe) -> Path:
@@ -123,24 +113,46 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
 
 
 def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume: bool, callbacks) -> TrainResult:
-    """train()'s body, run while the run folder is locked. Long by design: it is the loop, read top to
-    bottom (setup, resume, steps with log/eval/checkpoint, final save)."""
+    """train()'s body, run while the run folder is locked: the recipe's steps in order, each a function below."""
     acc.wait_for_everyone()  # every process has checked the run folder before the main one writes to it
-    t = recipe.train
-    world, rank = acc.num_processes, acc.process_index
+    split = _split(recipe, acc)
+    if resume and _finished(recipe, acc, run_dir):
+        return TrainResult(run_dir, recipe.train.steps)
+    run = _build(recipe, acc, run_dir, split, model=model, tokenizer=tokenizer, data=data, callbacks=callbacks)
+    saved_knob = _resume(run) if resume else None
+    _start_schedule(run, saved_knob)
+    _open_run(run)
+    if run.result.steps == 0 and 0 in recipe.eval.at_steps:
+        _evaluate(run, 0)
+    _steps(run)
+    return _finish(run)
+
+
+# ---- before the first step -----------------------------------------------------------------------------------------
+
+def _split(recipe: Recipe, acc) -> Split:
     layout = check_recipe(recipe)  # train.sequence_parallel: N processes share each row (None when 1)
-    data_rank, data_world = (layout.data_rank, layout.data_size) if layout else (rank, world)
-    accum = build.accumulation(t, data_world)
+    rank, world = (layout.data_rank, layout.data_size) if layout else (acc.process_index, acc.num_processes)
+    accum = build.accumulation(recipe.train, world)
     if acc.distributed_type.name == "DEEPSPEED" and accum != 1:
         raise RetrofitError("with DeepSpeed set train.micro_batch_size = batch_size / processes (no accumulation)")
-    if resume and (run_dir / "recipe.yaml").is_file():  # before anything loads: same recipe or a clear error
+    return Split(layout, rank, world, accum)
+
+
+def _finished(recipe: Recipe, acc, run_dir: Path) -> bool:
+    """Resuming, before anything loads: the same recipe or a clear error; True when the run already finished."""
+    if (run_dir / "recipe.yaml").is_file():
         checkpoint.check_same_recipe(flat(load_recipe(run_dir / "recipe.yaml")), flat(recipe), run_dir)
     done = run_dir / "result.json"
-    if resume and done.is_file() and json.loads(done.read_text()).get("steps") == t.steps:
-        acc.print(f"{run_dir} already finished {t.steps} steps; nothing to do")
-        return TrainResult(run_dir, t.steps)
+    if done.is_file() and json.loads(done.read_text()).get("steps") == recipe.train.steps:
+        acc.print(f"{run_dir} already finished {recipe.train.steps} steps; nothing to do")
+        return True
+    return False
 
-    from_recipe = model is None  # a LoRA adapter can only be rebuilt on a base the recipe describes
+
+def _build(recipe: Recipe, acc, run_dir: Path, split: Split, *, model, tokenizer, data, callbacks) -> Run:
+    """setup(), the recovery schedule, the optimizer and accelerate's wrapping, gathered into one Run."""
+    from_recipe = model is None
     model, tokenizer, data = setup(recipe, acc, model=model, tokenizer=tokenizer, data=data)
     model.train()
     rec = recipe.section("recovery")  # retrofit.recovery: schedules, distillation, patch learning rate
@@ -148,141 +160,144 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
     if rec is not None and schedule is not rec.schedule:
         acc.print(f"recovery.schedule.costs measured (zero-shot, first training block): "
                   f"{schedule.costs}")  # every digit: pinned in a recipe, they give this schedule exactly
-    mixed = rec is not None and (rec.lm_weight != 1.0 or rec.distills())  # else the task's own loss
-    optimizer = build.make_optimizer(model, t, rec)
+    optimizer = build.make_optimizer(model, recipe.train, rec)
     model, optimizer = acc.prepare(model, optimizer)
-    task, recipe_flat, start, window, saved_knob = recipe.data.task, flat(recipe), 0, None, None
-    if resume:
-        found = checkpoint.resume_checkpoint(acc, run_dir, recipe_flat)  # newest one whose manifest verifies
-        if found:
-            path, meta = found
-            data.load_state_dict(meta["data"])
-            start, window, saved_knob = meta["step"], meta.get("window"), meta.get("knob")
-            acc.print(f"resumed from {path} (step {start})")
-        else:
-            acc.print(f"no complete checkpoint in {run_dir}: starting at step 0")
-    result = TrainResult(run_dir, start, resumed_from=start if resume else None)
-    if schedule is not None:  # the knob is a function of the step alone: a resumed run sets what it had
-        knob = apply_schedule(model, schedule, start)
-        if saved_knob is not None and knob != saved_knob:
-            raise RetrofitError(f"the checkpoint's schedule knob {saved_knob} differs from step {start}'s; resume "
-                                "with the recipe it was trained with")
-    # stage one of recovery (match_steps): only the patch's parameters train
-    base_params = [p for n, p in model.named_parameters() if p.requires_grad and not is_patch_parameter(n)]
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return Run(recipe=recipe, acc=acc, run_dir=run_dir, split=split, model=model, optimizer=optimizer, data=data,
+               tokenizer=tokenizer, recovery=rec, schedule=schedule, callbacks=tuple(callbacks),
+               from_recipe=from_recipe, flat=flat(recipe), trainable=[p for _, p in trainable],
+               base=[p for n, p in trainable if not is_patch_parameter(n)], result=TrainResult(run_dir, 0),
+               window=LogWindow(torch.zeros((), dtype=torch.float64, device=acc.device)),
+               divergence=Divergence(torch.zeros((), dtype=torch.long, device=acc.device)))
 
+
+def _resume(run: Run) -> list[float] | None:
+    """Continue from the newest checkpoint that verifies: model, optimizer and RNG (accelerate), the data
+    position and the open log window (so a window spanning the resume logs the same mean). Returns the schedule
+    knob it saved (None: none)."""
+    run.result.resumed_from = 0
+    found = checkpoint.resume_checkpoint(run.acc, run.run_dir, run.flat)
+    if not found:
+        run.acc.print(f"no complete checkpoint in {run.run_dir}: starting at step 0")
+        return None
+    path, meta = found
+    run.data.load_state_dict(meta["data"])
+    run.result.steps = run.result.resumed_from = meta["step"]
+    if meta.get("window"):  # its loss sum so far, counted once (on the main process)
+        run.window.loss.fill_(meta["window"]["loss"] if run.acc.is_main_process else 0.0)
+        run.window.items = meta["window"]["items"]
+    run.acc.print(f"resumed from {path} (step {meta['step']})")
+    return meta.get("knob")
+
+
+def _start_schedule(run: Run, saved_knob: list[float] | None) -> None:
+    """The knob is a function of the step alone: set it for the first step; a resumed run must find the one
+    its checkpoint saved."""
+    if run.schedule is None:
+        return
+    start = run.result.steps
+    knob = apply_schedule(run.model, run.schedule, start)
+    if saved_knob is not None and knob != saved_knob:
+        raise RetrofitError(f"the checkpoint's schedule knob {saved_knob} differs from step {start}'s; resume "
+                            "with the recipe it was trained with")
+
+
+def _open_run(run: Run) -> None:
+    """The recipe into the run folder, the trackers started, one line saying what runs where."""
+    recipe, acc, t = run.recipe, run.acc, run.recipe.train
     if acc.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_recipe(recipe, run_dir / "recipe.yaml")
-    acc.init_trackers(recipe.output.project,
-                      config={k: ("null" if v is None else v) for k, v in recipe_flat.items()})
-    tokens_per_step = t.batch_size * recipe.data.seq_len
-    acc.print(f"{build.describe(model)} | {world} process(es) on {acc.device}, precision {acc.mixed_precision} | "
-              f"{tokens_per_step} tokens/step, accumulation {accum} | steps {start}->{t.steps} | run {run_dir}")
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        save_recipe(recipe, run.run_dir / "recipe.yaml")
+    acc.init_trackers(recipe.output.project, config={k: ("null" if v is None else v) for k, v in run.flat.items()})
+    acc.print(f"{build.describe(run.model)} | {acc.num_processes} process(es) on {acc.device}, precision "
+              f"{acc.mixed_precision} | {t.batch_size * recipe.data.seq_len} tokens/step, accumulation "
+              f"{run.split.accum} | steps {run.result.steps}->{t.steps} | run {run.run_dir}")
 
-    def notify(event, step, **info):
-        for fn in callbacks:
-            fn(event, step, {"accelerator": acc, **info})
 
-    def run_eval(step):
-        metrics = evaluate(model, data, task, recipe.eval_lengths(), recipe.eval.batches, recipe.eval.batch_size, acc,
-                           t.loss_chunk_tokens)
-        if metrics:
-            acc.log(metrics, step=step)
-            result.evals[step] = metrics
-        notify("eval", step, metrics=metrics, model=acc.unwrap_model(model))
+# ---- the steps -----------------------------------------------------------------------------------------------------
 
-    if start == 0 and 0 in recipe.eval.at_steps:
-        run_eval(0)
-
+def _steps(run: Run) -> None:
+    """Every step from the start (0 or the checkpoint's) to train.steps, each followed by what is due after it:
+    a log line, an evaluation, a checkpoint."""
     from tqdm.auto import tqdm
-    bar = tqdm(total=t.steps, initial=start, unit="step", dynamic_ncols=True,
-               disable=not (acc.is_main_process and t.progress))
-    window_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
-    window_items, window_tokens, window_start = 0, 0, time.perf_counter()
-    if window:  # a log window that spans the checkpoint: its loss sum so far (counted once, on the main process)
-        window_loss.fill_(window["loss"] if acc.is_main_process else 0.0)
-        window_items = window["items"]
-    # First step whose loss or gradient norm was not finite (0 = none): kept on the device, so no step waits
-    # on the host; read (all processes together) at log steps and before anything is saved.
-    first_bad = torch.zeros((), dtype=torch.long, device=acc.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def check_finite(step: int, weights: bool = False) -> None:
-        nonlocal first_bad
-        if weights:  # an update from a finite loss can still overflow the weights
-            finite = torch.stack([torch.isfinite(p.detach()).all() for p in params]).all()
-            first_bad = torch.where((first_bad == 0) & ~finite, step, first_bad)
-        bad = [s for s in acc.gather(first_bad.reshape(1)).tolist() if s]  # every process decides alike
-        if bad:
-            raise RetrofitError(f"the training loss is not finite (nan or inf) at step {min(bad)}; nothing was saved "
-                                f"from it: lower train.lr or check the data")
-    for step in range(start, t.steps):
-        length = build.seq_len_at(step, recipe)
-        rows = t.batch_size * recipe.data.seq_len // length        # global rows at this length
-        batch = data.batch(step, rows, length)                       # the global batch, identical on every process
-        n_items = items(batch, task)
-        per_process, per_micro = rows // data_world, rows // data_world // accum
-        rates = build.group_lrs(step, t, rec)
-        lr = rates["decay"]
-        for group in optimizer.param_groups:
-            group["lr"] = rates[group.get("name", "decay")]
-        for i in range(accum):
-            lo = data_rank * per_process + i * per_micro
-            part = {k: v[lo: lo + per_micro].to(acc.device) for k, v in batch.items() if torch.is_tensor(v)}
-            part = shard(part, layout) if layout else part  # this rank's tokens of each row
-            sync = contextlib.nullcontext() if i == accum - 1 else acc.no_sync(model)
-            with sync, sharded(model, layout), build.activation_offload(t.activation_offload, acc.device):
-                loss = (recovery_loss_sum(model, part, task, rec, step, t.loss_chunk_tokens) if mixed
-                        else loss_sum(model, part, task, t.loss_chunk_tokens))
-                acc.backward(loss * (world / n_items))  # DDP averages over processes: world/n makes it the global mean
-            window_loss += loss.detach().double()
-        if rec is not None and step < rec.match_steps:
-            for p in base_params:
-                p.grad = None  # fused AdamW skips a parameter without a gradient: no update, no moment change
-        grad_norm = acc.clip_grad_norm_(params, t.grad_clip) if t.grad_clip > 0 else None
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        done_steps = step + 1
-        if schedule is not None:  # the knob of the next update; evaluation and checkpoints see it too
-            apply_schedule(model, schedule, done_steps)
-        window_items, window_tokens = window_items + n_items, window_tokens + rows * length
-        finite = torch.isfinite(window_loss)  # losses are >= 0: once not finite, the window sum stays so
-        if torch.is_tensor(grad_norm):
-            finite = finite & torch.isfinite(grad_norm)
-        first_bad = torch.where((first_bad == 0) & ~finite, done_steps, first_bad)
-
-        if done_steps % t.log_every == 0 or done_steps == t.steps:
-            check_finite(done_steps)
-            mean = float(acc.reduce(window_loss, "sum")) / window_items
-            elapsed = time.perf_counter() - window_start
-            metrics = {"loss": mean, "lr": lr, "seq_len": length, "tokens": done_steps * tokens_per_step,
-                       "tokens_per_s": window_tokens / max(elapsed, 1e-9)}
-            if grad_norm is not None:
-                metrics["grad_norm"] = float(grad_norm)
-            acc.log(metrics, step=done_steps)
-            result.losses[done_steps] = mean
-            bar.set_postfix(loss=f"{mean:.4g}", tok_s=f"{metrics['tokens_per_s']:.3g}", len=length, refresh=False)
-            notify("step", done_steps, metrics=metrics)
-            window_loss.zero_()
-            window_items, window_tokens, window_start = 0, 0, time.perf_counter()
+    recipe, t = run.recipe, run.recipe.train
+    bar = tqdm(total=t.steps, initial=run.result.steps, unit="step", dynamic_ncols=True,
+               disable=not (run.acc.is_main_process and t.progress))
+    run.window.opened = time.perf_counter()
+    for step in range(run.result.steps, t.steps):
+        stats, done = train_step(run, step), step + 1
+        if done % t.log_every == 0 or done == t.steps:
+            metrics = _log(run, done, stats)
+            bar.set_postfix(loss=f"{metrics['loss']:.4g}", tok_s=f"{metrics['tokens_per_s']:.3g}", len=stats.length,
+                            refresh=False)
         bar.update(1)
-        result.steps = done_steps
-        if _eval_due(done_steps, recipe):
-            run_eval(done_steps)
-        if recipe.output.save_every and done_steps % recipe.output.save_every == 0 and done_steps < t.steps:
-            check_finite(done_steps, weights=True)  # never a checkpoint from a diverged step
-            window = {"loss": float(acc.reduce(window_loss.clone(), "sum")), "items": window_items}
-            path = checkpoint.save_checkpoint(acc, run_dir, done_steps, data.state_dict(), recipe_flat,
-                                              recipe.output.keep, window=window,
-                                              knob=knob_values(model) if schedule is not None else None)
-            notify("checkpoint", done_steps, path=path)
+        run.result.steps = done
+        if _eval_due(done, recipe):
+            _evaluate(run, done)
+        if recipe.output.save_every and done % recipe.output.save_every == 0 and done < t.steps:
+            _save_checkpoint(run, done)
     bar.close()
 
-    check_finite(result.steps, weights=True)
-    if schedule is not None:
-        record_knob(model)  # the final knob value into config.retrofit: a reload is what was trained
-    notify("end", result.steps, model=acc.unwrap_model(model))
-    result.model = save_final(acc, model, run_dir, tokenizer, recipe, result, from_recipe)
+
+# ---- after a step: divergence, log, evaluation, checkpoint ---------------------------------------------------------
+
+def _check_finite(run: Run, step: int, weights: bool = False) -> None:
+    """Raise if any process flagged a non-finite step; weights: check the trained parameters first (an update
+    from a finite loss can still overflow them)."""
+    if weights:
+        run.divergence.note(step, torch.stack([torch.isfinite(p.detach()).all() for p in run.trainable]).all())
+    run.divergence.check(run.acc)
+
+
+def _log(run: Run, done: int, stats: StepStats) -> dict:
+    """The window's mean loss (over every process), learning rate, length, tokens and throughput: logged,
+    kept in the result, sent to the callbacks; the window starts again."""
+    _check_finite(run, done)
+    acc, window = run.acc, run.window
+    mean = float(acc.reduce(window.loss, "sum")) / window.items
+    metrics = {"loss": mean, "lr": stats.lr, "seq_len": stats.length,
+               "tokens": done * run.recipe.train.batch_size * run.recipe.data.seq_len,
+               "tokens_per_s": window.tokens / max(time.perf_counter() - window.opened, 1e-9)}
+    if stats.grad_norm is not None:
+        metrics["grad_norm"] = float(stats.grad_norm)
+    acc.log(metrics, step=done)
+    run.result.losses[done] = mean
+    run.notify("step", done, metrics=metrics)
+    window.reset()
+    return metrics
+
+
+def _evaluate(run: Run, step: int) -> None:
+    recipe, acc = run.recipe, run.acc
+    metrics = validation_metrics(run.model, run.data, recipe.data.task, recipe.eval_lengths(), recipe.eval.batches,
+                                 recipe.eval.batch_size, acc, recipe.train.loss_chunk_tokens)
+    if metrics:
+        acc.log(metrics, step=step)
+        run.result.evals[step] = metrics
+    run.notify("eval", step, metrics=metrics, model=acc.unwrap_model(run.model))
+
+
+def _save_checkpoint(run: Run, done: int) -> None:
+    """A resumable checkpoint after update `done`, never from a diverged step; it carries the open log window
+    and the schedule's knob."""
+    _check_finite(run, done, weights=True)
+    acc = run.acc
+    window = {"loss": float(acc.reduce(run.window.loss.clone(), "sum")), "items": run.window.items}
+    knob = knob_values(run.model) if run.schedule is not None else None
+    path = checkpoint.save_checkpoint(acc, run.run_dir, done, run.data.state_dict(), run.flat, run.recipe.output.keep,
+                                      window=window, knob=knob)
+    run.notify("checkpoint", done, path=path)
+
+
+def _finish(run: Run) -> TrainResult:
+    """A last finite check, the schedule's final knob into config.retrofit (a reload is what was trained), the
+    "end" callbacks, then the final model and result.json."""
+    acc, result = run.acc, run.result
+    _check_finite(run, result.steps, weights=True)
+    if run.schedule is not None:
+        record_knob(run.model)
+    run.notify("end", result.steps, model=acc.unwrap_model(run.model))
+    result.model = save_final(acc, run.model, run.run_dir, run.tokenizer, run.recipe, result, run.from_recipe)
     build.end_processes(acc)
     return result
 

@@ -60,15 +60,30 @@ def _quantiles(a, qs=(0.1, 0.25, 0.5, 0.75, 0.9)) -> list[float]:
 
 def summarize(acc: Accumulator, plan: Plan, meta: dict) -> dict:
     """The JSON result for one model: meta (label, source, norm...) + per_head + summary."""
-    def shown(key):  # the KS search's extra N values stay out of the per-head arrays (summarized below)
-        parts = key.split("/")
-        if parts[-1] == "cor1_holds":  # a theorem: 1 everywhere (summary.vanishing keeps the fraction)
-            return False
-        return not (len(parts) == 4 and parts[1] == "dist" and int(parts[3]) not in plan.figure_ns(int(parts[0])))
+    per_head = {k: _round(acc.mean(k)) for k in sorted(acc.sums) if _per_head_key(k, plan)}
+    vanishing, variance = _vanishing_and_variance(acc, plan)
+    separability = _separability(acc, plan)
+    summary = {"vanishing": vanishing, "variance": variance, "by_layer": _by_layer(acc, plan, separability),
+               "distance": _distance(acc, plan), "separability": separability, "gradient": _gradient(acc, plan)}
+    norm = NORMS.get(meta.get("norm") or baseline_norm())
+    reading = norm.diagnosis if norm is not None else ""
+    return {**meta, "generalization": reading, "layers": acc.shape[0], "heads": acc.shape[1],
+            "lengths": plan.lengths, "queries": {L: q for L, (_, q) in plan.rows_by_length.items()},
+            "summary": _clean(summary), "per_head": per_head}
 
-    per_head = {k: _round(acc.mean(k)) for k in sorted(acc.sums) if shown(k)}
-    Lmax = plan.lengths[-1]
 
+def _per_head_key(key: str, plan: Plan) -> bool:
+    """Whether `key` goes into per_head: the KS search's extra N values stay out (summarized in distance), and
+    so does cor1_holds (a theorem: 1 everywhere; summary.vanishing keeps the fraction)."""
+    parts = key.split("/")
+    if parts[-1] == "cor1_holds":
+        return False
+    return not (len(parts) == 4 and parts[1] == "dist" and int(parts[3]) not in plan.figure_ns(int(parts[0])))
+
+
+def _vanishing_and_variance(acc: Accumulator, plan: Plan) -> tuple[dict, dict]:
+    """Measures 1 and 2 per length: medians across heads of the row statistics, Corollary 1's use of its bounds,
+    and the head-output variance against its prediction."""
     vanishing, variance = {}, {}
     for L in plan.lengths:
         m = {k: acc.mean(f"{L}/{k}") for k in ("entropy", "max_weight", "min_weight", "sq_norm", "mass",
@@ -85,13 +100,18 @@ def summarize(acc: Accumulator, plan: Plan, meta: dict) -> dict:
         variance[L] = {"sq_norm": _median(m["sq_norm"]), "var_value": _median(m["var_value"]),
                        "var_pred": _median(m["var_pred"]), "var_out_raw": _median(m["var_out_raw"]),
                        "var_out": _median(m["var_out"]), "measured_over_pred": _median(ratio)}
+    return vanishing, variance
 
-    def dist_row(L, N):
+
+def _distance(acc: Accumulator, plan: Plan) -> dict:
+    """Measure 3 (Theorem 1): the top-N distance by length at distance_n and by N at the largest length, and the
+    KS critical N per length (against the printed and the exact expectation)."""
+    Lmax = plan.lengths[-1]
+
+    def row(L, N):
         keys = ("true", "expected", "eps", "expected_printed", "bound")
         return {k: _median(acc.mean(f"{L}/dist/{k}/{N}")) for k in keys}
 
-    by_length = {L: dist_row(L, plan.distance_n) for L in plan.lengths if plan.distance_n in plan.figure_ns(L)}
-    by_n = {N: dist_row(Lmax, N) for N in plan.figure_ns(Lmax)}
     critical = {}
     for L in plan.lengths:
         ns = plan.ks_ns(L)
@@ -106,53 +126,60 @@ def summarize(acc: Accumulator, plan: Plan, meta: dict) -> dict:
     def median_fraction(name):
         return _median([c[name]["fraction"] for c in critical.values() if c[name]["fraction"] is not None])
 
-    separability = {}
+    return {"n": plan.distance_n, "length": Lmax,
+            "by_length": {L: row(L, plan.distance_n) for L in plan.lengths if plan.distance_n in plan.figure_ns(L)},
+            "by_n": {N: row(Lmax, N) for N in plan.figure_ns(Lmax)},
+            "critical": critical, "critical_fraction_printed": median_fraction("printed"),
+            "critical_fraction_exact": median_fraction("exact")}
+
+
+def _separability(acc: Accumulator, plan: Plan) -> dict:
+    """Measure 4 (Theorem 2) at the largest length: N_s / N quantiles and bounds per N, and the plateau (the mean
+    median ratio over N >= 16)."""
+    Lmax = plan.lengths[-1]
+    by_n = {}
     for N in plan.usable(Lmax, plan.separability_ns):
         ratio = acc.mean(f"{Lmax}/sep/ratio/{N}")
-        separability[N] = {"ratio_quantiles": _quantiles(ratio), "ratio_mean": _mean(ratio),
-                           "lower": _mean(acc.mean(f"{Lmax}/sep/lower/{N}")),
-                           "upper": _mean(acc.mean(f"{Lmax}/sep/upper/{N}")),
-                           "upper_holds": _mean(acc.mean(f"{Lmax}/sep/upper_holds/{N}"))}
-    big = [N for N in separability if N >= 16]
-    plateau = _mean([separability[N]["ratio_quantiles"][2] for N in big]) if big else math.nan
+        by_n[N] = {"ratio_quantiles": _quantiles(ratio), "ratio_mean": _mean(ratio),
+                   "lower": _mean(acc.mean(f"{Lmax}/sep/lower/{N}")),
+                   "upper": _mean(acc.mean(f"{Lmax}/sep/upper/{N}")),
+                   "upper_holds": _mean(acc.mean(f"{Lmax}/sep/upper_holds/{N}"))}
+    big = [N for N in by_n if N >= 16]
+    plateau = _mean([by_n[N]["ratio_quantiles"][2] for N in big]) if big else math.nan
+    return {"length": Lmax, "by_n": by_n, "plateau": plateau, "plateau_ns": big}
 
+
+def _gradient(acc: Accumulator, plan: Plan) -> dict:
+    """Measure 5 (Corollary 3): g(T, eps) max and median across heads per temperature, the paper's bound, and
+    the log-log slope at small T."""
     temps = list(plan.temperatures)
-    gradient = {"temperatures": temps, "length": Lmax,
+    gradient = {"temperatures": temps, "length": plan.lengths[-1],
                 "paper_bound": [float(b) for b in measures.corollary3_bound(temps)],
                 "sup_bound": [1 / (2 * t) for t in temps], "by_eps": {}}
+    small = [i for i, t in enumerate(temps) if t <= 0.1]
     for eps in plan.epsilons:
         gmax = [float(np.nanmax(acc.max(f"grad/{eps:g}/{t:.6g}"))) for t in temps]
         gmed = [_median(acc.mean(f"grad/{eps:g}/{t:.6g}")) for t in temps]
-        small = [i for i, t in enumerate(temps) if t <= 0.1]
         gradient["by_eps"][f"{eps:g}"] = {
             "max": gmax, "median": gmed,
             "slope_small_T_max": measures.loglog_slope([temps[i] for i in small], [gmax[i] for i in small]),
             "slope_small_T_median": measures.loglog_slope([temps[i] for i in small], [gmed[i] for i in small]),
             "above_paper_bound": int(sum(g > b * (1 + 1e-6) for g, b in zip(gmax, gradient["paper_bound"]))),
         }
+    return gradient
 
-    # Per layer at the largest length: means over that layer's heads.
-    sep_n = max([N for N in separability if N <= 16], default=None)
+
+def _by_layer(acc: Accumulator, plan: Plan, separability: dict) -> dict:
+    """Per layer at the largest length: means over that layer's heads (an all-nan layer stays nan)."""
+    Lmax = plan.lengths[-1]
+    sep_n = max([N for N in separability["by_n"] if N <= 16], default=None)
     layer_keys = {"entropy": f"{Lmax}/entropy", "max_weight": f"{Lmax}/max_weight", "sq_norm": f"{Lmax}/sq_norm",
                   "var_out": f"{Lmax}/var_out", "var_out_raw": f"{Lmax}/var_out_raw",
                   "dist_true": f"{Lmax}/dist/true/{plan.distance_n}"}
     if sep_n is not None:
         layer_keys["sep_ratio"] = f"{Lmax}/sep/ratio/{sep_n}"
     with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # an all-nan layer stays nan
+        warnings.simplefilter("ignore", RuntimeWarning)
         by_layer = {k: np.nanmean(acc.mean(key), axis=1).tolist() for k, key in layer_keys.items() if key in acc.sums}
     by_layer.update(length=Lmax, sep_n=sep_n)
-
-    summary = {
-        "vanishing": vanishing, "variance": variance, "by_layer": by_layer,
-        "distance": {"n": plan.distance_n, "length": Lmax, "by_length": by_length, "by_n": by_n,
-                     "critical": critical, "critical_fraction_printed": median_fraction("printed"),
-                     "critical_fraction_exact": median_fraction("exact")},
-        "separability": {"length": Lmax, "by_n": separability, "plateau": plateau, "plateau_ns": big},
-        "gradient": gradient,
-    }
-    norm = NORMS.get(meta.get("norm") or baseline_norm())
-    reading = norm.diagnosis if norm is not None else ""
-    return {**meta, "generalization": reading, "layers": acc.shape[0], "heads": acc.shape[1],
-            "lengths": plan.lengths, "queries": {L: q for L, (_, q) in plan.rows_by_length.items()},
-            "summary": _clean(summary), "per_head": per_head}
+    return by_layer

@@ -166,11 +166,20 @@ def topn_distance(weights: torch.Tensor, x: torch.Tensor, visible: torch.Tensor,
     empty = outside.sum(-1) == 0                                            # nothing left outside I_N
     out = {"true": torch.where(outside, dist, 0).sum(-1)}
     del dist
+    out.update(_expectations(w, x, visible, a_sq, x_sq, n, N))
+    bound_ns = list(ns) if bound_ns is None else [N for N in bound_ns if N in ns]
+    if bound_ns:
+        out["bound"] = _bound(w, x, x_sq, (selected, outside, ranks), n, N, list(ns), bound_ns)
+    return {k: v.masked_fill(empty, math.nan) for k, v in out.items()}
 
-    # Theorem 1.2 over the row's visible keys, each term a quadratic in p = N/(L-1) per key:
-    #   Jensen's  ||(1+p) a_i x_i - p xbar||^2 = a_i^2|x_i|^2 (1+p)^2 - 2 p (1+p) a_i x_i.xbar + p^2 |xbar|^2
-    #   printed   ||(a_i+p) x_i - xbar||^2    = (a_i^2|x_i|^2 - 2 a_i x_i.xbar + |xbar|^2)
-    #                                           + p (2 a_i|x_i|^2 - 2 x_i.xbar) + p^2 |x_i|^2
+
+def _expectations(w, x, visible, a_sq, x_sq, n, N) -> dict[str, torch.Tensor]:
+    """Theorem 1.2 over the row's visible keys (expected, eps, expected_printed; see topn_distance), each term a
+    quadratic in p = N/(L-1) per key:
+      Jensen's  ||(1+p) a_i x_i - p xbar||^2 = a_i^2|x_i|^2 (1+p)^2 - 2 p (1+p) a_i x_i.xbar + p^2 |xbar|^2
+      printed   ||(a_i+p) x_i - xbar||^2    = (a_i^2|x_i|^2 - 2 a_i x_i.xbar + |xbar|^2)
+                                              + p (2 a_i|x_i|^2 - 2 x_i.xbar) + p^2 |x_i|^2"""
+    out = {}
     keep = (n - N) / n                                                      # (L - N) / L, (..., R, G)
     p = (N / (n - 1).clamp_min(1))[..., :, None]                            # (..., R, G, 1)
     xbar = w @ x                                                            # (..., R, D)
@@ -189,19 +198,20 @@ def topn_distance(weights: torch.Tensor, x: torch.Tensor, visible: torch.Tensor,
     quad = x_sq * vis
     printed = (const[..., None, :] + p * (lin[..., None, :] + p * quad[..., None, :])).clamp_min(0).sqrt()
     out["expected_printed"] = keep * printed.sum(-1)
-    del printed
+    return out
 
-    bound_ns = list(ns) if bound_ns is None else [N for N in bound_ns if N in ns]
-    if bound_ns:
-        cols = [list(ns).index(N) for N in bound_ns]
-        abar = (w[..., None, :] * selected[..., cols, :]).sum(-1)          # (..., R, G')
-        rho = (w[..., None, :] * outside[..., cols, :]).sum(-1)
-        max_sel = (x_sq.sqrt()[..., None, :] * selected[..., cols, :]).amax(-1)
-        d1 = _max_cross_distance(x, ranks, outside[..., cols, :], bound_ns)
-        bound = torch.full_like(out["true"], math.nan)
-        bound[..., cols] = rho * d1 + max_sel * (abar * (n - N[cols]) - rho)
-        out["bound"] = bound
-    return {k: v.masked_fill(empty, math.nan) for k, v in out.items()}
+
+def _bound(w, x, x_sq, top_sets, n, N, ns: list, bound_ns: list) -> torch.Tensor:
+    """Theorem 1.1's bound (see topn_distance) for the N in bound_ns, NaN in the other columns: (..., R, G)."""
+    selected, outside, ranks = top_sets
+    cols = [ns.index(k) for k in bound_ns]
+    abar = (w[..., None, :] * selected[..., cols, :]).sum(-1)              # (..., R, G')
+    rho = (w[..., None, :] * outside[..., cols, :]).sum(-1)
+    max_sel = (x_sq.sqrt()[..., None, :] * selected[..., cols, :]).amax(-1)
+    d1 = _max_cross_distance(x, ranks, outside[..., cols, :], bound_ns)
+    bound = torch.full((*rho.shape[:-1], len(ns)), math.nan, dtype=rho.dtype, device=rho.device)
+    bound[..., cols] = rho * d1 + max_sel * (abar * (n - N[cols]) - rho)
+    return bound
 
 
 def _max_cross_distance(x, ranks, outside, ns):

@@ -16,7 +16,7 @@ Per model, per layer and head, as diagnose.json, report.md and PNG figures:
   5. gradient sensitivity (Corollary 3): finite-difference g(T, eps) vs temperature
 
 Layout: measures.py (pure tensor math, equation numbers in docstrings) <- capture.py (the patcher's
-attention seam) <- collect.py (one forward, per-head reductions) <- summary.py (JSON) <- report.py
+attention seam) <- collect.py (one forward, per-head reductions) <- summary.py (JSON) <- figures.py
 (plots) + markdown.py (report.md) <- sources.py (sources, text, patched variants, `diagnose`), whose settings
 are spec.py (DiagnoseSpec, checked before any model loads).
 The CLI is retrofit/commands/diagnose.py.

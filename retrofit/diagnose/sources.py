@@ -28,7 +28,7 @@ from ..norms import get_norm
 from ..patch import patch, patch_record
 from ..positions import position_limit
 from .collect import Plan, diagnose_model
-from .report import write_report
+from .figures import write_report
 from .spec import DiagnoseSpec, parse_patches
 from .summary import summarize
 

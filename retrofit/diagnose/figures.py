@@ -1,8 +1,8 @@
 """Plots and a markdown report from diagnose results (the dicts of summary.summarize).
 
-    python -m retrofit.diagnose.report diag/  # redraw report.md and the figures from diag/diagnose.json
-    write_report(results, out_dir, header)   # report.md + vanishing.png, variance.png and, per model,
-                                             # distance_, separability_, gradient_ and heads_<label>.png
+    python -m retrofit.diagnose.figures diag/  # redraw report.md and the figures from diag/diagnose.json
+    write_report(results, out_dir, header)     # report.md + vanishing.png, variance.png and, per model,
+                                               # distance_, separability_, gradient_ and heads_<label>.png
 
 Figures mirror the paper's: Figure 2 (distance), Figure 3 (separability), Figure 4 (gradient); the
 entropy and variance curves put one line per model on the same axes.
@@ -223,7 +223,7 @@ def rerender(out: Path) -> dict:
     return write_report(saved["models"], out, saved["header"])
 
 
-if __name__ == "__main__":  # python -m retrofit.diagnose.report diag/
+if __name__ == "__main__":  # python -m retrofit.diagnose.figures diag/
     import sys
 
     rerender(Path(sys.argv[1]))

@@ -116,7 +116,7 @@ def test_text_is_tokenized_once_per_tokenizer(tmp_path, monkeypatch):
         folders.append(str(folder))
     calls = []
     real = evaluate.tokenize_files
-    monkeypatch.setattr(evaluate, "tokenize_files", lambda tok, paths: calls.append(paths) or real(tok, paths))
+    monkeypatch.setattr(evaluate.driver, "tokenize_files", lambda tok, paths: calls.append(paths) or real(tok, paths))
     results = evaluate_models(folders, EvalSpec(data=str(tmp_path / "book.txt"), lengths=[32, 64], max_tokens=200,
                                                 progress=False))
     assert len(calls) == 1

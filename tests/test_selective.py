@@ -266,7 +266,7 @@ def test_syntax_only_check_takes_no_count():
 
 def test_eval_patch_spec_takes_a_selection():
     """eval --patch avnorm:layers=1-2,heads=0+3: PatchSpec.parse splits on commas, '+' joins the selection's items."""
-    from retrofit.evaluate import _patch_on_the_fly
+    from retrofit.evaluate.driver import _patch_on_the_fly
     from retrofit.evaluate.spec import _eval_patch
     wanted = _eval_patch("softmax1:layers=1-2,heads=0+3,sink=-1", None)
     assert wanted["layers"] == "1-2" and wanted["heads"] == "0+3" and wanted["options"]["sink"] == -1.0

@@ -110,6 +110,33 @@ def as_batches(batches):
     return batches
 
 
+def _forward(model: nn.Module, batch, device) -> torch.Tensor:
+    """One forward of `batch` (each norm records its RMS in and out); returns which tokens count, (B, T, 1): not
+    padding. A batch with position_ids and no attention_mask is packed documents (data/packing.py)."""
+    ids, mask = _unpack(batch)
+    ids = ids.to(device)
+    positions = batch.get("position_ids") if isinstance(batch, Mapping) else None
+    if positions is not None and mask is None:  # packed documents: the position resets make the mask
+        positions = torch.as_tensor(positions).reshape(ids.shape)  # a (T,) row became (1, T) in _unpack
+        model(input_ids=ids, position_ids=positions.to(device), use_cache=False)
+        mask = torch.ones_like(ids)
+    else:
+        mask = torch.ones_like(ids) if mask is None else mask.to(device)
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    return mask.bool()[..., None]
+
+
+def _accumulate(norms: list, before: list, after: list, valid: torch.Tensor) -> None:
+    """Add each norm's recorded RMS (in, out) over the valid tokens to its sums (by length for mode=beyond)."""
+    for i, n in enumerate(norms):
+        rms_in, rms_out = n.calibration.pop()  # (B, T, H) each; mode=beyond: (visible keys, RMS)
+        if _by_length(n):
+            _add_by_length(before[i], after[i], rms_in, rms_out, valid)
+            continue
+        before[i] += (rms_in * valid).sum((0, 1)).double()
+        after[i] += (rms_out * valid).sum((0, 1)).double()
+
+
 @torch.no_grad()
 def calibrate(model: nn.Module, batches: torch.Tensor | Mapping | Iterable[torch.Tensor | Mapping], *,
               max_batches: int | None = None) -> dict:
@@ -138,24 +165,8 @@ def calibrate(model: nn.Module, batches: torch.Tensor | Mapping | Iterable[torch
         for batch in as_batches(batches):
             if max_batches is not None and used >= max_batches:
                 break
-            ids, mask = _unpack(batch)
-            ids = ids.to(device)
-            positions = batch.get("position_ids") if isinstance(batch, Mapping) else None
-            if positions is not None and mask is None:  # packed documents (data/packing.py): the resets mask
-                positions = torch.as_tensor(positions).reshape(ids.shape)  # a (T,) row became (1, T) above
-                model(input_ids=ids, position_ids=positions.to(device), use_cache=False)
-                mask = torch.ones_like(ids)
-            else:
-                mask = torch.ones_like(ids) if mask is None else mask.to(device)
-                model(input_ids=ids, attention_mask=mask, use_cache=False)
-            valid = mask.bool()[..., None]  # (B, T, 1)
-            for i, n in enumerate(norms):
-                rms_in, rms_out = n.calibration.pop()  # (B, T, H) each; mode=beyond: (visible keys, RMS)
-                if _by_length(n):
-                    _add_by_length(before[i], after[i], rms_in, rms_out, valid)
-                    continue
-                before[i] += (rms_in * valid).sum((0, 1)).double()
-                after[i] += (rms_out * valid).sum((0, 1)).double()
+            valid = _forward(model, batch, device)  # (B, T, 1): the tokens that count
+            _accumulate(norms, before, after, valid)
             tokens += int(valid.sum())
             used += 1
     finally:

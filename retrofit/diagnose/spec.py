@@ -15,7 +15,7 @@ from pathlib import Path
 from ..errors import RetrofitError
 from ..lengths import parse_lengths
 from ..patch_spec import PatchSpec, Spelling
-from ..recipe.schema import knob
+from ..recipe.schema import setting
 
 # how diagnose's --patch names a selection in its errors
 DIAGNOSE = Spelling("--patch layers", "--patch heads")
@@ -30,20 +30,22 @@ def parse_patches(patches) -> list[PatchSpec]:
 class DiagnoseSpec:
     """The settings of one `retrofit diagnose`: the text, the lengths, the patched variants, the output folder."""
 
-    data: str = knob(doc="a plain-text file, long enough for the windows (and the calibration tokens after them)")
-    out: str | Path = knob(doc="output folder for diagnose.json, report.md and the figures (new, empty or retrofit's)")
-    lengths: list[int] | str = knob(doc="context lengths L: [32, 64, 128] or '32,64,...,1024' (a doubling)")
-    tokenizer: str | None = knob(None, "tokenizer folder or Hub id for every source (None: each model's own)")
-    windows: int = knob(2, "text windows of max(L) tokens")
-    queries: int = knob(8, "query rows measured per length")
-    patches: list[str] = knob(factory=list, doc="also diagnose each source patched this way: 'avnorm', "
-                                                "'psoftmax:p=2', 'avnorm:kind=layer,affine=true'")
-    calibrate_tokens: int = knob(8192, "tokens of `data` after the windows that calibrate fresh AVNorm gains (0: none)")
-    labels: list[str] | None = knob(None, "a name per source, in order (default: each source's folder or file)")
-    dtype: str = knob("float32", "model dtype (auto: the dtype it was saved in)")
-    seed: int = knob(0, "seed for the random directions of g(T, eps)")
-    progress: bool = knob(True, "progress bars")
-    command: str = knob("...", "the command line, recorded in the report's header")
+    data: str = setting(doc="a plain-text file, long enough for the windows (and the calibration tokens after them)")
+    out: str | Path = setting(doc="output folder for diagnose.json, report.md and the figures (new, empty or "
+                                  "retrofit's)")
+    lengths: list[int] | str = setting(doc="context lengths L: [32, 64, 128] or '32,64,...,1024' (a doubling)")
+    tokenizer: str | None = setting(None, "tokenizer folder or Hub id for every source (None: each model's own)")
+    windows: int = setting(2, "text windows of max(L) tokens")
+    queries: int = setting(8, "query rows measured per length")
+    patches: list[str] = setting(factory=list, doc="also diagnose each source patched this way: 'avnorm', "
+                                                   "'psoftmax:p=2', 'avnorm:kind=layer,affine=true'")
+    calibrate_tokens: int = setting(8192, "tokens of `data` after the windows that calibrate fresh AVNorm gains "
+                                          "(0: none)")
+    labels: list[str] | None = setting(None, "a name per source, in order (default: each source's folder or file)")
+    dtype: str = setting("float32", "model dtype (auto: the dtype it was saved in)")
+    seed: int = setting(0, "seed for the random directions of g(T, eps)")
+    progress: bool = setting(True, "progress bars")
+    command: str = setting("...", "the command line, recorded in the report's header")
 
     def __post_init__(self):
         if self.windows < 1 or self.queries < 1:

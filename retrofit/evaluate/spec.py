@@ -17,7 +17,7 @@ from ..errors import RetrofitError
 from ..lengths import parse_lengths
 from ..norms import baseline_norm
 from ..patch_spec import EVAL, PatchSpec, parse_flat
-from ..recipe.schema import knob
+from ..recipe.schema import setting
 from .ruler import ruler_options
 
 TASKS = ("lm", "passkey", "counting", "niah", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
@@ -27,38 +27,39 @@ TASKS = ("lm", "passkey", "counting", "niah", "niah_multikey", "niah_multivalue"
 class EvalSpec:
     """The settings of one evaluation: every source at every length, for each task (and each variant)."""
 
-    lengths: list[int] | str = knob(doc="context lengths: [256, 512] or '256,512,...,65536' (a doubling)")
-    data: list[str] | str | None = knob(None, "lm data: .json token files, or text files tokenized by `tokenizer` "
-                                              "(else each model's own)")
+    lengths: list[int] | str = setting(doc="context lengths: [256, 512] or '256,512,...,65536' (a doubling)")
+    data: list[str] | str | None = setting(None, "lm data: .json token files, or text files tokenized by `tokenizer` "
+                                                 "(else each model's own)")
     tokens: list | None = field(default=None, repr=False, metadata={
         "doc": "lm data as token ids instead of `data`: one document (a list of ints) or a list of documents"})
-    tasks: list[str] | None = knob(None, "some of TASKS (lm, passkey, counting, the RULER tasks niah, ..., fwe); "
-                                         "None: counting for counting runs, else lm")
-    names: list[str] | None = knob(None, "one name per source, in order (default: each source's folder or file)")
-    reference: str | list[str] | None = knob(None, "the model(s) every other is compared with, window by window "
-                                                   "(paired differences with intervals): a name, 'a,b' or a list; "
-                                                   "None: the first model")
-    train_len: int | None = knob(None, "the training length, marked in tables and plots")
-    max_tokens: int | None = knob(None, "cap on scored tokens per length and model (None: every window)")
-    max_windows: int | None = knob(None, "cap on windows per length and model, dealt across the documents "
-                                         "(None: every window; with max_tokens the smaller cap wins)")
-    tokenizer: Any = knob(None, "tokenizer folder, model or object for every model (None: each model's own)")
-    batch_tokens: int = knob(16384, "tokens per forward (windows batched up to this)")
-    chunk_tokens: int = knob(1024, "positions per head/loss chunk")
-    dtype: str | None = knob(None, "float32, bfloat16, float16; None or auto: each model in the dtype it was saved in")
-    device: str = knob("cpu", "where the models run")
-    passkey: dict | None = knob(None, "keyword arguments of evaluate_passkey (depths, trials, ...)")
-    counting: dict | None = knob(None, "keyword arguments of evaluate_counting (sequences, alphabet, ...)")
-    ruler: dict | None = knob(None, "RULER task options: samples (per length and depth), depths, needle "
-                                    "(word, number, uuid), seed; see retrofit/evaluate/ruler.py")
-    progress: bool = knob(True, "progress bars")
-    patch: dict | str | None = knob(None, "{norm: NAME, **options} or 'NAME:KEY=VALUE,...' (PatchSpec.parse): "
-                                          "patch each unpatched model before evaluating it; a model already patched "
-                                          "is evaluated as it is if it carries that same patch, else refused")
-    rope: str | dict | None = knob(None, "'yarn:4' or a mapping (retrofit.rope): extend each model's RoPE first "
-                                         "(alone: softmax attention, i.e. attention unchanged)")
-    variants: list[dict] | None = knob(None, "[{name, patch, rope, calibrate}, ...]: every source once per variant, "
-                                             "side by side; names become SOURCE+VARIANT with several sources")
+    tasks: list[str] | None = setting(None, "some of TASKS (lm, passkey, counting, the RULER tasks niah, ..., fwe); "
+                                            "None: counting for counting runs, else lm")
+    names: list[str] | None = setting(None, "one name per source, in order (default: each source's folder or file)")
+    reference: str | list[str] | None = setting(None, "the model(s) every other is compared with, window by window "
+                                                      "(paired differences with intervals): a name, 'a,b' or a list; "
+                                                      "None: the first model")
+    train_len: int | None = setting(None, "the training length, marked in tables and plots")
+    max_tokens: int | None = setting(None, "cap on scored tokens per length and model (None: every window)")
+    max_windows: int | None = setting(None, "cap on windows per length and model, dealt across the documents "
+                                            "(None: every window; with max_tokens the smaller cap wins)")
+    tokenizer: Any = setting(None, "tokenizer folder, model or object for every model (None: each model's own)")
+    batch_tokens: int = setting(16384, "tokens per forward (windows batched up to this)")
+    chunk_tokens: int = setting(1024, "positions per head/loss chunk")
+    dtype: str | None = setting(None, "float32, bfloat16, float16; None or auto: each model in the dtype it was "
+                                      "saved in")
+    device: str = setting("cpu", "where the models run")
+    passkey: dict | None = setting(None, "keyword arguments of evaluate_passkey (depths, trials, ...)")
+    counting: dict | None = setting(None, "keyword arguments of evaluate_counting (sequences, alphabet, ...)")
+    ruler: dict | None = setting(None, "RULER task options: samples (per length and depth), depths, needle "
+                                       "(word, number, uuid), seed; see retrofit/evaluate/ruler.py")
+    progress: bool = setting(True, "progress bars")
+    patch: dict | str | None = setting(None, "{norm: NAME, **options} or 'NAME:KEY=VALUE,...' (PatchSpec.parse): "
+                                             "patch each unpatched model before evaluating it; a model already patched "
+                                             "is evaluated as it is if it carries that same patch, else refused")
+    rope: str | dict | None = setting(None, "'yarn:4' or a mapping (retrofit.rope): extend each model's RoPE first "
+                                            "(alone: softmax attention, i.e. attention unchanged)")
+    variants: list[dict] | None = setting(None, "[{name, patch, rope, calibrate}, ...]: every source once per variant, "
+                                                "side by side; names become SOURCE+VARIANT with several sources")
     # (variant name or None, the evaluation patch or None) per variant: what __post_init__ checked
     patches: list[tuple] = field(init=False, repr=False, compare=False)
 

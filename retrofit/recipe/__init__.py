@@ -26,7 +26,7 @@ from ..errors import RetrofitError, closest, shown
 from ..norms import NORMS, make_options
 from .experiment import ArmSection, ExperimentSection, ReferenceSection, check_arm_name, seeded_name
 from .model import ModelSection
-from .schema import apply_overrides, build, knob, load_json, load_yaml, need, read_yaml_file, to_plain
+from .schema import apply_overrides, build, load_json, load_yaml, need, read_yaml_file, setting, to_plain
 from .schema import documentation as _documentation
 from .sections import (
     CountingOptions,
@@ -54,14 +54,14 @@ def register_section(name: str, cls: type) -> type:
 
 @dataclass
 class Recipe:
-    name: str | None = knob(None, "run name (default output folder runs/<name>); null = the recipe file's stem")
-    model: ModelSection = knob(factory=ModelSection, doc="what to load (source) or build (config)")
-    patch: PatchSection = knob(factory=PatchSection, doc="the attention patch")
-    data: DataSection = knob(factory=DataSection, doc="what to train on")
-    train: TrainSection = knob(factory=TrainSection, doc="the optimization")
-    eval: EvalSection = knob(factory=EvalSection, doc="periodic evaluation")
-    output: OutputSection = knob(factory=OutputSection, doc="where results go")
-    extras: dict = knob(factory=dict, doc="registered optional sections by name (see register_section)")
+    name: str | None = setting(None, "run name (default output folder runs/<name>); null = the recipe file's stem")
+    model: ModelSection = setting(factory=ModelSection, doc="what to load (source) or build (config)")
+    patch: PatchSection = setting(factory=PatchSection, doc="the attention patch")
+    data: DataSection = setting(factory=DataSection, doc="what to train on")
+    train: TrainSection = setting(factory=TrainSection, doc="the optimization")
+    eval: EvalSection = setting(factory=EvalSection, doc="periodic evaluation")
+    output: OutputSection = setting(factory=OutputSection, doc="where results go")
+    extras: dict = setting(factory=dict, doc="registered optional sections by name (see register_section)")
 
     def __post_init__(self):
         data, train = self.data, self.train
@@ -179,7 +179,8 @@ register_section("experiment", ExperimentSection)
 register_section("recovery", RecoverySection)
 
 __all__ = [
-    "ArmSection", "ExperimentSection", "ReferenceSection", "check_arm_name", "seeded_name", "knob", "need", "to_plain",
+    "ArmSection", "ExperimentSection", "ReferenceSection", "check_arm_name", "seeded_name", "setting", "need",
+    "to_plain",
     "CountingOptions", "DataSection", "EvalSection", "ModelSection", "OutputSection", "PasskeyOptions",
     "PatchSection", "PeftSection", "Recipe", "RecoverySection",
     "ScheduleSection", "TrainSection", "apply_overrides", "build", "documentation", "flat",

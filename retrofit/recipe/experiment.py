@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import RetrofitError
 from ..norms import baseline_norm
-from .schema import knob
+from .schema import setting
 from .sections import PatchSection, RecoverySection
 
 # An arm's name becomes a folder (DIR/arms/NAME): letters, digits and -_.+, not starting with a dot, so
@@ -45,13 +45,13 @@ def check_lr(value, key: str) -> None:
 
 @dataclass
 class ReferenceSection:
-    file: str = knob("", "JSON with `context_lengths` and the published loss curves (one per key)")
-    control: str = knob("", "dotted key of the published curve our control arm stands for, e.g. pe.l1_baseline")
-    control_arm: str = knob(baseline_norm(), "our arm compared against `control`")
-    arms: dict[str, str] = knob(factory=dict,
-                                doc="our arm -> dotted key of its published curve, e.g. avnorm: pe.rmsnorm")
-    note: str = knob("", "one line on what the reference measured (model, data, trained length, steps)")
-    tie: float = knob(0.01, "differences smaller than this count as no difference in either table")
+    file: str = setting("", "JSON with `context_lengths` and the published loss curves (one per key)")
+    control: str = setting("", "dotted key of the published curve our control arm stands for, e.g. pe.l1_baseline")
+    control_arm: str = setting(baseline_norm(), "our arm compared against `control`")
+    arms: dict[str, str] = setting(factory=dict,
+                                   doc="our arm -> dotted key of its published curve, e.g. avnorm: pe.rmsnorm")
+    note: str = setting("", "one line on what the reference measured (model, data, trained length, steps)")
+    tie: float = setting(0.01, "differences smaller than this count as no difference in either table")
 
     def __post_init__(self):
         if not self.file or not self.control or not self.arms:
@@ -64,14 +64,14 @@ class ReferenceSection:
 
 @dataclass
 class ArmSection:
-    name: str = knob("arm", "folder and label of the arm, e.g. softmax, avnorm-rms, psoftmax-p2")
-    patch: PatchSection = knob(factory=PatchSection, doc="the arm's attention patch; norm softmax = the control")
-    lr: float | None = knob(None, "finetune learning rate of this arm; null = experiment.finetune_lr")
-    seed: int | None = knob(None, "this arm's train.seed (its data order, and its init when it trains from scratch): "
-                                  "arms that differ only in seed replicate one; null = train.seed")
-    recovery: RecoverySection | None = knob(None, "this arm's recovery (schedule, distillation, patch_lr; see the "
-                                                  "recovery section); null = plain finetune. The top-level recovery "
-                                                  "section is not applied to arms: each arm says its own")
+    name: str = setting("arm", "folder and label of the arm, e.g. softmax, avnorm-rms, psoftmax-p2")
+    patch: PatchSection = setting(factory=PatchSection, doc="the arm's attention patch; norm softmax = the control")
+    lr: float | None = setting(None, "finetune learning rate of this arm; null = experiment.finetune_lr")
+    seed: int | None = setting(None, "this arm's train.seed (its data order, and its init when it trains from "
+                                     "scratch): arms that differ only in seed replicate one; null = train.seed")
+    recovery: RecoverySection | None = setting(None, "this arm's recovery (schedule, distillation, patch_lr; see the "
+                                                     "recovery section); null = plain finetune. The top-level recovery "
+                                                     "section is not applied to arms: each arm says its own")
 
     def __post_init__(self):
         check_arm_name(self.name)
@@ -80,35 +80,37 @@ class ArmSection:
 
 @dataclass
 class ExperimentSection:
-    arms: list[ArmSection] = knob(factory=list, doc="the finetune arms, all from the same base")
-    base_steps: int = knob(0, "steps to (pre)train the base with softmax attention; 0 = the model as loaded "
-                               "(with model.config: no base, every arm trains from the same seeded init)")
-    base_patch: PatchSection = knob(factory=PatchSection,
-                                    doc="the patch the base pretrains with; unset = softmax with the model's positions "
-                                        "(a NoPE base: {norm: softmax, nope: true}, the AVnorm post's NoPE runs)")
-    eval_base: bool = knob(True, "evaluate the base next to the arms; false skips it (e.g. a pretrained base "
-                                 "measured elsewhere: one model fewer at every length)")
-    finetune_steps: int = knob(100, "optimizer steps of every arm")
-    finetune_lr: float | None = knob(None, "arms' learning rate; null = train.lr")
-    finetune_warmup: int | None = knob(None, "arms' warmup steps; null = train.warmup_steps")
-    recovery_at: list[int] = knob(factory=lambda: [0, 10, 20, 50, 100, 200, 500, 1000],
-                                  doc="finetune steps at which each arm is evaluated at the training length "
-                                      "(clipped to finetune_steps): the recovery curve")
-    recovery_lengths: list[int] | None = knob(None, "lengths the recovery curve is measured at (the first "
-                                                    "eval.batches validation blocks, cut); null = [data.seq_len]")
-    control: str = knob(baseline_norm(), "the arm every other arm's recovery gap is measured against; an experiment "
-                                   "without an arm of that name reports no gaps")
-    seeds: list[int] | None = knob(None, "training seeds: every arm is finetuned once per seed (DIR/arms/NAME-seedS, "
-                                         "train.seed = S), all scored on the same windows; reports give each arm's "
-                                         "mean over seeds and its paired difference to the control with intervals "
-                                         "over seeds. The base is trained once. null = one run per arm")
-    eval_data: list[str] | None = knob(None, "lm: text (or .json token) files for the length evaluation")
-    eval_max_tokens: int | None = knob(None, "lm: cap on tokens evaluated per length (null = all windows)")
-    eval_sequences: int | None = knob(None, "counting: generated sequences per evaluation length (the units of its "
-                                            "intervals); null = evaluate_counting's default, 8")
-    train_len: int | None = knob(None, "the length marked as 'trained' in the report; null = data.seq_len")
-    reference: ReferenceSection | None = knob(None, "a published loss table to compare directions with "
-                                                    "(retrofit.experiment.reference): file, control, arms, note")
+    arms: list[ArmSection] = setting(factory=list, doc="the finetune arms, all from the same base")
+    base_steps: int = setting(0, "steps to (pre)train the base with softmax attention; 0 = the model as loaded "
+                                  "(with model.config: no base, every arm trains from the same seeded init)")
+    base_patch: PatchSection = setting(factory=PatchSection,
+                                       doc="the patch the base pretrains with; unset = softmax with the model's "
+                                           "positions (a NoPE base: {norm: softmax, nope: true}, the AVnorm post's "
+                                           "NoPE runs)")
+    eval_base: bool = setting(True, "evaluate the base next to the arms; false skips it (e.g. a pretrained base "
+                                    "measured elsewhere: one model fewer at every length)")
+    finetune_steps: int = setting(100, "optimizer steps of every arm")
+    finetune_lr: float | None = setting(None, "arms' learning rate; null = train.lr")
+    finetune_warmup: int | None = setting(None, "arms' warmup steps; null = train.warmup_steps")
+    recovery_at: list[int] = setting(factory=lambda: [0, 10, 20, 50, 100, 200, 500, 1000],
+                                     doc="finetune steps at which each arm is evaluated at the training length "
+                                         "(clipped to finetune_steps): the recovery curve")
+    recovery_lengths: list[int] | None = setting(None, "lengths the recovery curve is measured at (the first "
+                                                       "eval.batches validation blocks, cut); null = [data.seq_len]")
+    control: str = setting(baseline_norm(), "the arm every other arm's recovery gap is measured against; an experiment "
+                                      "without an arm of that name reports no gaps")
+    seeds: list[int] | None = setting(None, "training seeds: every arm is finetuned once per seed "
+                                            "(DIR/arms/NAME-seedS, train.seed = S), all scored on the same windows; "
+                                            "reports give each arm's mean over seeds and its paired difference to the "
+                                            "control with intervals over seeds. The base is trained once. null = one "
+                                            "run per arm")
+    eval_data: list[str] | None = setting(None, "lm: text (or .json token) files for the length evaluation")
+    eval_max_tokens: int | None = setting(None, "lm: cap on tokens evaluated per length (null = all windows)")
+    eval_sequences: int | None = setting(None, "counting: generated sequences per evaluation length (the units of its "
+                                               "intervals); null = evaluate_counting's default, 8")
+    train_len: int | None = setting(None, "the length marked as 'trained' in the report; null = data.seq_len")
+    reference: ReferenceSection | None = setting(None, "a published loss table to compare directions with "
+                                                       "(retrofit.experiment.reference): file, control, arms, note")
 
     def __post_init__(self):
         if not self.arms:

@@ -11,26 +11,26 @@ from typing import Literal
 from transformers import CONFIG_MAPPING
 
 from ..errors import RetrofitError, closest, shown
-from .schema import knob, need
+from .schema import need, setting
 
 
 @dataclass
 class ModelSection:
-    source: str | None = knob(None, "Hub id, local folder (plain or retrofit checkpoint, or a finished "
-                                    "`retrofit train` run folder: how a finetune starts from a pretrained base run) "
-                                    "or .gguf file; "
-                                    "null = build from `config` and pretrain from scratch")
-    config: dict | None = knob(None, "with source null: `model_type` (any AutoConfig type) plus its sizes, "
-                                     "e.g. {model_type: llama, hidden_size: 64, num_hidden_layers: 2}")
-    tokenizer: str | None = knob(None, "tokenizer Hub id or folder; null = the source's own (text tasks need one)")
-    revision: str | None = knob(None, "Hub revision (branch, tag or commit) of source")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
+    source: str | None = setting(None, "Hub id, local folder (plain or retrofit checkpoint, or a finished "
+                                       "`retrofit train` run folder: how a finetune starts from a pretrained base run) "
+                                       "or .gguf file; "
+                                       "null = build from `config` and pretrain from scratch")
+    config: dict | None = setting(None, "with source null: `model_type` (any AutoConfig type) plus its sizes, "
+                                        "e.g. {model_type: llama, hidden_size: 64, num_hidden_layers: 2}")
+    tokenizer: str | None = setting(None, "tokenizer Hub id or folder; null = the source's own (text tasks need one)")
+    revision: str | None = setting(None, "Hub revision (branch, tag or commit) of source")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
         "auto", "dtype the weights train in. auto: float32 master weights whatever the source was saved in (a bf16 "
                 "model is upcast on load, exactly; the run saves float32); bfloat16/float16: the weights themselves "
                 "train in half precision (updates below a weight's precision are lost). Use train.precision for "
                 "mixed precision")
-    attn_implementation: Literal["sdpa", "eager"] = knob("sdpa", "kernel the patch wraps; sdpa is faster, eager "
-                                                                "for models without an sdpa path")
+    attn_implementation: Literal["sdpa", "eager"] = setting("sdpa", "kernel the patch wraps; sdpa is faster, eager "
+                                                                   "for models without an sdpa path")
 
     def __post_init__(self):
         need(self.source is None or self.config is None,

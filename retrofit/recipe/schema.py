@@ -1,9 +1,11 @@
 """Dataclasses from plain YAML data, with one-line errors: the machinery under retrofit.recipe.
 
-    field: int = knob(3, "what it means")        # a documented field
+    field: int = setting(3, "what it means")     # a documented field: a recipe setting
     build(Section, {"field": 4}, "section")      # -> Section(field=4); wrong type or key: RetrofitError
     apply_overrides(raw, ["section.field=5"])    # dotted overrides onto the raw mapping, values as YAML
     documentation(Section)                       # (dotted key, default, doc) rows, nested included
+
+A "knob" elsewhere in retrofit is the one option of a norm that a recovery schedule moves (retrofit.recovery).
 
 Supported field types: bool, int, float, str, Any, dict, list[T], Literal[...], unions with None, and
 nested dataclasses. An unknown key names the closest valid one. YAML is read with load_yaml: bounded in depth
@@ -26,7 +28,7 @@ from ..errors import closest as _closest
 _MISSING = dataclasses.MISSING
 
 
-def knob(default=_MISSING, doc: str = "", *, factory=None):
+def setting(default=_MISSING, doc: str = "", *, factory=None):
     """A recipe field with its documentation (`retrofit train RECIPE --keys` and the tests read it)."""
     if factory is not None:
         return field(default_factory=factory, metadata={"doc": doc})

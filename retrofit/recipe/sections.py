@@ -19,7 +19,7 @@ from typing import ClassVar, Literal
 from ..errors import closest, shown
 from ..norms import NORMS
 from ..patch_spec import RECIPE, PatchSpec
-from .schema import knob, need
+from .schema import need, setting
 
 
 @dataclass
@@ -29,22 +29,24 @@ class PatchSection:
     pass_through: ClassVar[str] = "options"
     renamed: ClassVar[dict] = {"calibrate": "calibrate_tokens"}  # old key -> its name now (saved runs still load)
 
-    norm: str | None = knob(None, "attention normalization (see `retrofit norms`): avnorm, psoftmax, ssmax, softmax1, "
-                                  "softmax; null = leave the model's attention as loaded (the L1 baseline arm)")
-    nope: bool = knob(False, "remove positional information (NoPE); required to train GPT-2 beyond its 1024 learned "
-                             "positions")
-    calibrate_tokens: int | None = knob(None, "tokens of training data used to calibrate AVNorm's per-head gains; "
-                                              "0 = off (unit gain); null = 8192 when norm is avnorm on a pretrained "
-                                              "model")
-    rope: str | dict | None = knob(None, "extend RoPE (retrofit.rope): 'yarn:4', 'dynamic:4', 'linear:4', 'llama3:8,"
-                                         "low_freq_factor=1,high_freq_factor=4' or a mapping {rope_type: yarn, factor: "
-                                         "4}; with norm softmax, the training-free baseline; null = RoPE as loaded")
-    layers: str | int | list | None = knob(None, "patch only these attention layers (0-based): '16-29', '0,3', "
-                                                 "':4' (every 4th), [16, 17]; null = every layer")
-    heads: str | int | list | None = knob(None, "avnorm/ssmax/softmax1: act on these query heads only (same "
-                                                "syntax); null = every head")
-    options: dict = knob(factory=dict, doc="the norm's options, written flat beside `norm` (patch.p: 2); see "
-                                           "`retrofit norms`; unset = the norm's default")
+    norm: str | None = setting(None, "attention normalization (see `retrofit norms`): avnorm, psoftmax, ssmax, "
+                                     "softmax1, softmax; null = leave the model's attention as loaded (the L1 baseline "
+                                     "arm)")
+    nope: bool = setting(False, "remove positional information (NoPE); required to train GPT-2 beyond its 1024 learned "
+                                "positions")
+    calibrate_tokens: int | None = setting(None, "tokens of training data used to calibrate AVNorm's per-head gains; "
+                                                 "0 = off (unit gain); null = 8192 when norm is avnorm on a pretrained "
+                                                 "model")
+    rope: str | dict | None = setting(None, "extend RoPE (retrofit.rope): 'yarn:4', 'dynamic:4', 'linear:4', "
+                                            "'llama3:8,low_freq_factor=1,high_freq_factor=4' or a mapping {rope_type: "
+                                            "yarn, factor: 4}; with norm softmax, the training-free baseline; null = "
+                                            "RoPE as loaded")
+    layers: str | int | list | None = setting(None, "patch only these attention layers (0-based): '16-29', '0,3', "
+                                                    "':4' (every 4th), [16, 17]; null = every layer")
+    heads: str | int | list | None = setting(None, "avnorm/ssmax/softmax1: act on these query heads only (same "
+                                                   "syntax); null = every head")
+    options: dict = setting(factory=dict, doc="the norm's options, written flat beside `norm` (patch.p: 2); see "
+                                              "`retrofit norms`; unset = the norm's default")
 
     def __post_init__(self):
         known = sorted({f.name for f in dataclasses.fields(self) if f.name != "options"} | _all_norm_options())
@@ -98,8 +100,8 @@ def _all_norm_options() -> set[str]:
 
 @dataclass
 class CountingOptions:
-    alphabet: int = knob(8, "symbols 0..alphabet-1; smaller = larger counts per length "
-                            "(the model's vocab must be >= this)")
+    alphabet: int = setting(8, "symbols 0..alphabet-1; smaller = larger counts per length "
+                               "(the model's vocab must be >= this)")
 
     def __post_init__(self):
         need(self.alphabet >= 2, f"data.counting.alphabet must be >= 2, got {self.alphabet}")
@@ -107,8 +109,8 @@ class CountingOptions:
 
 @dataclass
 class PasskeyOptions:
-    digits: int = knob(5, "digits in the pass key")
-    depth: float | None = knob(None, "where the key sits, 0 = start .. 1 = end; null = uniform random per example")
+    digits: int = setting(5, "digits in the pass key")
+    depth: float | None = setting(None, "where the key sits, 0 = start .. 1 = end; null = uniform random per example")
 
     def __post_init__(self):
         need(1 <= self.digits <= 20, f"data.passkey.digits must be in 1..20, got {self.digits}")
@@ -120,32 +122,34 @@ TASKS = ("lm", "counting", "passkey")
 
 @dataclass
 class DataSection:
-    task: Literal["lm", "counting", "passkey"] = knob("lm", "lm: next-token prediction on text; counting: running "
-                                                            "count of a target symbol (regression head, L1); passkey: "
-                                                            "retrieve a number hidden in filler text")
-    seq_len: int = knob(1024, "training length in tokens (the longest, when train.init_len stages it); longer = "
-                              "slower, and what 'trained length' means for extrapolation")
-    dataset: str | None = knob(None, "lm: Hub dataset name, e.g. HuggingFaceFW/fineweb-edu")
-    config: str | None = knob(None, "lm: Hub dataset config, e.g. sample-10BT")
-    split: str = knob("train", "lm: Hub split to train on")
-    text_field: str = knob("text", "lm: column holding the text")
-    streaming: bool = knob(False, "lm: stream the Hub dataset instead of downloading it (needed for FineWeb-Edu size)")
-    files: list[str] | None = knob(None, "lm: local .txt/.jsonl/.parquet files or globs (instead of dataset)")
-    val_files: list[str] | None = knob(None, "lm: local validation files; null = hold out the first val_blocks blocks")
-    val_split: str | None = knob(None, "lm: Hub split for validation; null = hold out the first val_blocks blocks")
-    val_blocks: int = knob(16, "lm: validation blocks (of the longest eval length): the first ones of val_files/"
-                               "val_split, or else held out from the start of the training data (deterministic)")
-    max_docs: int | None = knob(None, "lm, not streaming: read at most this many documents (quick runs); null = all")
-    shuffle: bool = knob(True, "lm, not streaming: reshuffle training blocks every epoch (seeded)")
-    packing: Literal["concat", "documents"] = knob(
+    task: Literal["lm", "counting", "passkey"] = setting("lm", "lm: next-token prediction on text; counting: "
+                                                               "running count of a target symbol (regression head, "
+                                                               "L1); passkey: retrieve a number hidden in filler text")
+    seq_len: int = setting(1024, "training length in tokens (the longest, when train.init_len stages it); longer = "
+                                 "slower, and what 'trained length' means for extrapolation")
+    dataset: str | None = setting(None, "lm: Hub dataset name, e.g. HuggingFaceFW/fineweb-edu")
+    config: str | None = setting(None, "lm: Hub dataset config, e.g. sample-10BT")
+    split: str = setting("train", "lm: Hub split to train on")
+    text_field: str = setting("text", "lm: column holding the text")
+    streaming: bool = setting(False, "lm: stream the Hub dataset instead of downloading it (needed for FineWeb-Edu "
+                                     "size)")
+    files: list[str] | None = setting(None, "lm: local .txt/.jsonl/.parquet files or globs (instead of dataset)")
+    val_files: list[str] | None = setting(None, "lm: local validation files; null = hold out the first val_blocks "
+                                                "blocks")
+    val_split: str | None = setting(None, "lm: Hub split for validation; null = hold out the first val_blocks blocks")
+    val_blocks: int = setting(16, "lm: validation blocks (of the longest eval length): the first ones of val_files/"
+                                  "val_split, or else held out from the start of the training data (deterministic)")
+    max_docs: int | None = setting(None, "lm, not streaming: read at most this many documents (quick runs); null = all")
+    shuffle: bool = setting(True, "lm, not streaming: reshuffle training blocks every epoch (seeded)")
+    packing: Literal["concat", "documents"] = setting(
         "concat", "lm: concat = documents joined with EOS and cut into seq_len blocks (attention and "
                   "positions run across documents); documents = whole documents packed into each row (best fit, the "
                   "rest padded and unscored), positions restarting at every document and attention confined to it "
                   "for every norm; a document longer than seq_len is split at seq_len; streamed, they are packed 8 "
                   "rows' worth at a time. Validation stays concat")
-    cache_dir: str | None = knob(None, "datasets cache folder; null = the datasets default")
-    counting: CountingOptions = knob(factory=CountingOptions, doc="counting task options")
-    passkey: PasskeyOptions = knob(factory=PasskeyOptions, doc="passkey task options")
+    cache_dir: str | None = setting(None, "datasets cache folder; null = the datasets default")
+    counting: CountingOptions = setting(factory=CountingOptions, doc="counting task options")
+    passkey: PasskeyOptions = setting(factory=PasskeyOptions, doc="passkey task options")
 
     def __post_init__(self):
         need(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
@@ -164,14 +168,14 @@ class DataSection:
 
 @dataclass
 class PeftSection:
-    r: int = knob(8, "LoRA rank; higher = more capacity and memory")
-    alpha: float = knob(16.0, "LoRA scaling numerator (scale = alpha / r)")
-    dropout: float = knob(0.0, "dropout on the LoRA input")
-    target_modules: list[str] | None = knob(None, "module names to adapt; null = PEFT's default for the model type")
-    train_patch: bool = knob(True, "also train the patch's own parameters (the `retrofit` child of each attention "
-                                   "module, via modules_to_save)")
-    save: Literal["merged", "adapter", "both"] = knob("both", "merged: a plain retrofit checkpoint in the run folder; "
-                                                             "adapter: run/adapter only (small); both")
+    r: int = setting(8, "LoRA rank; higher = more capacity and memory")
+    alpha: float = setting(16.0, "LoRA scaling numerator (scale = alpha / r)")
+    dropout: float = setting(0.0, "dropout on the LoRA input")
+    target_modules: list[str] | None = setting(None, "module names to adapt; null = PEFT's default for the model type")
+    train_patch: bool = setting(True, "also train the patch's own parameters (the `retrofit` child of each attention "
+                                      "module, via modules_to_save)")
+    save: Literal["merged", "adapter", "both"] = setting("both", "merged: a plain retrofit checkpoint in the run "
+                                                                "folder; adapter: run/adapter only (small); both")
 
     def __post_init__(self):
         need(self.r >= 1, f"train.peft.r must be >= 1, got {self.r}")
@@ -180,35 +184,36 @@ class PeftSection:
 
 @dataclass
 class TrainSection:
-    steps: int = knob(1000, "optimizer steps")
-    seed: int = knob(0, "seeds model init, data order and dropout")
-    lr: float = knob(3e-4, "peak learning rate (AdamW)")
-    min_lr_ratio: float = knob(0.1, "cosine decays to lr * min_lr_ratio")
-    warmup_steps: int = knob(100, "linear warmup from 0 to lr")
-    weight_decay: float = knob(0.1, "decoupled weight decay on matrices; "
-                                    "never on norms, biases, embeddings, patch gains")
-    betas: list[float] = knob(factory=lambda: [0.9, 0.95], doc="AdamW betas")
-    adam_eps: float = knob(1e-8, "AdamW epsilon")
-    grad_clip: float = knob(1.0, "clip the global gradient norm to this; 0 = off")
-    batch_size: int = knob(8, "global sequences of data.seq_len per optimizer step (all processes together); "
-                              "tokens/step = batch_size * seq_len, kept constant while staging")
-    micro_batch_size: int = knob(8, "sequences per process per forward; smaller = less memory, more accumulation "
-                                    "(accumulation = batch_size / (micro_batch_size * data-parallel processes))")
-    init_len: int | None = knob(None, "staged length (L2-softmax post): start at init_len, double every double_every "
-                                      "steps up to data.seq_len; null = always seq_len")
-    double_every: int = knob(0, "steps between length doublings when init_len is set")
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = knob("auto", "auto = bf16 on a GPU that has it, else fp32")
-    gradient_checkpointing: bool = knob(False, "recompute activations in backward: ~30% slower, much less memory")
-    activation_offload: bool = knob(False, "saved activations wait in CPU RAM (save_on_cpu): less GPU memory, slower")
-    loss_chunk_tokens: int = knob(1024, "positions x rows whose logits the loss holds at once (recomputed in "
-                                        "backward); 0 = all (B, T, vocab) logits: more memory, no recompute")
-    compile: bool = knob(False, "torch.compile the model (inductor); slow first steps, recompiles per staged length")
-    cpu: bool = knob(False, "run on CPU even when a GPU is present")
-    sequence_parallel: int = knob(1, "N processes share each row (Ulysses: each holds T/N tokens, attention sees the "
-                                     "whole row for H/N heads); groups of N are data parallel; 1 = off")
-    log_every: int = knob(10, "steps between log lines (loss is averaged over them)")
-    progress: bool = knob(True, "show a progress bar (loss, tokens/s, ETA)")
-    peft: PeftSection | None = knob(None, "LoRA finetune instead of full; null = train all weights")
+    steps: int = setting(1000, "optimizer steps")
+    seed: int = setting(0, "seeds model init, data order and dropout")
+    lr: float = setting(3e-4, "peak learning rate (AdamW)")
+    min_lr_ratio: float = setting(0.1, "cosine decays to lr * min_lr_ratio")
+    warmup_steps: int = setting(100, "linear warmup from 0 to lr")
+    weight_decay: float = setting(0.1, "decoupled weight decay on matrices; "
+                                       "never on norms, biases, embeddings, patch gains")
+    betas: list[float] = setting(factory=lambda: [0.9, 0.95], doc="AdamW betas")
+    adam_eps: float = setting(1e-8, "AdamW epsilon")
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this; 0 = off")
+    batch_size: int = setting(8, "global sequences of data.seq_len per optimizer step (all processes together); "
+                                 "tokens/step = batch_size * seq_len, kept constant while staging")
+    micro_batch_size: int = setting(8, "sequences per process per forward; smaller = less memory, more accumulation "
+                                       "(accumulation = batch_size / (micro_batch_size * data-parallel processes))")
+    init_len: int | None = setting(None, "staged length (L2-softmax post): start at init_len, double every "
+                                         "double_every steps up to data.seq_len; null = always seq_len")
+    double_every: int = setting(0, "steps between length doublings when init_len is set")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = setting("auto", "auto = bf16 on a GPU that has it, else fp32")
+    gradient_checkpointing: bool = setting(False, "recompute activations in backward: ~30% slower, much less memory")
+    activation_offload: bool = setting(False, "saved activations wait in CPU RAM (save_on_cpu): less GPU memory, "
+                                              "slower")
+    loss_chunk_tokens: int = setting(1024, "positions x rows whose logits the loss holds at once (recomputed in "
+                                           "backward); 0 = all (B, T, vocab) logits: more memory, no recompute")
+    compile: bool = setting(False, "torch.compile the model (inductor); slow first steps, recompiles per staged length")
+    cpu: bool = setting(False, "run on CPU even when a GPU is present")
+    sequence_parallel: int = setting(1, "N processes share each row (Ulysses: each holds T/N tokens, attention sees "
+                                        "the whole row for H/N heads); groups of N are data parallel; 1 = off")
+    log_every: int = setting(10, "steps between log lines (loss is averaged over them)")
+    progress: bool = setting(True, "show a progress bar (loss, tokens/s, ETA)")
+    peft: PeftSection | None = setting(None, "LoRA finetune instead of full; null = train all weights")
 
     def __post_init__(self):
         need(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
@@ -236,13 +241,13 @@ class TrainSection:
 
 @dataclass
 class EvalSection:
-    every: int = knob(0, "evaluate every N steps; 0 = only at the end")
-    at_steps: list[int] = knob(factory=list, doc="also evaluate after exactly these steps (0 = before training), "
-                                                  "e.g. a finetune schedule [0, 10, 20, 50]")
-    batches: int = knob(4, "validation batches per evaluation")
-    batch_size: int = knob(8, "sequences per validation batch")
-    lengths: list[int] | None = knob(None, "evaluation lengths (counting/passkey: generated at each; lm: the first "
-                                          "L tokens of held-out blocks); null = [data.seq_len]")
+    every: int = setting(0, "evaluate every N steps; 0 = only at the end")
+    at_steps: list[int] = setting(factory=list, doc="also evaluate after exactly these steps (0 = before training), "
+                                                     "e.g. a finetune schedule [0, 10, 20, 50]")
+    batches: int = setting(4, "validation batches per evaluation")
+    batch_size: int = setting(8, "sequences per validation batch")
+    lengths: list[int] | None = setting(None, "evaluation lengths (counting/passkey: generated at each; lm: the first "
+                                             "L tokens of held-out blocks); null = [data.seq_len]")
 
     def __post_init__(self):
         need(self.every >= 0, f"eval.every must be >= 0, got {self.every}")
@@ -257,11 +262,12 @@ TRACKERS = ("tensorboard", "wandb")
 
 @dataclass
 class OutputSection:
-    dir: str | None = knob(None, "run folder (checkpoints, log.jsonl, final model); null = runs/<recipe name>")
-    save_every: int = knob(0, "write a resumable checkpoint every N steps; 0 = never (the final model is always saved)")
-    keep: int = knob(2, "checkpoints kept (oldest deleted)")
-    trackers: list[str] = knob(factory=list, doc="besides log.jsonl (always): tensorboard, wandb")
-    project: str = knob("retrofit", "tracker project name")
+    dir: str | None = setting(None, "run folder (checkpoints, log.jsonl, final model); null = runs/<recipe name>")
+    save_every: int = setting(0, "write a resumable checkpoint every N steps; 0 = never (the final model is always "
+                                 "saved)")
+    keep: int = setting(2, "checkpoints kept (oldest deleted)")
+    trackers: list[str] = setting(factory=list, doc="besides log.jsonl (always): tensorboard, wandb")
+    project: str = setting("retrofit", "tracker project name")
 
     def __post_init__(self):
         need(self.save_every >= 0, f"output.save_every must be >= 0, got {self.save_every}")
@@ -273,23 +279,23 @@ class OutputSection:
 
 @dataclass
 class ScheduleSection:
-    steps: int = knob(0, "steps over which the knob moves from start to end (then stays at end); more = gentler, "
-                         "the model adapts while the norm arrives; must be <= train.steps")
-    start: float | None = knob(None, "the knob at step 0; null = the norm's identity value (the original model): "
-                                     "avnorm floor 8, psoftmax p 1, softmax1 sink -30, ssmax blend 0")
-    end: float | None = knob(None, "the knob from `steps` on; null = the patch's own value (avnorm floor 0, "
-                                   "psoftmax p, softmax1 sink, ssmax blend 1): the plain norm, bitwise")
-    shape: Literal["linear", "cosine", "loss"] = knob("linear", "linear, cosine (slow at both ends), or loss: "
-                                                               "equal zero-shot cost per step (slow where the probe's "
-                                                               "loss rises steeply; needs costs)")
-    by_layer: bool = knob(False, "move one layer at a time, first layer first, each over steps / layers; the "
-                                 "later layers adapt to an already-changed input")
-    costs: list[float] | None = knob(None, "shape loss: the zero-shot probe's losses at evenly spaced positions "
-                                           "0..1 of the straight path start -> end, as `retrofit patch MODEL --norm "
-                                           "N --check-text FILE --schedule-values 0,0.25,0.5,0.75,1 --schedule-end "
-                                           "E` prints them; null = measured as the run starts (task lm: the first "
-                                           "training block at 9 positions, printed; pin them here for a resume "
-                                           "that must be exact on a GPU)")
+    steps: int = setting(0, "steps over which the knob moves from start to end (then stays at end); more = gentler, "
+                            "the model adapts while the norm arrives; must be <= train.steps")
+    start: float | None = setting(None, "the knob at step 0; null = the norm's identity value (the original model): "
+                                        "avnorm floor 8, psoftmax p 1, softmax1 sink -30, ssmax blend 0")
+    end: float | None = setting(None, "the knob from `steps` on; null = the patch's own value (avnorm floor 0, "
+                                      "psoftmax p, softmax1 sink, ssmax blend 1): the plain norm, bitwise")
+    shape: Literal["linear", "cosine", "loss"] = setting("linear", "linear, cosine (slow at both ends), or loss: "
+                                                                  "equal zero-shot cost per step (slow where the "
+                                                                  "probe's loss rises steeply; needs costs)")
+    by_layer: bool = setting(False, "move one layer at a time, first layer first, each over steps / layers; the "
+                                    "later layers adapt to an already-changed input")
+    costs: list[float] | None = setting(None, "shape loss: the zero-shot probe's losses at evenly spaced positions "
+                                              "0..1 of the straight path start -> end, as `retrofit patch MODEL --norm "
+                                              "N --check-text FILE --schedule-values 0,0.25,0.5,0.75,1 --schedule-end "
+                                              "E` prints them; null = measured as the run starts (task lm: the first "
+                                              "training block at 9 positions, printed; pin them here for a resume "
+                                              "that must be exact on a GPU)")
 
     def __post_init__(self):
         need(self.steps >= 1, f"recovery.schedule.steps must be >= 1, got {self.steps}")
@@ -315,28 +321,28 @@ class RecoverySection:
     """How a retrofit recovers the original model's function (issue #14); every key defaults to off."""
 
     renamed: ClassVar[dict] = {"calibrate": "calibrate_tokens"}  # old key -> its name now (saved runs still load)
-    schedule: ScheduleSection | None = knob(None, "identity-start schedule of the norm's knob (avnorm floor, "
-                                                  "psoftmax p, softmax1 sink, ssmax blend); null = the full norm "
-                                                  "from step 0")
-    lm_weight: float = knob(1.0, "weight of the next-token loss on the data; 0 = pure distillation")
-    kl_weight: float = knob(0.0, "weight of KL(teacher || student) per token, teacher = the same weights with the "
-                                 "patch bypassed (norm, RoPE extension and LoRA adapters off): pulls toward the "
-                                 "original function, one extra forward. Exact while the base is frozen "
-                                 "(freeze_base, train.peft); a full finetune moves the teacher too, so keep the "
-                                 "weight small (0.1-0.3) there")
-    kl_temperature: float = knob(1.0, "softens both distributions (loss scaled by T^2); > 1 also matches the tail")
-    chunk_tokens: int = knob(1024, "positions x rows per chunk of the output head in the KL; smaller = less memory "
-                                   "(never L x vocab at once), more head calls")
-    match_steps: int = knob(0, "first stage: for these steps, match each layer's attention output (the output "
-                               "projection's input) to the teacher's by MSE, training only the patch's parameters")
-    patch_lr: float | None = knob(None, "peak learning rate of the patch's own parameters (gains, sinks, s); "
-                                        "null = train.lr. New parameters tolerate (and need) a larger one")
-    patch_warmup_steps: int | None = knob(None, "warmup of patch_lr; null = train.warmup_steps")
-    freeze_base: bool = knob(False, "train only the patch's parameters (cheap, keeps the model; limited recovery); "
-                                    "patch + LoRA: train.peft with train_patch: true instead")
-    calibrate_tokens: int | None = knob(None, "tokens to calibrate psoftmax's per-head gain (patch.gain set) on; "
-                                              "null = 8192 on a pretrained model; 0 = off (avnorm uses "
-                                              "patch.calibrate_tokens)")
+    schedule: ScheduleSection | None = setting(None, "identity-start schedule of the norm's knob (avnorm floor, "
+                                                     "psoftmax p, softmax1 sink, ssmax blend); null = the full norm "
+                                                     "from step 0")
+    lm_weight: float = setting(1.0, "weight of the next-token loss on the data; 0 = pure distillation")
+    kl_weight: float = setting(0.0, "weight of KL(teacher || student) per token, teacher = the same weights with the "
+                                    "patch bypassed (norm, RoPE extension and LoRA adapters off): pulls toward the "
+                                    "original function, one extra forward. Exact while the base is frozen "
+                                    "(freeze_base, train.peft); a full finetune moves the teacher too, so keep the "
+                                    "weight small (0.1-0.3) there")
+    kl_temperature: float = setting(1.0, "softens both distributions (loss scaled by T^2); > 1 also matches the tail")
+    chunk_tokens: int = setting(1024, "positions x rows per chunk of the output head in the KL; smaller = less memory "
+                                      "(never L x vocab at once), more head calls")
+    match_steps: int = setting(0, "first stage: for these steps, match each layer's attention output (the output "
+                                  "projection's input) to the teacher's by MSE, training only the patch's parameters")
+    patch_lr: float | None = setting(None, "peak learning rate of the patch's own parameters (gains, sinks, s); "
+                                           "null = train.lr. New parameters tolerate (and need) a larger one")
+    patch_warmup_steps: int | None = setting(None, "warmup of patch_lr; null = train.warmup_steps")
+    freeze_base: bool = setting(False, "train only the patch's parameters (cheap, keeps the model; limited recovery); "
+                                       "patch + LoRA: train.peft with train_patch: true instead")
+    calibrate_tokens: int | None = setting(None, "tokens to calibrate psoftmax's per-head gain (patch.gain set) on; "
+                                                 "null = 8192 on a pretrained model; 0 = off (avnorm uses "
+                                                 "patch.calibrate_tokens)")
 
     def __post_init__(self):
         for key in ("lm_weight", "kl_weight"):

@@ -1,7 +1,7 @@
 """The package's shape: no import cycle, imports only point down the data flow, no private name crosses a
-module, no module over 400 lines, no function over 12 parameters, no module state changed at run time. Read
-from the source with `ast` (in-function imports count), so it fails on the commit that breaks the shape, not
-when someone notices."""
+module, no module over 400 lines, no function over 12 parameters or 60 lines, no module state changed at run
+time. Read from the source with `ast` (in-function imports count), so it fails on the commit that breaks the
+shape, not when someone notices."""
 
 from __future__ import annotations
 
@@ -221,6 +221,51 @@ def test_the_parameter_check_catches_a_wide_function():
         "@op.register_fake\ndef _fake(a, b, c, d, e, f, g, h, i, j, k, l, m):\n    pass\n"
     )
     assert wide_functions(planted, "planted.py") == ["planted.py:2 wide takes 13 parameters"]
+
+
+# ---- function length: no function body over 60 lines ---------------------------------------------------------------
+# Counted from the first statement of the body (its docstring included) to the function's last line, nested
+# functions inside their parent. A longer function is several steps: split it into functions that name them.
+MAX_FUNCTION_LINES = 60
+# "path:name" -> the reason it stays long. Keep it empty: an entry is a debt with its reason, not a permission.
+LONG_FUNCTIONS: dict[str, str] = {
+    "retrofit/patch.py:patch": "63 lines; the PatchSpec rework is rewriting it and patch.py is at 398 of 400 lines, "
+                               "so it is split after that lands, with room made in the module",
+}
+
+
+def body_lines(fn: ast.FunctionDef) -> int:
+    return fn.end_lineno - fn.body[0].lineno + 1
+
+
+def long_functions(source: str, where: str, *, listed: bool = False) -> list[str]:
+    """'where:line name has N lines' for every function in `source` whose body is over MAX_FUNCTION_LINES (those in
+    LONG_FUNCTIONS only when `listed`)."""
+    return [f"{where}:{node.lineno} {node.name} has {body_lines(node)} lines"
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and body_lines(node) > MAX_FUNCTION_LINES
+            and (listed or f"{where}:{node.name}" not in LONG_FUNCTIONS)]
+
+
+def test_no_function_over_60_lines():
+    long = [line for path in MODULES.values() for line in long_functions(path.read_text(), _where(path))]
+    assert long == []
+    still_long = {f"{line.split(':')[0]}:{line.split()[1]}" for path in MODULES.values()
+                  for line in long_functions(path.read_text(), _where(path), listed=True)}
+    assert sorted(set(LONG_FUNCTIONS) - still_long) == []  # an exception whose function got short goes too
+
+
+def test_the_length_check_catches_a_long_function(monkeypatch):
+    """A 61-line body is reported (its docstring counts; a nested function counts in its parent); 60 lines, a
+    59-line nested function and a listed exception are not."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(58))
+    planted = (f'def sixty():\n    """Doc."""\n{body}    return 0\n'
+               f'def sixty_one():\n    """Doc."""\n    """More."""\n{body}    return 0\n'
+               f"def outer():\n    def inner():\n{body.replace('    ', '        ')}        return 1\n"
+               f"    return inner\n")
+    assert long_functions(planted, "p.py") == ["p.py:62 sixty_one has 61 lines", "p.py:124 outer has 61 lines"]
+    monkeypatch.setitem(LONG_FUNCTIONS, "p.py:outer", "a planted exception")
+    assert long_functions(planted, "p.py") == ["p.py:62 sixty_one has 61 lines"]
 
 
 # ---- module state: no module-level container changed at run time ---------------------------------------------------

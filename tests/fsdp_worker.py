@@ -1,6 +1,8 @@
 """Run by tests/test_fsdp.py under torchrun (2 processes, gloo): train a patched tiny Llama sharded with FSDP2.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_worker.py MODE OUT     # MODE: full | lora
+    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_worker.py MODES OUT     # MODES: full,lora
+
+Each mode in turn, in the same two processes (one launch: its start costs more than a mode's training), into OUT/MODE.
 """
 
 import json
@@ -17,8 +19,15 @@ from retrofit.train.fsdp import shard_model  # noqa: E402
 from tests.fsdp_common import build, global_batch, logits_of, loss_of  # noqa: E402
 
 
-def main(mode: str, out: Path) -> None:
+def main(modes: str, out: Path) -> None:
     dist.init_process_group("gloo")
+    for mode in modes.split(","):
+        (out / mode).mkdir(parents=True, exist_ok=True)
+        train_and_save(mode, out / mode)
+    dist.destroy_process_group()
+
+
+def train_and_save(mode: str, out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(mode)
     units = shard_model(model)
@@ -42,7 +51,6 @@ def main(mode: str, out: Path) -> None:
         torch.save(logits_of(saved), out / "logits.pt")
         torch.save({k: v.clone() for k, v in saved.state_dict().items()}, out / "state.pt")
         (out / "result.json").write_text(json.dumps({"losses": losses, "units": units}))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

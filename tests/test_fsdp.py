@@ -22,13 +22,16 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
 
-def _sharded(mode: str, out: Path) -> dict:
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory) -> Path:
+    """One launch trains both modes in turn, into OUT/full and OUT/lora (a launch costs more than a mode)."""
+    out = tmp_path_factory.mktemp("fsdp")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "fsdp_worker.py"), mode, str(out)],
+                           str(ROOT / "tests" / "fsdp_worker.py"), "full,lora", str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "result.json").read_text())
+    return out
 
 
 def _single(mode: str) -> list[float]:
@@ -48,9 +51,10 @@ def _single(mode: str) -> list[float]:
     ("full", 1e-5),   # fp32: only the gradient reduction order differs
     ("lora", 2e-2),   # bf16 base: one bf16 rounding of the loss (~2^-8 relative of ~4.5) between the two orders
 ])
-def test_fsdp2_trains_like_one_process_and_its_checkpoint_reloads_equal(mode, tol, tmp_path):
+def test_fsdp2_trains_like_one_process_and_its_checkpoint_reloads_equal(mode, tol, sharded_runs):
     torch.set_num_threads(1)
-    result = _sharded(mode, tmp_path)
+    tmp_path = sharded_runs / mode
+    result = json.loads((tmp_path / "result.json").read_text())
     assert result["losses"] == pytest.approx(_single(mode), abs=tol)
     assert result["losses"][-1] < result["losses"][0]  # it trained
     reloaded = retrofit.from_pretrained(str(tmp_path / "model"), dtype="bfloat16" if mode == "lora" else None)

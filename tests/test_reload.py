@@ -32,23 +32,39 @@ for folder in json.loads(sys.argv[2]):
 """
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
-@pytest.mark.usefixtures("one_thread")  # matmul results depend on the thread count; the child uses 1 too
-def test_reload_in_fresh_process(family, tmp_path):
-    cases = {}
-    for norm_key in NORMS:
-        for nope in (False, True):
-            _, model = patched_pair(family, norm_key, nope)
-            folder = tmp_path / f"{norm_key}-{nope}"
-            model.save_pretrained(folder)
-            with torch.no_grad():
-                logits = model(random_ids(2, 12)).logits
-            params = {n: p.detach().clone() for n, p in model.named_parameters() if ".retrofit." in n}
-            cases[str(folder)] = (logits, params, model.config.retrofit)
-    run = subprocess.run([sys.executable, "-c", LOADER, str(ROOT), json.dumps(list(cases))],
+FAMILIES = ["gpt2", "llama", "gemma2"]
+
+
+@pytest.fixture(scope="module")
+def reloaded(tmp_path_factory):
+    """Every family's every norm (with and without NoPE) saved, then all reloaded by one fresh process (a start
+    costs ~3 s of imports; the families share nothing a fresh process would reset between them)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # matmul results depend on the thread count; the child uses 1 too
+    try:
+        cases = {family: {} for family in FAMILIES}
+        for family in FAMILIES:
+            for norm_key in NORMS:
+                for nope in (False, True):
+                    _, model = patched_pair(family, norm_key, nope)
+                    folder = tmp_path_factory.mktemp(f"{family}-{norm_key}-{nope}")
+                    model.save_pretrained(folder)
+                    with torch.no_grad():
+                        logits = model(random_ids(2, 12)).logits
+                    params = {n: p.detach().clone() for n, p in model.named_parameters() if ".retrofit." in n}
+                    cases[family][str(folder)] = (logits, params, model.config.retrofit)
+    finally:
+        torch.set_num_threads(threads)
+    folders = [folder for family in FAMILIES for folder in cases[family]]
+    run = subprocess.run([sys.executable, "-c", LOADER, str(ROOT), json.dumps(folders)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    for folder, (logits, params, record) in cases.items():
+    return cases
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reload_in_fresh_process(family, reloaded):
+    for folder, (logits, params, record) in reloaded[family].items():
         got = torch.load(Path(folder) / "reloaded.pt")
         assert torch.equal(got["logits"], logits), folder
         assert got["params"].keys() == params.keys()

@@ -1,6 +1,7 @@
 """The commands for several processes on a CPU that docs/many-gpus.md gives are run here exactly as written: the
 `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2` line and the `torchrun` line each start two
-gloo processes that train 2 tiny steps together. (`accelerate launch --cpu --num_processes 2` starts one.)"""
+gloo processes that train 6 tiny steps together (the torchrun launch is shared with tests/test_train.py). (`accelerate
+launch --cpu --num_processes 2` starts one.)"""
 
 from __future__ import annotations
 
@@ -39,18 +40,32 @@ def as_argv(line: str, recipe: Path, out: Path) -> tuple[dict, list[str]]:
     return env, [str(program), *argv[1:]]
 
 
-@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
-def test_the_guides_cpu_launch_line_starts_two_processes(launcher, tmp_path):
-    raw = {"model": {"config": {"model_type": "gpt2", **TINY["gpt2"], "vocab_size": 16}}, "patch": {"norm": "ssmax"},
-           "data": {"task": "counting", "seq_len": 16},
-           "train": {"steps": 2, "batch_size": 4, "micro_batch_size": 2, "warmup_steps": 1, "progress": False,
-                     "log_every": 1},
-           "eval": {"lengths": [16], "batches": 1, "batch_size": 2}}
-    recipe = tmp_path / "tiny.yaml"
+def two_process_recipe(folder: Path) -> Path:
+    """A tiny GPT-2 with AVNorm counting, 6 steps of a global batch of 4 (2 micro-batches of 2 on one process, one
+    on each of two), evaluated at 32 and 64: what test_train compares with one process."""
+    raw = {"model": {"config": {"model_type": "gpt2", **TINY["gpt2"], "vocab_size": 16}}, "patch": {"norm": "avnorm"},
+           "data": {"task": "counting", "seq_len": 32},
+           "train": {"steps": 6, "batch_size": 4, "micro_batch_size": 2, "lr": 1e-2, "warmup_steps": 2,
+                     "progress": False, "log_every": 1},
+           "eval": {"lengths": [32, 64], "batches": 1, "batch_size": 3}}
+    recipe = folder / "ddp.yaml"
     recipe.write_text(yaml.safe_dump(raw))
-    env, argv = as_argv(page_line(LAUNCHERS[launcher]), recipe, tmp_path / "run")
+    return recipe
+
+
+def launch(launcher: str, folder: Path) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """The guide's line for `launcher` on two_process_recipe: (the finished process, the recipe, the run folder)."""
+    recipe, out = two_process_recipe(folder), folder / "run"
+    env, argv = as_argv(page_line(LAUNCHERS[launcher]), recipe, out)
     done = subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env},
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=300, cwd=folder)
+    return done, recipe, out
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_the_guides_cpu_launch_line_starts_two_processes(launcher, tmp_path, torchrun_launch):
+    # torchrun's launch is shared with tests/test_train.py (tests/conftest.py): one start of three processes less
+    done, _, out = torchrun_launch if launcher == "torchrun" else launch(launcher, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert (result["processes"], result["steps"]) == (2, 2)
+    result = json.loads((out / "result.json").read_text())
+    assert (result["processes"], result["steps"]) == (2, 6)

@@ -105,19 +105,12 @@ def test_patched_tiny_llama_learns_passkey(tmp_path, corpus):
 
 # ---- two processes ------------------------------------------------------------------------------------------------
 
-def test_two_cpu_processes_match_one_process(tmp_path):
+def test_two_cpu_processes_match_one_process(tmp_path, torchrun_launch):
     """Same global batch (4): one process accumulates 2 micro-batches of 2, two processes take 2 each.
-    Tolerance 1e-5 absolute on every step's loss (fp32; gloo's all-reduce may sum in another order)."""
-    raw = {"model": {"config": {**TINY_GPT2, "vocab_size": 16}}, "patch": {"norm": "avnorm"},
-           "data": {"task": "counting", "seq_len": 32},
-           "train": {"steps": 6, "batch_size": 4, "micro_batch_size": 2, "lr": 1e-2, "warmup_steps": 2, **QUIET},
-           "eval": {"lengths": [32, 64], "batches": 1, "batch_size": 3}}
-    path = tmp_path / "ddp.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    two = tmp_path / "two"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "retrofit", "train", str(path), "--out", str(two)],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    Tolerance 1e-5 absolute on every step's loss (fp32; gloo's all-reduce may sum in another order).
+    The two processes: `torchrun --standalone --nproc_per_node 2 -m retrofit train` (docs/many-gpus.md's line,
+    launched once for this test and tests/test_launchers.py; recipe: tests/test_launchers.py two_process_recipe)."""
+    proc, path, two = torchrun_launch
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = train(load_recipe(path, [f"output.dir={tmp_path / 'one'}"]))
     assert json.loads((two / "result.json").read_text())["processes"] == 2

@@ -1,0 +1,97 @@
+"""What vLLM may serve of a patched checkpoint: its `config.retrofit` record -> a ServePlan, or a one-line refusal.
+
+    plan = serve_plan(config)        # a transformers config (vLLM's hf_config) or the config.json dict
+    plan.norm, plan.options, plan.layers, plan.heads, plan.nope, plan.original_positions
+
+Decided here, before vLLM builds a module, so nothing is ever served as something else:
+- avnorm (every kind, mode, floor, affine): the heads' outputs normalized before o_proj, by retrofit's own module.
+- ssmax (every scale, blend): q scaled per query by f(n), n = position + 1 (vLLM has no padding; cached keys count).
+- softmax1: vLLM's attention sinks (a sink logit b_h in every row's denominator is softmax+1) where the attention
+  backend takes sinks; otherwise refused (SINKS_REFUSED).
+- softmax (a RoPE extension or NoPE alone): plain attention.
+- RoPE extensions: config.json already carries the extended `rope_parameters`, which vLLM's own rope reads.
+- psoftmax: refused (PSOFTMAX_REFUSED). A model family outside ARCHITECTURES: refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..errors import RetrofitError
+from ..load.validate import check_record
+from ..record import GUARD, GUARD_KEY, read_record
+
+# The architectures (config.json) whose vLLM model code the plugin extends (retrofit.serve.llama).
+ARCHITECTURES = ("LlamaForCausalLM",)
+SERVED = ("avnorm", "ssmax", "softmax1", "softmax")
+PSOFTMAX_REFUSED = ("p-softmax is not served by vLLM: it rescales each row by exp(LSE(s) - LSE(p*s)/p) and vLLM's "
+                    "attention returns no log-sum-exp; run it with retrofit.from_pretrained or `retrofit eval`")
+SINKS_REFUSED = ("softmax1 is not served by this vLLM build: its attention backend ({backend}) takes no attention "
+                 "sinks; run it with retrofit.from_pretrained or `retrofit eval`, or serve on a backend with sinks")
+# RoPE types vLLM's get_rope builds from rope_parameters (the ones retrofit.rope writes).
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """The patch a vLLM model builds, read from a checkpoint's config.retrofit."""
+
+    norm: str
+    options: dict
+    layers: tuple[int, ...] | None  # the patched attention modules (decoder layers); None = all
+    heads: tuple[int, ...] | None  # the patched query heads; None = all
+    nope: bool  # positions removed: no rotary embedding on q and k
+    original_positions: int | None  # L for ssmax / avnorm mode=beyond: positions before a rope extension
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _get(config, key):
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def serve_plan(config, where: str = "this checkpoint") -> ServePlan | None:
+    """The ServePlan of a config with a retrofit record, None for a plain one; RetrofitError (one line) for a record
+    vLLM cannot serve exactly."""
+    record = config.get("retrofit") if isinstance(config, dict) else read_record(config)
+    if record is None:
+        return None
+    check_record(record, where)
+    architectures = _get(config, "architectures") or []
+    unknown = [a for a in architectures if a not in ARCHITECTURES]
+    if unknown or not architectures:
+        raise RetrofitError(f"{where}: retrofit's vLLM plugin serves {', '.join(ARCHITECTURES)} checkpoints, not "
+                            f"{', '.join(map(str, unknown or ['one without architectures']))}; run it with "
+                            "retrofit.from_pretrained")
+    norm = record["norm"]
+    if norm == "psoftmax":
+        raise RetrofitError(f"{where}: {PSOFTMAX_REFUSED}")
+    if norm not in SERVED:
+        raise RetrofitError(f"{where}: retrofit's vLLM plugin serves {', '.join(SERVED)}, not {norm!r}")
+    rope = record.get("rope")
+    original = _original_positions(config, rope)
+    if rope:
+        rope_type = rope["parameters"].get("rope_type")
+        if rope_type not in ROPE_TYPES:
+            raise RetrofitError(f"{where}: vLLM's rope has no rope_type {rope_type!r} (it has {', '.join(ROPE_TYPES)})")
+    layers, heads = record.get("layers"), record.get("heads")
+    return ServePlan(norm=norm, options=dict(record.get("options") or {}),
+                     layers=tuple(layers) if layers is not None else None,
+                     heads=tuple(heads) if heads is not None else None,
+                     nope=bool(record.get("nope")), original_positions=original)
+
+
+def _original_positions(config, rope: dict | None) -> int | None:
+    """The positions the model was trained on: a rope extension records them; otherwise the config's."""
+    if rope and rope.get("original_positions"):
+        return int(rope["original_positions"])
+    value = _get(config, "max_position_embeddings")
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def vllm_config_overrides(config: dict) -> dict:
+    """hf_overrides for vLLM: the guard (config.json's attention implementation, which only retrofit's loader may
+    pass) is dropped for vLLM's own config object; vLLM never builds a transformers model from it."""
+    return {GUARD_KEY: None} if config.get(GUARD_KEY) == GUARD else {}

@@ -1,0 +1,61 @@
+"""retrofit.serve.plan: which patched checkpoints the vLLM plugin serves, and the one-line refusals. No vLLM needed:
+the plan is read from the config.json a save writes (the parity itself: tests/test_serve_vllm.py, in vLLM's env)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import retrofit
+from retrofit.errors import RetrofitError
+from retrofit.record import GUARD, GUARD_KEY
+from retrofit.serve import serve_plan
+from tests.tiny import tiny_model
+
+
+def saved_config(tmp_path, norm, model_type="llama", **options) -> dict:
+    model = tiny_model(model_type)
+    retrofit.patch(model, norm, **options)
+    model.save_pretrained(tmp_path)
+    return json.loads((tmp_path / "config.json").read_text())
+
+
+@pytest.mark.parametrize("norm, options", [("avnorm", {}), ("ssmax", {"scale": "beyond"}), ("softmax1", {}),
+                                           ("softmax", {"rope": "yarn:2"})])
+def test_served_norms_have_a_plan(norm, options, tmp_path):
+    config = saved_config(tmp_path, norm, **options)
+    assert config[GUARD_KEY] == GUARD  # the guard rides along; vLLM's loader never passes it to transformers
+    plan = serve_plan(config)
+    assert plan.norm == norm and plan.layers is None and plan.heads is None and not plan.nope
+    assert plan.original_positions == 64  # tiny max positions; a rope extension records the originals
+    assert plan.options == config["retrofit"]["options"]
+
+
+def test_a_plain_config_has_no_plan(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path)
+    assert serve_plan(json.loads((tmp_path / "config.json").read_text())) is None
+
+
+def test_selection_and_nope_are_carried(tmp_path):
+    plan = serve_plan(saved_config(tmp_path / "a", "ssmax", layers=[1], heads=[0, 2]))
+    assert (plan.layers, plan.heads, plan.nope) == ((1,), (0, 2), False)
+    assert serve_plan(saved_config(tmp_path / "b", "softmax", nope=True)).nope
+
+
+@pytest.mark.parametrize("norm, model_type, options, message", [
+    ("psoftmax", "llama", {"p": 2}, "p-softmax is not served by vLLM: it rescales each row"),
+    ("avnorm", "gpt2", {}, "serves LlamaForCausalLM checkpoints, not GPT2LMHeadModel"),
+])
+def test_refused_in_one_line(norm, model_type, options, message, tmp_path):
+    config = saved_config(tmp_path, norm, model_type, **options)
+    with pytest.raises(RetrofitError, match=message) as caught:
+        serve_plan(config, where="ckpt")
+    assert "\n" not in str(caught.value) and str(caught.value).startswith("ckpt: ")
+
+
+def test_a_damaged_record_is_refused_by_the_loaders_own_check(tmp_path):
+    config = saved_config(tmp_path, "avnorm")
+    config["retrofit"]["options"]["affine"] = "false"  # a string is never a bool
+    with pytest.raises(RetrofitError, match="retrofit.options.affine must be true or false"):
+        serve_plan(config)

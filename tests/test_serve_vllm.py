@@ -3,12 +3,11 @@
 Runs only where vLLM imports (its own environment: `bash .ci/vllm`); skipped in the main one. A tiny Llama with head
 size 64 (vLLM's CPU attention refuses 8) is patched in-process with non-trivial parameters (random gains, scales and
 sinks: an identity-start patch would pass without the plugin), saved with save_pretrained, loaded back by
-retrofit.from_pretrained (the reference) and by vLLM through the plugin. One LLM per case: ~10-60 s each here.
+retrofit.from_pretrained (the reference) and by vLLM through the plugin (retrofit.serve.parity's functions).
+One LLM per case: the first ~40 s here (imports), then ~7 s each.
 """
 
 from __future__ import annotations
-
-import gc
 
 import pytest
 import torch
@@ -16,6 +15,9 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (its own environment: bash .ci/vllm)")
 
 import retrofit  # noqa: E402
+from retrofit.errors import RetrofitError  # noqa: E402
+from retrofit.serve.engine import load_llm  # noqa: E402
+from retrofit.serve.parity import compare, prompt_logprobs, retrofit_run, vllm_run  # noqa: E402
 from retrofit.serve.plan import PSOFTMAX_REFUSED  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
@@ -27,9 +29,7 @@ PROMPTS = [[5, 17, 33, 9, 61, 12, 40, 7, 88, 23, 51, 3, 70, 14, 29, 45, 66, 8, 9
            [44, 2, 19, 83, 57, 11, 30, 72, 6, 95, 25, 48]]
 NEW_TOKENS = 8
 TOLERANCE = 1e-3
-# fp32 as retrofit runs; no compile (seconds saved); a 64 MiB KV cache (vLLM's CPU default reserves 92% of RAM)
-ENGINE = dict(dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=256, max_num_seqs=2,
-              kv_cache_memory_bytes=64 << 20, seed=0)
+ENGINE = dict(max_model_len=256, kv_cache_memory_bytes=64 << 20)  # over vllm_run's fp32, eager settings
 
 # case -> (retrofit.patch arguments, the patch parameter to randomize or None). ref_len 8: the prompts run past L.
 CASES = {
@@ -46,14 +46,6 @@ CASES = {
 }
 RANDOM = {"gain": lambda p: torch.rand_like(p) + 0.5, "s": lambda p: torch.rand_like(p) + 0.5,
           "sink": torch.randn_like, "exponent": lambda p: torch.rand_like(p) * 2 - 1}
-
-
-def prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
-    """(T - 1,) log p(token t | tokens < t) of a transformers model."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        logits = model(ids).logits[0, :-1].float().log_softmax(-1)  # (T - 1, V)
-    return logits.gather(-1, ids[0, 1:, None])[:, 0]
 
 
 def patched_folder(tmp_path, case: str):
@@ -74,33 +66,6 @@ def patched_folder(tmp_path, case: str):
     return folder, float((prompt_logprobs(model, PROMPTS[0]) - unpatched).abs().max())
 
 
-def reference(folder):
-    """retrofit's greedy tokens and prompt logprobs for PROMPTS."""
-    model = retrofit.from_pretrained(folder, dtype=torch.float32).eval()
-    tokens, logprobs = [], []
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 do_sample=False, pad_token_id=0)
-        tokens.append(out[0, len(prompt):].tolist())
-        logprobs.append(prompt_logprobs(model, prompt))
-    return tokens, logprobs
-
-
-def served(folder):
-    """vLLM's greedy tokens and prompt logprobs for PROMPTS (engine in this process, eager, fp32)."""
-    llm = vllm.LLM(model=str(folder), **ENGINE)
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, prompt_logprobs=0,
-                                 detokenize=False, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    logprobs = [torch.tensor([step[token].logprob for step, token in zip(o.prompt_logprobs[1:], prompt[1:])])
-                for o, prompt in zip(outputs, PROMPTS)]
-    del llm
-    gc.collect()
-    return tokens, logprobs
-
-
 @pytest.fixture(autouse=True)
 def engine_in_process(monkeypatch):
     """The engine core in this process: no spawn per case, and a refusal reaches the test as itself."""
@@ -111,19 +76,28 @@ def engine_in_process(monkeypatch):
 def test_vllm_matches_retrofit(case, tmp_path):
     folder, effect = patched_folder(tmp_path, case)
     assert effect > 1.0  # the patch matters at this tolerance: serving the model unpatched would fail
-    want_tokens, want_logprobs = reference(folder)
-    got_tokens, got_logprobs = served(folder)
-    diff = max(float((g - w).abs().max()) for g, w in zip(got_logprobs, want_logprobs))
-    print(f"PARITY {case}: tokens equal {got_tokens == want_tokens}, max prompt logprob diff {diff:.2e} "
-          f"(the patch moves them by {effect:.2f})")
-    assert got_tokens == want_tokens
-    assert diff <= TOLERANCE
+    result = compare(retrofit_run(folder, PROMPTS, NEW_TOKENS), vllm_run(folder, PROMPTS, NEW_TOKENS, **ENGINE))
+    print(f"PARITY {case}: tokens equal {result['tokens_equal']}, max prompt logprob diff "
+          f"{result['max_logprob_diff']:.2e} (the patch moves them by {effect:.2f})")
+    assert result["tokens_equal"], result["first_token_difference"]
+    assert result["max_logprob_diff"] <= TOLERANCE
 
 
 def test_psoftmax_is_refused_at_load(tmp_path):
     model = tiny_model("llama", **HEAD_64)
     retrofit.patch(model, "psoftmax", p=2)
     model.save_pretrained(tmp_path)
-    with pytest.raises(Exception, match="p-softmax is not served by vLLM") as caught:
-        vllm.LLM(model=str(tmp_path), **ENGINE)
+    with pytest.raises(Exception, match="p-softmax is not served by vLLM") as caught:  # by the model vLLM builds
+        vllm.LLM(model=str(tmp_path), dtype="float32", enforce_eager=True, skip_tokenizer_init=True, **ENGINE)
     assert PSOFTMAX_REFUSED in str(caught.value)
+    with pytest.raises(RetrofitError, match="p-softmax is not served by vLLM"):  # before any engine starts
+        load_llm(tmp_path, **ENGINE)
+
+
+def test_an_environment_without_the_plugin_is_refused(tmp_path, monkeypatch):
+    model = tiny_model("llama", **HEAD_64)
+    retrofit.patch(model, "softmax1")
+    model.save_pretrained(tmp_path)
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    with pytest.raises(RetrofitError, match="leaves out 'retrofit': vLLM would serve a patched model as the original"):
+        load_llm(tmp_path, **ENGINE)

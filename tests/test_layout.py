@@ -25,9 +25,9 @@ RANKS = {
     "patch": 6,
     "calibrate": 7, "costs": 7, "recipe": 7, "recovery": 7,
     "load": 8,
-    "data": 9,
+    "data": 9, "serve": 9,
     "train": 10, "evaluate": 10, "diagnose": 10,
-    "experiment": 11, "hub": 11, "bench": 11, "serve": 11,
+    "experiment": 11, "hub": 11, "bench": 11,
     "commands": 12,
     "cli": 13,
     "__main__": 14, "": 14,  # "" = the package root, retrofit/__init__.py: the public API, imported by nobody inside

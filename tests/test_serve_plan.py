@@ -59,3 +59,18 @@ def test_a_damaged_record_is_refused_by_the_loaders_own_check(tmp_path):
     config["retrofit"]["options"]["affine"] = "false"  # a string is never a bool
     with pytest.raises(RetrofitError, match="retrofit.options.affine must be true or false"):
         serve_plan(config)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(tasks=["lm"]), "--engine vllm runs the generation tasks .* not lm"),
+    (dict(tasks=None), "not lm"),
+    (dict(tasks=["niah", "passkey"]), "not passkey"),
+    (dict(tasks=["niah"], rope="yarn:2"), "serves each checkpoint with the patch it carries"),
+    (dict(tasks=["niah"], patch={"norm": "ssmax"}), "drop --patch, --rope and --variants"),
+    (dict(tasks=["niah"], engine="sglang"), "unknown engine 'sglang'"),
+])
+def test_eval_engine_vllm_refuses_what_it_cannot_run(settings, message):
+    from retrofit.evaluate import EvalSpec
+
+    with pytest.raises(RetrofitError, match=message):
+        EvalSpec(lengths=[64], **{"engine": "vllm", **settings})

@@ -9,16 +9,21 @@ One LLM per case: the first ~40 s here (imports), then ~7 s each.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (its own environment: bash .ci/vllm)")
 
 import retrofit  # noqa: E402
+from retrofit.cli import main  # noqa: E402
 from retrofit.errors import RetrofitError  # noqa: E402
 from retrofit.serve.engine import load_llm  # noqa: E402
 from retrofit.serve.parity import compare, prompt_logprobs, retrofit_run, vllm_run  # noqa: E402
 from retrofit.serve.plan import PSOFTMAX_REFUSED  # noqa: E402
+from tests.test_data import char_tokenizer  # noqa: E402
+from tests.test_ruler import BOOK, LENGTH  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
 # initializer_range 0.2: sharp logits, so every case's patch moves the prompt logprobs by > 1 (measured 4-7), not
@@ -101,3 +106,28 @@ def test_an_environment_without_the_plugin_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
     with pytest.raises(RetrofitError, match="leaves out 'retrofit': vLLM would serve a patched model as the original"):
         load_llm(tmp_path, **ENGINE)
+
+
+def test_eval_engine_vllm_answers_as_transformers(tmp_path, capsys):
+    """`retrofit eval --engine vllm` on generation tasks: the same predictions and scores as the transformers path."""
+    model = tiny_model("llama", **{**HEAD_64, "max_position_embeddings": 2048})  # RULER's 1024 characters + answers
+    retrofit.patch(model, "ssmax")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for key, param in model.named_parameters():
+            if key.endswith("retrofit.s"):
+                param.copy_(RANDOM["s"](param))
+    model.save_pretrained(tmp_path / "model")
+    char_tokenizer().save_pretrained(tmp_path / "model")
+    (tmp_path / "book.txt").write_text(BOOK)
+    args = ["eval", str(tmp_path / "model"), "--tasks", "niah,vt", "--lengths", str(LENGTH), "--samples", "1",
+            "--depths", "0,1", "--data", str(tmp_path / "book.txt"), "--dtype", "float32", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "hf")]) == 0
+    assert main([*args, "--engine", "vllm", "--out", str(tmp_path / "vllm")]) == 0
+    want, got = (json.loads((tmp_path / out / "results.json").read_text()) for out in ("hf", "vllm"))
+    assert got["models"][0]["engine"] == "vllm" and got["settings"]["engine"] == "vllm"
+    rows = got["models"][0]["ruler"]
+    assert [(r["task"], r["depth"]) for r in rows] == [("niah", 0.0), ("niah", 1.0), ("vt", None)]
+    assert [r["predictions"] for r in rows] == [r["predictions"] for r in want["models"][0]["ruler"]]
+    assert [r["scores"] for r in rows] == [r["scores"] for r in want["models"][0]["ruler"]]
+    assert all(r["predictions"][0] for r in rows)  # something was generated (not an empty answer on both sides)

@@ -86,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "variant, side by side (training-free settings in one report)")
     add_dtype_flag(parser)
     parser.add_argument("--device", default=None, help="cuda | cpu (default: cuda when there is one)")
+    parser.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
+                        help="vllm: vLLM with retrofit's plugin answers the generation tasks (niah ... fwe) of saved "
+                             "checkpoints (install: docs/serving.md)")
     add_progress_flag(parser)
     parser.add_argument("--merge", nargs="+", metavar="RESULTS", default=None,
                         help="no models: put finished results.json files side by side (a model in several gets all "
@@ -136,7 +139,7 @@ def _run_models(args: argparse.Namespace) -> int:
         batch_tokens=args.batch_tokens,
         chunk_tokens=args.chunk_tokens, dtype=args.dtype, device=args.device,
         passkey={"depths": depths, "trials": args.trials}, counting=counting, progress=not args.no_progress,
-        patch=args.patch or None, rope=args.rope, variants=variants,
+        patch=args.patch or None, rope=args.rope, variants=variants, engine=args.engine,
         ruler={"samples": args.samples, "depths": depths, "needle": args.needle, "seed": args.seed},
     )  # checked now: a bad setting fails before --out is made
     evaluation_names(args.models, spec)  # a wrong --names count or --reference fails before --out is made too

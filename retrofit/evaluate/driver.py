@@ -33,6 +33,7 @@ from ..patch_spec import EVAL, PatchSpec
 from ..positions import position_limit
 from ..rope import describe_rope, extend_rope
 from .compare import check_references, paired_comparisons
+from .engines import vllm_entry
 from .intervals import METHOD
 from .losses import (
     check_lengths,
@@ -98,7 +99,7 @@ def _results_header(spec: EvalSpec, prepared: list[tuple]) -> dict:
     return {"schema": "retrofit.eval/2", "train_len": spec.train_len, "lengths": spec.lengths,
             "data": {"files": [str(p) for p in spec.data],
                      "documents": [len(d) for d in next((d for _, d, _ in prepared if d), [])]},
-            "settings": {"tasks": spec.tasks, "max_tokens": spec.max_tokens,
+            "settings": {"tasks": spec.tasks, "engine": spec.engine, "max_tokens": spec.max_tokens,
                          "max_windows": spec.max_windows, "batch_tokens": spec.batch_tokens,
                          "chunk_tokens": spec.chunk_tokens, "device": str(spec.device), "passkey": spec.passkey,
                          "counting": spec.counting, "window": "L + 1 tokens: read L, predict tokens 1..L",
@@ -113,6 +114,8 @@ def _evaluate_model(source, name: str, prep: Prepared, eval_patch: dict | None, 
     _check_vocabulary(_saved_vocab_size(source), prep.documents if tasks is None or "lm" in tasks else None,
                       tok if tasks and "passkey" in tasks else None, name)  # before the load prints anything
     ruler = ruler_tasks(tasks) and _ruler_instances(tok, tasks, lengths, spec.data, spec.ruler, name)  # before loading
+    if spec.engine == "vllm":  # generation tasks only (EvalSpec checked): vLLM answers, retrofit scores
+        return vllm_entry(source, name, prep.key, tok, ruler, spec)
     model = _load(source, spec.dtype, spec.device)
     lm, counting_model = _language_model(model)
     if eval_patch is not None:

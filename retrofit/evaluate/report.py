@@ -70,6 +70,7 @@ _MODEL = {
                    "dtype": _STR, "retrofit": {"type": ["object", "null"]}, "max_learned_positions": _INT_OR_NULL,
                    "max_position_embeddings": _INT_OR_NULL, "original_positions": _INT_OR_NULL, "rope": _STR,
                    "eval_patch": {"type": ["object", "null"]}, "memory_kind": {"enum": ["rss", "cuda_allocated"]},
+                   "engine": {"enum": ["vllm"]},  # absent: transformers; vllm: retrofit eval --engine vllm
                    "arm": _STR, "seed": _INT,  # an experiment with seeds: the arm this run is of, its training seed
                    "lengths": {"type": "array", "items": _LENGTH_ROW},
                    "passkey": {"type": "array", "items": _PASSKEY_ROW},

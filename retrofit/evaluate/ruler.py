@@ -97,11 +97,14 @@ def score_row(task: str, length: int, depth, insts: list[dict], predictions: lis
             "predictions": predictions, "tokens": [i["tokens"] for i in insts]}
 
 
-def evaluate_ruler(model, tokenizer, prepared: dict, *, progress: bool = True) -> list[dict]:
-    """Rows for every (task, length) of `prepared` (ruler_instances' dict), by length then task then depth."""
+def evaluate_ruler(model, tokenizer, prepared: dict, *, progress: bool = True, answer=None) -> list[dict]:
+    """Rows for every (task, length) of `prepared` (ruler_instances' dict), by length then task then depth.
+    answer: `answer(model, tokenizer, text, max_new_tokens, stop) -> str`, default greedy_answer (transformers);
+    retrofit.serve.engine.vllm_greedy_answer with a vllm.LLM as the model (`retrofit eval --engine vllm`)."""
     rows = []
     for length in sorted({n for _, n in prepared}):
-        fresh_dynamic_rope(model)  # dynamic NTK rescales to the longest sequence seen: start each length afresh
+        if answer is None:
+            fresh_dynamic_rope(model)  # dynamic NTK rescales to the longest sequence seen: start each length afresh
         for (task, n), insts in prepared.items():
             if n != length:
                 continue
@@ -109,7 +112,8 @@ def evaluate_ruler(model, tokenizer, prepared: dict, *, progress: bool = True) -
                 kept, preds = [], []  # one instance's text at a time: each is dropped once answered
                 for i in tqdm(insts.group(depth), total=insts.samples, desc=f"{task} {length}", disable=not progress,
                               leave=False):
-                    preds.append(greedy_answer(model, tokenizer, i["input"], i["max_new_tokens"], i["stop"]))
+                    preds.append((answer or greedy_answer)(model, tokenizer, i["input"], i["max_new_tokens"],
+                                                           i["stop"]))
                     kept.append({"outputs": i["outputs"], "tokens": i["tokens"]})
                 rows.append(score_row(task, length, depth if task in DEPTH_TASKS else None, kept, preds))
     return rows

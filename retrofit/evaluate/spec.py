@@ -18,6 +18,7 @@ from ..lengths import parse_lengths
 from ..norms import baseline_norm
 from ..patch_spec import EVAL, PatchSpec, parse_flat
 from ..recipe.schema import setting
+from .engines import check_engine
 from .ruler import ruler_options
 
 TASKS = ("lm", "passkey", "counting", "niah", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
@@ -58,6 +59,8 @@ class EvalSpec:
                                              "is evaluated as it is if it carries that same patch, else refused")
     rope: str | dict | None = setting(None, "'yarn:4' or a mapping (retrofit.rope): extend each model's RoPE first "
                                             "(alone: softmax attention, i.e. attention unchanged)")
+    engine: str = setting("transformers", "transformers | vllm: vLLM (retrofit's plugin, its own environment: "
+                                          "docs/serving.md) answers the generation tasks of saved checkpoints")
     variants: list[dict] | None = setting(None, "[{name, patch, rope, calibrate}, ...]: every source once per variant, "
                                                 "side by side; names become SOURCE+VARIANT with several sources")
     # (variant name or None, the evaluation patch or None) per variant: what __post_init__ checked
@@ -78,6 +81,7 @@ class EvalSpec:
         self.patches = [(v["name"], _eval_patch(v.get("patch"), v.get("rope"), v.get("calibrate")))
                         for v in check_variants(self.variants)] if self.variants \
             else [(None, _eval_patch(self.patch, self.rope))]
+        check_engine(self.engine, self.tasks, TASKS[3:], any(p is not None for _, p in self.patches))
 
 
 def check_variants(variants) -> list[dict]:

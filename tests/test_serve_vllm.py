@@ -131,3 +131,18 @@ def test_eval_engine_vllm_answers_as_transformers(tmp_path, capsys):
     assert [r["predictions"] for r in rows] == [r["predictions"] for r in want["models"][0]["ruler"]]
     assert [r["scores"] for r in rows] == [r["scores"] for r in want["models"][0]["ruler"]]
     assert all(r["predictions"][0] for r in rows)  # something was generated (not an empty answer on both sides)
+
+
+def test_other_families_are_refused_when_patched_and_served_when_plain(tmp_path):
+    """The guards: a patched Qwen2 is refused in one line (plain vLLM would serve it as the original); a plain
+    Qwen2 is vLLM's model as it is (its greedy tokens equal transformers')."""
+    model = tiny_model("qwen2", **HEAD_64)
+    model.save_pretrained(tmp_path / "plain")
+    want = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                           pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    assert vllm_run(tmp_path / "plain", PROMPTS, NEW_TOKENS, **ENGINE)[0] == want
+    retrofit.patch(model, "softmax1")
+    model.save_pretrained(tmp_path / "patched")
+    with pytest.raises(RetrofitError, match="serves LlamaForCausalLM checkpoints, not Qwen2ForCausalLM"):
+        vllm.LLM(model=str(tmp_path / "patched"), dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+                 **ENGINE)

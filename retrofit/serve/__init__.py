@@ -7,19 +7,23 @@
 vLLM calls `register` in every process before it builds a model. It registers RetrofitLlamaForCausalLM for the
 architectures in plan.ARCHITECTURES: a checkpoint without `config.retrofit` builds vLLM's own layers, one with a
 record runs the patch (AVNorm, SSMax, softmax+1 as attention sinks, RoPE extensions through vLLM's rope, NoPE) or
-is refused in one line at load time (p-softmax; see plan.py). `VLLM_PLUGINS` (a comma list of plugin names) can
-leave it out: then vLLM serves a patched Llama as a plain one, silently wrong.
+is refused in one line at load time (p-softmax; see plan.py). The other architectures retrofit patches
+(plan.GUARDED: Qwen2, Mistral, Gemma, GPT-2, ...) get guards (guards.py): vLLM's own model, refusing a patched
+checkpoint. `VLLM_PLUGINS` (a comma list of plugin names) can leave the plugin out: then vLLM serves a patched
+model as a plain one, silently wrong (retrofit.serve.load_llm refuses that).
 
 Importing this package needs no vLLM: `register` imports it, and the model module only when vLLM builds a model.
 """
 
 from __future__ import annotations
 
-from .plan import ARCHITECTURES, ServePlan, serve_plan
+from .engine import load_llm
+from .plan import ARCHITECTURES, GUARDED, ServePlan, serve_plan
 
 MODEL_CLASS = "retrofit.serve.llama:RetrofitLlamaForCausalLM"
+GUARD_MODULE = "retrofit.serve.guards"
 
-__all__ = ["ARCHITECTURES", "MODEL_CLASS", "ServePlan", "register", "serve_plan"]
+__all__ = ["ARCHITECTURES", "GUARDED", "MODEL_CLASS", "ServePlan", "load_llm", "register", "serve_plan"]
 
 
 def register() -> None:
@@ -29,3 +33,5 @@ def register() -> None:
 
     for architecture in ARCHITECTURES:
         ModelRegistry.register_model(architecture, MODEL_CLASS)
+    for architecture in GUARDED:  # patched ones refused in one line; plain ones are vLLM's model as it is
+        ModelRegistry.register_model(architecture, f"{GUARD_MODULE}:{architecture}")

@@ -46,6 +46,9 @@ def test_selection_and_nope_are_carried(tmp_path):
 @pytest.mark.parametrize("norm, model_type, options, message", [
     ("psoftmax", "llama", {"p": 2}, "p-softmax is not served by vLLM: it rescales each row"),
     ("avnorm", "gpt2", {}, "serves LlamaForCausalLM checkpoints, not GPT2LMHeadModel"),
+    ("softmax", "llama", {"rope": "dynamic:4"}, "rope dynamic is not served by vLLM: vLLM's dynamic NTK fixes"),
+    ("ssmax", "llama", {"rope": {"rope_type": "longrope", "factor": 4.0, "short_factor": [1.5] * 4,
+                                 "long_factor": [3.0] * 4}}, "rope longrope is not served by vLLM"),
 ])
 def test_refused_in_one_line(norm, model_type, options, message, tmp_path):
     config = saved_config(tmp_path, norm, model_type, **options)

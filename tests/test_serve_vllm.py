@@ -48,6 +48,7 @@ CASES = {
     "softmax1": (dict(norm="softmax1"), None),  # the classic +1: no weight, so plain vLLM would serve it silently
     "softmax1-learned": (dict(norm="softmax1", learnable=True), "sink"),
     "softmax-linear": (dict(norm="softmax", rope="linear:2"), None),
+    "softmax-llama3": (dict(norm="softmax", rope="llama3:8,low_freq_factor=1,high_freq_factor=4,original=32"), None),
 }
 RANDOM = {"gain": lambda p: torch.rand_like(p) + 0.5, "s": lambda p: torch.rand_like(p) + 0.5,
           "sink": torch.randn_like, "exponent": lambda p: torch.rand_like(p) * 2 - 1}

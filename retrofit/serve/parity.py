@@ -35,10 +35,12 @@ def prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
 
 
 def retrofit_run(folder, prompts: list[list[int]], new_tokens: int):
-    """(greedy continuations, prompt logprobs) of retrofit.from_pretrained(folder) in float32."""
-    from ..load import from_pretrained
+    """(greedy continuations, prompt logprobs) of retrofit.from_pretrained(folder) in float32 (an unpatched folder:
+    retrofit.load.load, the baseline of how close the two engines are without a patch)."""
+    from ..load import from_pretrained, load
 
-    model = from_pretrained(folder, dtype=torch.float32).eval()
+    patched = checkpoint_plan(folder) is not None
+    model = (from_pretrained(folder, dtype=torch.float32) if patched else load(str(folder), dtype="float32")).eval()
     tokens, logprobs = [], []
     for prompt in prompts:
         with torch.no_grad():

@@ -9,7 +9,8 @@ Decided here, before vLLM builds a module, so nothing is ever served as somethin
 - softmax1: vLLM's attention sinks (a sink logit b_h in every row's denominator is softmax+1) where the attention
   backend takes sinks; otherwise refused (SINKS_REFUSED).
 - softmax (a RoPE extension or NoPE alone): plain attention.
-- RoPE extensions: config.json already carries the extended `rope_parameters`, which vLLM's own rope reads.
+- RoPE extensions (yarn, linear, llama3): config.json already carries the extended `rope_parameters`, which vLLM's
+  own rope reads. dynamic and longrope: refused (vLLM computes them differently: ROPE_REFUSED).
 - psoftmax: refused (PSOFTMAX_REFUSED). A model family outside ARCHITECTURES: refused.
 """
 
@@ -41,8 +42,14 @@ PSOFTMAX_REFUSED = ("p-softmax is not served by vLLM: it rescales each row by ex
                     "attention returns no log-sum-exp; run it with retrofit.from_pretrained or `retrofit eval`")
 SINKS_REFUSED = ("softmax1 is not served by this vLLM build: its attention backend ({backend}) takes no attention "
                  "sinks; run it with retrofit.from_pretrained or `retrofit eval`, or serve on a backend with sinks")
-# RoPE types vLLM's get_rope builds from rope_parameters (the ones retrofit.rope writes).
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+# RoPE types vLLM's get_rope builds from rope_parameters as transformers does (tests/test_serve_vllm.py: yarn, linear,
+# llama3 within 1e-5), and the ones it builds differently, refused.
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+ROPE_REFUSED = {
+    "dynamic": "vLLM's dynamic NTK fixes its base for the longest length; transformers' (retrofit's) rescales it "
+               "to each sequence's length",
+    "longrope": "vLLM's longrope gave other logits than transformers' (4.3 apart on a tiny Llama, its short factors)",
+}
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,9 @@ def serve_plan(config, where: str = "this checkpoint") -> ServePlan | None:
     if rope:
         rope_type = rope["parameters"].get("rope_type")
         if rope_type not in ROPE_TYPES:
-            raise RetrofitError(f"{where}: vLLM's rope has no rope_type {rope_type!r} (it has {', '.join(ROPE_TYPES)})")
+            why = ROPE_REFUSED.get(rope_type, "retrofit's vLLM plugin has not checked it")
+            raise RetrofitError(f"{where}: rope {rope_type} is not served by vLLM: {why}; it serves "
+                                f"{', '.join(ROPE_TYPES[1:])}, else run it with retrofit.from_pretrained")
     layers, heads = record.get("layers"), record.get("heads")
     return ServePlan(norm=norm, options=dict(record.get("options") or {}),
                      layers=tuple(layers) if layers is not None else None,

@@ -77,3 +77,26 @@ def test_eval_engine_vllm_refuses_what_it_cannot_run(settings, message):
 
     with pytest.raises(RetrofitError, match=message):
         EvalSpec(lengths=[64], **{"engine": "vllm", **settings})
+
+
+def test_eval_engine_vllm_refusal_is_one_line_and_writes_nothing(tmp_path, capsys):
+    from retrofit.cli import main
+
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # the save's progress bar
+    out = tmp_path / "out"
+    assert main(["eval", str(tmp_path / "model"), "--engine", "vllm", "--tasks", "lm", "--lengths", "64",
+                 "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--engine vllm runs the generation tasks" in err and "\n" not in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_the_folder_vllm_serves_is_still_refused_by_plain_transformers(tmp_path):
+    """One checkpoint, three loaders: vLLM (with the plugin) and retrofit serve it, plain transformers refuses it."""
+    from transformers import AutoModelForCausalLM
+
+    saved_config(tmp_path, "ssmax")
+    with pytest.raises(Exception, match="retrofit.from_pretrained"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert retrofit.is_patched(retrofit.from_pretrained(tmp_path))

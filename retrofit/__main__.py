@@ -4,4 +4,7 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+# Guarded: a process started by the spawn method (vLLM's engine for `retrofit eval --engine vllm` may be) imports the
+# parent's __main__ as __mp_main__, and must not run the command again.
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,7 +4,7 @@
 
 Run in vLLM's environment (docs/serving.md). For each folder: retrofit.from_pretrained's greedy `generate` and the
 log-probabilities it gives every prompt token, then the same from vLLM (the plugin, temperature 0, prompt_logprobs);
-writes results.json and parity.md (folder -> norm, tokens equal, max |logprob difference|). The prompts are
+writes parity.json and parity.md (folder -> norm, tokens equal, max |logprob difference|). The prompts are
 windows of --text cut by the folder's own tokenizer. tests/test_serve_vllm.py runs the same functions on tiny models.
 """
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=2, choices=range(1, 17), metavar="1..16")
     parser.add_argument("--prompt-tokens", type=int, default=256, choices=range(2, 4097), metavar="2..4096")
     parser.add_argument("--new-tokens", type=int, default=16, choices=range(1, 257), metavar="1..256")
-    parser.add_argument("--out", required=True, help="a new or empty folder: results.json, parity.md")
+    parser.add_argument("--out", required=True, help="a new or empty folder: parity.json, parity.md")
     args = parser.parse_args(argv)
     try:
         rows = []
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                                max_model_len=args.prompt_tokens + args.new_tokens))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
         with atomic_folder(args.out, "--out") as tmp:
-            (tmp / "results.json").write_text(json.dumps({"schema": SCHEMA, "rows": rows}, indent=2) + "\n")
+            (tmp / "parity.json").write_text(json.dumps({"schema": SCHEMA, "rows": rows}, indent=2) + "\n")
             (tmp / "parity.md").write_text(table(rows))
     except RetrofitError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -37,6 +37,7 @@ from ..atomic import atomic_write_text, check_output, fsync_dir, output_folder, 
 from ..data import build_data
 from ..errors import RetrofitError
 from ..load import apply_patch, language_model, load_base, recipe_tokenizer, save_model
+from ..memory import return_freed_memory
 from ..recipe import Recipe, flat, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, knob_values, record_knob
 from . import build, checkpoint
@@ -105,6 +106,8 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
         if importlib.util.find_spec("wandb") is None:
             raise RetrofitError("output.trackers has wandb but it is not installed: pip install wandb")
     acc = build.make_accelerator(recipe.train, run_dir, trackers)
+    if acc.device.type == "cpu":  # freed activations go back to the OS instead of raising the peak (memory.py)
+        return_freed_memory()
     # made, marked and locked (one writer per run folder; released on any exit); a run refused before it wrote
     # anything (a length beyond GPT-2's positions, say) leaves no folder behind
     with output_folder(run_dir, "output.dir", enabled=acc.is_main_process):

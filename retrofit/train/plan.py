@@ -4,8 +4,9 @@
     retrofit train RECIPE data.seq_len=32768 --dry-run --plan-for cuda:80      # an 80 GiB GPU instead
 
 The model is built on the meta device from its config (no weights are read), so planning a 1B model takes
-seconds. The prediction is retrofit.memory.plan_training (weights, gradients, AdamW, activations, one chunk of
-logits, and on the CPU what the process already holds); `retrofit bench train --memory` prints it beside the
+seconds. The prediction is retrofit.memory.plan_training (weights and AdamW, plus the larger of the backward's two
+moments: saved activations with one chunk of logits, or every gradient with one recomputed layer; on the CPU
+what the process already holds); `retrofit bench train --memory` prints it beside the
 measured peak. Also: the longest data.seq_len that fits at this micro-batch.
 """
 
@@ -92,7 +93,8 @@ def describe(plan: dict) -> str:
              f"{plan['micro_batch_size']}, {plan['precision']}, on {plan['device']} "
              f"({plan['device_bytes'] / GIB:,.1f} GiB)"]
     lines += [f"  {name:12} {value / GIB:9.2f} GiB" for name, value in parts.items() if name != "total"]
-    lines.append(f"  {'peak':12} {parts['total'] / GIB:9.2f} GiB predicted: "
+    lines.append(f"  {'peak':12} {parts['total'] / GIB:9.2f} GiB predicted (the larger of the loss and the "
+                 f"layers moments; memory.plan_training): "
                  + ("fits" if plan["fits"] else "does NOT fit"))
     longest = plan["longest_fitting_seq_len"]
     lines.append(f"  longest data.seq_len that fits (powers of two from 1024): "

@@ -179,9 +179,9 @@ def check_fits(config, tokens: int, *, training: bool, device="cpu", what: str =
 # ---- planning a training run: `retrofit train --dry-run` ---------------------------------------------------------
 
 # What a CPU training process adds to its resident set once steps run, beyond tensors: autograd's and the BLAS /
-# oneDNN workspaces and glibc's arenas. Measured on this project's 2-core CPU (torch 2.13): 120 MiB, the same for
-# a 1M- and a 7M-parameter model (tests/test_chunked_loss.py, docs/results/train-memory).
-CPU_RUNTIME_BYTES = 120 * 2 ** 20
+# oneDNN workspaces and glibc's arenas. Measured once freed activations go back to the OS (return_freed_memory):
+# 24-34 MiB on the tests' tiny models (tests/test_chunked_loss.py); 120 MiB before, which was mostly freed memory.
+CPU_RUNTIME_BYTES = 32 * 2 ** 20
 
 
 def count_parameters(config) -> int:

@@ -62,7 +62,7 @@ from retrofit.memory import return_freed_memory, rss_mb
 from retrofit.train.build import enable_gradient_checkpointing
 was_set = sys.argv[1] == "set" and return_freed_memory()
 torch.manual_seed(0)
-model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
 enable_gradient_checkpointing(model)
 hidden = model.model(input_ids=torch.randint(0, 256, (1, 2048))).last_hidden_state  # each layer's inner tensors freed
@@ -75,7 +75,7 @@ print(was_set, resident - rss_mb())  # MiB of freed memory that had stayed resid
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_a_checkpointed_forward_leaves_no_freed_activations_resident_once_the_threshold_is_fixed():
     """A fresh process each (the setting is process-wide and permanent). Under gradient checkpointing each layer's
-    inner tensors (2-8 MiB here) are made and freed in the forward; glibc keeps them resident (~80 MiB here; +2 GiB
+    inner tensors (2-8 MiB here) are made and freed in the forward; glibc keeps them resident (~100 MiB here; +2 GiB
     on SmolLM2-135M's 8K step) unless return_freed_memory, which the training loop calls on the CPU, is set."""
     def retained(mode):
         out = subprocess.run([sys.executable, "-c", RETAINED, mode], capture_output=True, text=True, check=True,

@@ -93,9 +93,8 @@ def describe(plan: dict) -> str:
              f"{plan['micro_batch_size']}, {plan['precision']}, on {plan['device']} "
              f"({plan['device_bytes'] / GIB:,.1f} GiB)"]
     lines += [f"  {name:12} {value / GIB:9.2f} GiB" for name, value in parts.items() if name != "total"]
-    lines.append(f"  {'peak':12} {parts['total'] / GIB:9.2f} GiB predicted (the larger of the loss and the "
-                 f"layers moments; memory.plan_training): "
-                 + ("fits" if plan["fits"] else "does NOT fit"))
+    lines.append(f"  {'peak':12} {parts['total'] / GIB:9.2f} GiB predicted: "
+                 + ("fits" if plan["fits"] else "does NOT fit") + " (the larger of the loss and the layers moments)")
     longest = plan["longest_fitting_seq_len"]
     lines.append(f"  longest data.seq_len that fits (powers of two from 1024): "
                  f"{f'{longest:,}' if longest else 'none'}")

@@ -150,6 +150,10 @@ NAMED_ELSEWHERE = {
     "retrofit/bench/parity.py": "the kernels' float64 reference, keyed by kernel (psoftmax at p = 1, 2, 3, ...)",
     "retrofit/commands/report.py": "results.json written before `control` was recorded: the control arm's name then",
     "retrofit/experiment/report.py": "the same: old results' control arm, by the name it had",
+    "retrofit/serve/plan.py": "the vLLM plugin's table of what vLLM's own model code can run (served, or refused "
+                              "with why); a Norm hook for it is the follow-up once a second engine exists",
+    "retrofit/serve/llama.py": "the vLLM-side implementation of each served norm inside vLLM's Llama (its layers, "
+                               "not retrofit's forward)",
 }
 
 

@@ -1,7 +1,7 @@
 """What retrofit knows about each model family, in one table keyed by `config.model_type`.
 
 Adding a family whose attention goes through transformers' attention registry is one row here
-(plus a tiny config in tests/tiny.py COVERAGE, so tests/test_families.py runs it through the whole matrix).
+(plus a tiny config in tests/tiny.py COVERAGE, so tests/patch/test_families.py runs it through the whole matrix).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ FAMILIES: dict[str, Family] = {
     "gemma": Family("GemmaAttention", "rotary", "model.rotary_emb"),
     "gemma2": Family("Gemma2Attention", "rotary", "model.rotary_emb"),
     "phi3": Family("Phi3Attention", "rotary", "model.rotary_emb"),
-    # Issue #16. Read from transformers 5.23's modeling files; each is in tests/test_families.py's matrix.
+    # Issue #16. Read from transformers 5.23's modeling files; each is in tests/patch/test_families.py's matrix.
     "qwen3": Family("Qwen3Attention", "rotary", "model.rotary_emb"),  # q/k RMSNorm before RoPE: in the module
     "qwen3_moe": Family("Qwen3MoeAttention", "rotary", "model.rotary_emb"),
     "qwen2_moe": Family("Qwen2MoeAttention", "rotary", "model.rotary_emb"),

@@ -161,7 +161,7 @@ def _liger():
 def _fused_cross_entropy(model, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
     """The summed cross-entropy by Liger's fused kernel (head projection and loss in one pass, no logits kept) on
     CUDA, or None where it does not apply: no CUDA, Liger not installed, a head bias or a transform other than
-    soft-capping. Its parity with the chunked path is tests/test_chunked_loss.py's CUDA test."""
+    soft-capping. Its parity with the chunked path is tests/train/test_chunked_loss.py's CUDA test."""
     if not hidden.is_cuda or _liger() is None:
         return None
     head = model.get_output_embeddings()

@@ -180,7 +180,7 @@ def check_fits(config, tokens: int, *, training: bool, device="cpu", what: str =
 
 # What a CPU training process adds to its resident set once steps run, beyond tensors: autograd's and the BLAS /
 # oneDNN workspaces and glibc's arenas. Measured once freed activations go back to the OS (return_freed_memory):
-# 24-34 MiB on the tests' tiny models (tests/test_chunked_loss.py); 120 MiB before, which was mostly freed memory.
+# 24-34 MiB on the tests' tiny models (tests/train/test_chunked_loss.py); 120 MiB before, which was mostly freed memory.
 CPU_RUNTIME_BYTES = 32 * 2 ** 20
 
 

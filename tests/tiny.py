@@ -29,7 +29,7 @@ TINY = {
                  original_max_position_embeddings=64, pad_token_id=0),
 }
 
-# Issue #16, model coverage (tests/test_families.py). Kept apart from TINY, whose every family test_patch.py runs
+# Issue #16, model coverage (tests/patch/test_families.py). Kept apart from TINY, whose every family test_patch.py runs
 # through its full matrix. Per-family quirks the matrix must exercise are set explicitly.
 COVERAGE = {
     "qwen3": dict(_DENSE, head_dim=8),

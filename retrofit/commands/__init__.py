@@ -7,7 +7,7 @@ positive, an output path we can write, and activations that fit in memory; so do
 (one spelling everywhere: --no-progress, --dtype, --patch).
 
 A verb module imports nothing heavy at its top (torch, transformers, the library): `retrofit VERB --help` and an
-argument error then take a fraction of a second; `run` imports what it uses (tests/test_cli_habits.py checks).
+argument error then take a fraction of a second; `run` imports what it uses (tests/cli/test_cli_habits.py checks).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 `retrofit patch --help` and an argument error then take a fraction of a second.
 
 Generated from the norms' Options dataclasses (each option is declared once, in its norm's file):
-`python -m retrofit.commands.patch_flags` prints the table to paste here; tests/test_cli_habits.py fails when a
+`python -m retrofit.commands.patch_flags` prints the table to paste here; tests/cli/test_cli_habits.py fails when a
 norm's options change and this table was not regenerated. option -> (type: "str" | "int" | "float" | None = a
 switch, the norms that have it, its doc); NAMES: the registered norms (--norm's help).
 """

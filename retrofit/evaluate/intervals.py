@@ -15,7 +15,7 @@ bootstrap cannot reach its level (at n = 3 it is the [min, max] of the three val
 the time; expanded for small n it still needs the t quantile to be right). The t interval is exact for normal
 units at every n >= 2 and, by the central limit theorem, approaches the level for any finite-variance units as n
 grows, where a bootstrap would give the same width to within its resampling noise. So one formula, with no
-resampling seed, serves every n; tests/test_intervals.py measures its coverage at n = 2 ... 30 on normal and
+resampling seed, serves every n; tests/evaluate/test_intervals.py measures its coverage at n = 2 ... 30 on normal and
 heavy-tailed (Student t, 3 df) units. n = 1 has no variation to use: no interval.
 """
 

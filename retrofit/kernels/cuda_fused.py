@@ -22,8 +22,8 @@ N = 0, so its weights and gradients are 0, as in every backend.
 
 On an H100 (docs/results/gpu-h100/) flash and cuDNN pass `retrofit bench gpu`'s parity suite in bf16 and fp16; the
 memory-efficient kernel's backward crashed with an illegal memory access at training sizes (B*H = 128-512,
-T = 4K-16K, bf16), so dispatch.py never picks it. On a CPU, tests/test_cuda_fused.py runs this composition over the
-fused CPU kernel standing in for the CUDA one; on CUDA it runs each real kernel.
+T = 4K-16K, bf16), so dispatch.py never picks it. On a CPU, tests/kernels/test_cuda_fused.py runs this composition
+over the fused CPU kernel standing in for the CUDA one; on CUDA it runs each real kernel.
 """
 
 from __future__ import annotations

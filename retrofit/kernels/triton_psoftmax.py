@@ -2,8 +2,8 @@
 
 Used automatically by retrofit.kernels when q is on CUDA and Triton imports; importing this module
 never fails without Triton (AVAILABLE is then False). CI runs it on CPU through Triton's interpreter
-(tests/test_triton_interpreter.py: fp32 and fp16 against a float64 reference, forward and backward);
-tests/test_kernels.py compares it with the blockwise PyTorch kernel on CUDA, bf16 included.
+(tests/kernels/test_triton_interpreter.py: fp32 and fp16 against a float64 reference, forward and backward);
+tests/kernels/test_kernels.py compares it with the blockwise PyTorch kernel on CUDA, bf16 included.
 
 Forward, per block of BLOCK_M query rows, streaming BLOCK_N keys at a time (online row max m):
 
@@ -44,7 +44,7 @@ except Exception:  # ImportError, or a Triton that cannot find its compiler
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Triton's interpreter (TRITON_INTERPRET=1, read by Triton at import) runs the kernels on CPU tensors: CI's
-# parity tests (tests/test_triton_interpreter.py). retrofit.kernels still never picks it for CPU tensors.
+# parity tests (tests/kernels/test_triton_interpreter.py). retrofit.kernels still never picks it for CPU tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 

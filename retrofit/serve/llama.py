@@ -28,7 +28,8 @@ from ..norms.base import CHILD
 from .plan import SINKS_REFUSED, ServePlan, serve_plan
 
 # Attention backends whose kernel applies `sinks` though the backend class does not say so: vLLM's CPU backend hands
-# them to its kernel as s_aux (v1/attention/backends/cpu_attn.py); tests/test_serve_vllm.py checks softmax1 parity.
+# them to its kernel as s_aux (v1/attention/backends/cpu_attn.py); tests/serve/test_serve_vllm.py checks softmax1
+# parity.
 SINK_BACKENDS = ("CPU_ATTN",)
 
 

@@ -5,7 +5,8 @@
 Run in vLLM's environment (docs/serving.md). For each folder: retrofit.from_pretrained's greedy `generate` and the
 log-probabilities it gives every prompt token, then the same from vLLM (the plugin, temperature 0, prompt_logprobs);
 writes parity.json and parity.md (folder -> norm, tokens equal, max |logprob difference|). The prompts are
-windows of --text cut by the folder's own tokenizer. tests/test_serve_vllm.py runs the same functions on tiny models.
+windows of --text cut by the folder's own tokenizer. tests/serve/test_serve_vllm.py runs the same functions on tiny
+models.
 """
 
 from __future__ import annotations

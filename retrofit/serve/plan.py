@@ -42,8 +42,8 @@ PSOFTMAX_REFUSED = ("p-softmax is not served by vLLM: it rescales each row by ex
                     "attention returns no log-sum-exp; run it with retrofit.from_pretrained or `retrofit eval`")
 SINKS_REFUSED = ("softmax1 is not served by this vLLM build: its attention backend ({backend}) takes no attention "
                  "sinks; run it with retrofit.from_pretrained or `retrofit eval`, or serve on a backend with sinks")
-# RoPE types vLLM's get_rope builds from rope_parameters as transformers does (tests/test_serve_vllm.py: yarn, linear,
-# llama3 within 1e-5), and the ones it builds differently, refused.
+# RoPE types vLLM's get_rope builds from rope_parameters as transformers does (tests/serve/test_serve_vllm.py: yarn,
+# linear, llama3 within 1e-5), and the ones it builds differently, refused.
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 ROPE_REFUSED = {
     "dynamic": "vLLM's dynamic NTK fixes its base for the longest length; transformers' (retrofit's) rescales it "

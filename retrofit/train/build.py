@@ -55,7 +55,7 @@ def make_accelerator(train: TrainSection, run_dir, trackers=()):
     """An Accelerator that cannot silently run N independent copies.
 
     Under torchrun / `accelerate launch --multi_gpu` on a machine without CUDA, a plain Accelerator()
-    ignores WORLD_SIZE and every process trains alone (measured; tests/test_fsdp.py trains 2 CPU processes through
+    ignores WORLD_SIZE and every process trains alone (measured; tests/train/test_fsdp.py trains 2 CPU processes through
     here); so cpu=True is forced there (gloo), and the process count accelerate sees must equal WORLD_SIZE.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))

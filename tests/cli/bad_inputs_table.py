@@ -1,7 +1,7 @@
-"""Print the bad-input table from tests/test_bad_inputs.py's CASES: input -> exit code -> first line printed ->
+"""Print the bad-input table from tests/cli/test_bad_inputs.py's CASES: input -> exit code -> first line printed ->
 peak MB (the resident set's high-water mark the case added, retrofit.memory.PeakMemory).
 
-    OMP_NUM_THREADS=1 python tests/bad_inputs_table.py > bad-inputs.md
+    OMP_NUM_THREADS=1 python tests/cli/bad_inputs_table.py > bad-inputs.md
 
 Each case runs in-process through `retrofit.cli.main` against a fresh temporary world (W = its folder).
 """
@@ -14,13 +14,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
 from retrofit.cli import main  # noqa: E402
 from retrofit.memory import PeakMemory  # noqa: E402
-from tests.test_bad_inputs import CASES, argv, build_world  # noqa: E402
+from tests.cli.test_bad_inputs import CASES, argv, build_world  # noqa: E402
 
 
 def run_case(template: str, world: dict, out: Path) -> tuple[int, str, float]:

@@ -2,7 +2,7 @@
 
 Most cases run in-process through `retrofit.cli.main` (a subprocess costs ~3 s of imports); a handful run as
 real subprocesses to prove the same end to end. One tiny model folder (and its damaged copies) per module.
-`python tests/bad_inputs_table.py` prints the table of these cases: input -> exit code -> first line.
+`python tests/cli/bad_inputs_table.py` prints the table of these cases: input -> exit code -> first line.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import yaml
 
 import retrofit
 from retrofit.cli import main
-from tests.test_data import char_tokenizer
+from tests.data.test_data import char_tokenizer
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

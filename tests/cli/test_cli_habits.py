@@ -17,7 +17,7 @@ from retrofit.errors import RetrofitError
 from retrofit.version import DISTRIBUTION, INSTALL
 from tests.tiny import tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
@@ -171,7 +171,7 @@ def test_uncalibrated_avnorm_warns_with_the_measured_cost(tiny_folder, tmp_path,
 
 
 def test_check_text_without_out_measures_and_says_nothing_was_saved(tiny_folder, tmp_path, capsys):
-    from tests.test_data import char_tokenizer
+    from tests.data.test_data import char_tokenizer
 
     char_tokenizer().save_pretrained(tiny_folder)
     text = tmp_path / "t.txt"

@@ -22,7 +22,7 @@ import yaml
 
 from retrofit import atomic
 from retrofit.cli import main
-from tests.test_bad_inputs import build_world
+from tests.cli.test_bad_inputs import build_world
 from tests.tiny import TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -310,7 +310,7 @@ with atomic_folder(sys.argv[1], "--out") as tmp:
 def _saving(out: Path) -> tuple[subprocess.Popen, Path]:
     """A process inside atomic_folder(out), mid-save; returns it and its temporary folder."""
     proc = subprocess.Popen([sys.executable, "-c", HOLD_SAVE, str(out)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     return proc, Path(proc.stdout.readline().strip())
 
 

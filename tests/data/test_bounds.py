@@ -1,6 +1,6 @@
 """Issue 36 (bounds) beyond the CLI table: texts are read as far as a token budget needs, RULER instances are
 built when read, and the model card escapes every text it embeds. The CLI cases (one line, exit 2, nothing
-written, peak memory) are in tests/test_bad_inputs.py."""
+written, peak memory) are in tests/cli/test_bad_inputs.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from retrofit.errors import RetrofitError
 from retrofit.hub.model_card import model_card
-from tests.test_data import char_tokenizer
+from tests.data.test_data import char_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

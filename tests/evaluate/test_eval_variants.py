@@ -12,7 +12,7 @@ import yaml
 from retrofit.cli import main
 from retrofit.errors import RetrofitError
 from retrofit.evaluate import EvalSpec, check_variants, evaluate_models
-from tests.test_evaluate import _char_tokenizer
+from tests.evaluate.test_evaluate import _char_tokenizer
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

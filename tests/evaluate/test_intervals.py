@@ -17,7 +17,7 @@ from retrofit.evaluate.report import validate, write_report
 from retrofit.evaluate.windows import window_starts
 from tests.tiny import VOCAB, tiny_model
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 def _tokens(n=3000, seed=0):

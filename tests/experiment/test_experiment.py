@@ -177,7 +177,7 @@ def test_the_issue_recipes_ship_with_experiment_sections():
     for name in ("demo", "counting-psoftmax", "gpt2-avnorm-retrofit", "llama-avnorm-retrofit", "llama-recovery",
                  "llama-retrofit-v2", "nope", "norm-comparison"):
         assert load_recipe(folder / f"{name}.yaml").section("experiment").arms, name
-    assert (Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml").is_file()  # recipes/ links there
+    assert (Path(__file__).resolve().parents[2] / "recipes" / "demo.yaml").is_file()  # recipes/ links there
 
 
 def test_experiment_without_section_is_refused(tmp_path):

@@ -14,7 +14,7 @@ from retrofit.evaluate.merge import merge_results
 from retrofit.evaluate.report import validate
 from retrofit.experiment import driver as experiment
 from retrofit.recipe import load_recipe
-from tests.test_experiment import SHRINK
+from tests.experiment.test_experiment import SHRINK
 
 TWO_ARMS = "experiment.arms=[{name: softmax, patch: {norm: softmax}}, {name: p2, patch: {norm: psoftmax, p: 2.0}}]"
 SEEDED = SHRINK + [TWO_ARMS, "experiment.seeds=[0, 1]", "eval.lengths=[64]", "experiment.finetune_steps=6"]

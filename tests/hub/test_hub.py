@@ -20,10 +20,10 @@ import retrofit
 from retrofit.cli import main
 from retrofit.commands.patch import save_atomically
 from retrofit.hub import push
-from tests.test_data import char_tokenizer
+from tests.data.test_data import char_tokenizer
 from tests.tiny import TINY, random_ids, tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "hf_retrofitFAKEtoken0123456789abcdefXYZ"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TINY_LLAMA = {"model_type": "llama", **TINY["llama"]}

@@ -13,7 +13,7 @@ import torch
 
 import retrofit
 from retrofit.kernels import psoftmax_attention, softmax1_attention, ssmax_attention
-from tests.test_kernels import left_padding, naive_psoftmax, naive_softmax1, naive_ssmax
+from tests.kernels.test_kernels import left_padding, naive_psoftmax, naive_softmax1, naive_ssmax
 from tests.tiny import random_ids, tiny_model
 
 RATE = 0.3

@@ -2,7 +2,7 @@
 
 Every kernel is checked on each CPU backend: `auto` (what users get: the decode path for a few query rows,
 the fused CPU kernel for p = 1, blockwise PyTorch otherwise), and `blockwise` and `decode` forced. The Triton
-kernel runs here on CUDA; tests/test_triton_interpreter.py runs it on CPU through Triton's interpreter.
+kernel runs here on CUDA; tests/kernels/test_triton_interpreter.py runs it on CPU through Triton's interpreter.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ import retrofit
 import retrofit.kernels as K
 from retrofit.kernels.masks import hides_future
 from retrofit.norms.base import visible_keys
+from tests.kernels.test_kernels import KERNELS, extra_param, qkv
 from tests.reference import naive_attention, reference_model, window_mask
-from tests.test_kernels import KERNELS, extra_param, qkv
 from tests.tiny import random_ids, tiny_model
 
 W, T = 8, 40

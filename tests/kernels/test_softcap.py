@@ -14,8 +14,8 @@ import torch
 
 import retrofit
 import retrofit.kernels as K
+from tests.kernels.test_kernels import KERNELS, extra_param, make
 from tests.reference import naive_attention, reference_model
-from tests.test_kernels import KERNELS, extra_param, make
 from tests.tiny import random_ids, tiny_model
 
 CAP = 0.8  # logits here are ~N(0, 1)-sized with tails past 3: well into tanh's curve

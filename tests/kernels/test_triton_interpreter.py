@@ -1,12 +1,12 @@
 """The Triton kernel in CI, on CPU, through Triton's interpreter: parity with a float64 reference, forward and
-backward, for every case in tests/triton_interpreter_cases.py (fp32 and fp16; p = 1 .. 4; GQA; bool and
+backward, for every case in tests/kernels/triton_interpreter_cases.py (fp32 and fp16; p = 1 .. 4; GQA; bool and
 additive masks; decode; Tq != Tk; head sizes 80/96/256; rows with no visible key; SSMax and softmax+1).
 
 TRITON_INTERPRET=1 has to be set before Triton is imported, and Triton keeps the mode it was imported in, so
 all cases run in one child process with that variable (never set in this process, so it cannot leak into other
 tests); each case is then its own test here. bf16 is not checked this way: under the interpreter a bare
 tl.dot of two bf16 tiles is off by ~1e10 (the interpreter's limitation, not the kernel's). bf16 runs on CUDA
-(tests/test_kernels.py::test_triton_low_precision and test_triton_matches_blockwise).
+(tests/kernels/test_kernels.py::test_triton_low_precision and test_triton_matches_blockwise).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from tests.triton_interpreter_cases import CASES
+from tests.kernels.triton_interpreter_cases import CASES
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (it is in the test extra)")
@@ -32,9 +32,10 @@ TOLERANCE = {"torch.float32": 1e-5, "torch.float16": 8e-3}
 
 @pytest.fixture(scope="module")
 def results():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    child = subprocess.run([sys.executable, os.path.join(root, "tests", "triton_interpreter_cases.py"), root],
+    cases = os.path.join(root, "tests", "kernels", "triton_interpreter_cases.py")
+    child = subprocess.run([sys.executable, cases, root],
                            env=env, capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-3000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
@@ -54,7 +55,7 @@ def test_interpreter_variable_stays_in_the_child(results):
 
 
 @pytest.mark.skip(reason="Triton's interpreter computes a bf16 tl.dot wrong by ~1e10 (its limitation); "
-                         "bf16 runs on CUDA in tests/test_kernels.py")
+                         "bf16 runs on CUDA in tests/kernels/test_kernels.py")
 def test_triton_in_interpreter_bf16():
     raise AssertionError("not run under the interpreter")
 

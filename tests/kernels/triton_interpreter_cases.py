@@ -1,6 +1,6 @@
-"""The Triton kernel's parity cases, run on CPU under Triton's interpreter by tests/test_triton_interpreter.py.
+"""The Triton kernel's parity cases, run on CPU under Triton's interpreter by tests/kernels/test_triton_interpreter.py.
 
-    TRITON_INTERPRET=1 python tests/triton_interpreter_cases.py REPO_ROOT     # prints one JSON line
+    TRITON_INTERPRET=1 python tests/kernels/triton_interpreter_cases.py REPO_ROOT     # prints one JSON line
 
 TRITON_INTERPRET must be set before Triton is imported, and once imported Triton keeps the mode it
 started in; so the cases run in a child process of their own and the pytest process never sees the
@@ -8,13 +8,13 @@ variable. Importing this module (for CASES) imports neither torch nor Triton.
 
 Each case calls the public kernel (psoftmax_attention, ssmax_attention, softmax1_attention) inside
 force_backend("triton"), so the dispatch, the custom op and its backward are what is tested, forward and
-backward against a float64 reference (tests/test_kernels.py) computed from the same (rounded) inputs.
+backward against a float64 reference (tests/kernels/test_kernels.py) computed from the same (rounded) inputs.
 Shapes are small: the interpreter runs each tile op in numpy (a 40 x 40 case takes ~0.3 s).
 """
 
 from __future__ import annotations
 
-# name -> (kernel, setting of tests.test_kernels.SETTINGS or a head size, p, dtype). p applies to psoftmax.
+# name -> (kernel, setting of tests.kernels.test_kernels.SETTINGS or a head size, p, dtype). p applies to psoftmax.
 CASES = {}
 for _p in (1.0, 1.5, 2.0, 3.0, 4.0):
     CASES[f"psoftmax-causal-p{_p:g}-fp32"] = ("psoftmax", "causal", _p, "float32")
@@ -81,7 +81,7 @@ def main(root: str) -> None:
     import torch
 
     import retrofit.kernels as K
-    from tests import test_kernels as tk
+    from tests.kernels import test_kernels as tk
 
     torch.set_num_threads(1)
     triton = K.triton_backend()

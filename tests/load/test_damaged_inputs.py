@@ -1,6 +1,6 @@
 """One rule for damaged inputs (issue 36): config.retrofit is checked against a typed schema, config.json's values
 before anything is built, a plain folder's weights like a checkpoint's, patch tensors for NaN. The CLI cases are
-in tests/test_bad_inputs.py; these check the rules themselves, and that nothing retrofit writes is refused."""
+in tests/cli/test_bad_inputs.py; these check the rules themselves, and that nothing retrofit writes is refused."""
 
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def test_config_json_is_checked_before_any_module_is_built(tmp_path, monkeypatch
 def test_an_adapters_record_and_patch_tensors_are_checked_like_a_checkpoints(tmp_path):
     """retrofit.json of an adapter is the same record as config.retrofit: typed, and its tensors finite."""
     from retrofit.load.adapters import load_adapter, save_adapter
-    from tests.test_adapters import peft_on_patched
+    from tests.load.test_adapters import peft_on_patched
     model, _, _ = peft_on_patched(tmp_path)  # a LoRA on a calibrated AVNorm base
     folder = save_adapter(model, tmp_path / "adapter")
     meta = json.loads((folder / "retrofit.json").read_text())

@@ -91,7 +91,7 @@ def test_the_other_entry_points_are_gone():
 def test_an_adapter_forwards_them_to_its_base(tmp_path, spy):
     """An adapter folder: the base it names is loaded through the same decision, with the same arguments."""
     from retrofit.load import save_adapter
-    from tests.test_adapters import peft_on_patched
+    from tests.load.test_adapters import peft_on_patched
 
     model, _, ids = peft_on_patched(tmp_path, "llama", "avnorm")
     with torch.no_grad():

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from retrofit.errors import RetrofitError
-from tests.test_data import char_tokenizer
+from tests.data.test_data import char_tokenizer
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REFUSAL = ("has an auto_map (custom code); retrofit never runs a model folder's code — use a model whose architecture "
            "transformers ships")
 

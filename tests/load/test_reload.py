@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import retrofit
-from tests.test_patch import NORMS, patched_pair
+from tests.patch.test_patch import NORMS, patched_pair
 from tests.tiny import random_ids
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 LOADER = r"""
 import sys, json, torch

@@ -1,7 +1,7 @@
 """AVNorm mode=beyond: the original model, bitwise, for every position < L; beyond L each head's output times
 (n / L)^b_h, with b_h calibrated on text inside L and trainable.
 
-    pytest tests/test_avnorm_beyond.py
+    pytest tests/norms/test_avnorm_beyond.py
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def test_a_floor_schedule_is_refused():
 def test_a_recipe_calibrates_and_trains_the_exponents_and_the_run_reloads_as_trained(tmp_path):
     from retrofit.recipe import recipe_from_dict
     from retrofit.train import train
-    from tests.test_train import write_corpus
+    from tests.train.test_train import write_corpus
     folder = write_corpus(tmp_path)
     raw = {"model": {"config": {"model_type": "llama", **TINY["llama"]}, "tokenizer": str(folder / "tok")},
            "patch": {"norm": "avnorm", "mode": "beyond", "ref_len": L, "calibrate_tokens": 256},

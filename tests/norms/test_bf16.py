@@ -13,7 +13,7 @@ import torch
 import retrofit
 import retrofit.kernels as K
 from retrofit.norms import Norm, get_norm
-from tests.test_kernels import KERNELS, call, extra_param, make, naive_ssmax_rounded
+from tests.kernels.test_kernels import KERNELS, call, extra_param, make, naive_ssmax_rounded
 from tests.tiny import random_ids, tiny_model
 
 

@@ -167,7 +167,7 @@ def _norm_names_in(path) -> list[str]:
 def test_no_norm_is_named_outside_its_file():
     """Adding a norm means adding its file (docs/adding-a-norm.md): the card, diagnose, calibration, reports and
     benchmarks ask the norm class (Norm's hooks) or iterate the registry, never test its name."""
-    from tests.test_layout import ROOT
+    from tests.project.test_layout import ROOT
 
     found = [line for path in sorted(ROOT.rglob("*.py")) if "norms" not in path.relative_to(ROOT).parts
              and str(path.relative_to(ROOT.parent)) not in NAMED_ELSEWHERE for line in _norm_names_in(path)]

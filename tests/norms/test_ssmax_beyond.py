@@ -1,7 +1,7 @@
 """SSMax that leaves the trained context alone: scale=beyond and scale=llama4 are the original model, bitwise,
 for every query position < L, and differ beyond it.
 
-    pytest tests/test_ssmax_beyond.py
+    pytest tests/norms/test_ssmax_beyond.py
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def test_gpt2_reorder_and_upcast_under_eager_bypasses_the_registry():
 
 
 def test_unsupported_attention_implementation():
-    """A kernel norm cannot run over paged attention (avnorm can: tests/test_any_implementation.py)."""
+    """A kernel norm cannot run over paged attention (avnorm can: tests/norms/test_any_implementation.py)."""
     model = tiny_model("llama")
     model.config._attn_implementation_internal = "paged|sdpa"
     with pytest.raises(RetrofitError, match="cannot run this norm's kernels over paged attention"):
@@ -81,7 +81,7 @@ def test_model_without_registry_attention():
 
 
 def test_a_bad_softcap_from_the_model_is_a_one_line_error():
-    """Soft-capping is supported by every kernel now (tests/test_softcap.py); a non-positive cap is refused."""
+    """Soft-capping is supported by every kernel now (tests/kernels/test_softcap.py); a non-positive cap is refused."""
     model = tiny_model("gemma2", attn_logit_softcapping=-1.0)
     retrofit.patch(model, "psoftmax")
     with pytest.raises(ValueError, match="softcap"):

@@ -254,7 +254,7 @@ def test_a_family_scaling_is_kept(family, scaling):
                                        ("kernels-community/flash-attn", "a Hub kernel")])
 def test_implementations_kernel_norms_cannot_run_over_are_refused(impl, what):
     """(flash and flex run retrofit's kernels instead while patched; avnorm works over all of these:
-    tests/test_any_implementation.py)"""
+    tests/norms/test_any_implementation.py)"""
     model = build("llama")
     model.config._attn_implementation = impl
     with pytest.raises(retrofit.RetrofitError, match="attn_implementation='sdpa'") as err:

@@ -188,7 +188,7 @@ def test_psoftmax_has_parameters_exactly_when_it_has_a_gain():
 
 def test_adapter_only_save_keeps_the_psoftmax_gain(tmp_path):
     from retrofit.load.adapters import load_adapter, save_adapter
-    from tests.test_adapters import peft_on_patched
+    from tests.load.test_adapters import peft_on_patched
     model, _, ids = peft_on_patched(tmp_path, "llama", "psoftmax", train_patch=False, gain=1.0)
     gains = {n: p.detach().clone() for n, p in model.get_base_model().named_parameters() if n.endswith(".gain")}
     assert gains and not all(torch.equal(g, torch.ones_like(g)) for g in gains.values())  # moved off 1.0

@@ -14,7 +14,7 @@ import retrofit
 from retrofit import PatchSpec
 from retrofit.errors import RetrofitError
 from retrofit.patch_spec import CLI, EVAL, RECIPE, parse_flat
-from tests.test_layout import MODULES, ROOT, _where
+from tests.project.test_layout import MODULES, ROOT, _where
 from tests.tiny import tiny_model
 
 

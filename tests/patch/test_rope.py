@@ -1,6 +1,6 @@
 """RoPE extension as a patch option: every rope type x {softmax, avnorm, ssmax-beyond} on tiny models.
 
-    pytest tests/test_rope.py
+    pytest tests/patch/test_rope.py
 
 Tiny models are trained for L = 16 positions and run at up to 40, so every extension is exercised.
 linear, yarn and llama3 give cos/sin that depend on the position only, so cached decoding and left padding

@@ -1,7 +1,7 @@
 """RoPE extension wired through the tools: `retrofit patch --rope`, recipes' patch.rope (and experiment arms),
 `retrofit eval --patch/--rope`, dynamic NTK order-independence, tables naming the rope, hub, bad input.
 
-    pytest tests/test_rope_cli.py
+    pytest tests/patch/test_rope_cli.py
 
 Tiny llamas trained for L = 16 positions (max_position_embeddings 16), evaluated up to 64. No network.
 """

@@ -323,7 +323,7 @@ def test_cli_check_text_ranks_layers_and_heads(tmp_path, capsys):
     import re
 
     from retrofit.cli import main
-    from tests.test_data import char_tokenizer
+    from tests.data.test_data import char_tokenizer
     folder, text = tmp_path / "m", tmp_path / "t.txt"
     base = four_layers("llama")
     base.save_pretrained(folder)
@@ -355,7 +355,7 @@ def test_adapter_round_trip_keeps_the_selection(tmp_path, norm, options):
     """A LoRA adapter on a selective patch (the patch trained through modules_to_save) reloads with the same
     layers and heads and the same logits (the adapter's record is compared with layers and heads too)."""
     from retrofit.load.adapters import save_adapter
-    from tests.test_adapters import peft_on_patched
+    from tests.load.test_adapters import peft_on_patched
     model, _, ids = peft_on_patched(tmp_path, "llama", norm, layers=[1], heads="0,2", **options)
     with torch.no_grad():
         expected = model(input_ids=ids).logits

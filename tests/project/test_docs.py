@@ -1,6 +1,7 @@
 """The README is a front door and the documentation site's facts stay true, checked without mkdocs (CI builds the
 site itself with `mkdocs build --strict`, which fails on a broken link inside docs/): the README's length, its two
-commands, its links, the results it quotes, and the architecture page's layer table against tests/test_layout.py."""
+commands, its links, the results it quotes, and the architecture page's layer table against
+tests/project/test_layout.py."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_layout import RANKS
+from tests.project.test_layout import RANKS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 # one quoted number: a signed decimal, with its ± half-width when it has one ("-0.791 ± 0.191", "−0.796", "6,271")
@@ -62,8 +63,8 @@ def test_quoted_results_are_in_the_linked_result_as_written(page):
 
 
 def test_the_architecture_page_shows_the_enforced_ranks():
-    """docs/architecture.md's layer table is tests/test_layout.py's RANKS, so the documented data flow is the one the
-    imports are held to."""
+    """docs/architecture.md's layer table is tests/project/test_layout.py's RANKS, so the documented data flow is the
+    one the imports are held to."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     documented = {}
     for rank, modules in re.findall(r"^\| (\d+) \| ([^|]+) \|", text, re.M):

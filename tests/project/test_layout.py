@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent / "retrofit"
+ROOT = Path(__file__).resolve().parents[2] / "retrofit"
 
 # The data flow, bottom up: recipe -> load -> patch -> train -> evaluate -> report -> push. A module may
 # import its own package and anything of a strictly lower rank; siblings of one rank never import each other
@@ -21,7 +21,7 @@ RANKS = {
     "kernels": 2, "families": 2, "bounds": 2,
     "positions": 3, "lengths": 3,
     "rope": 4, "norms": 4,
-    "patch_spec": 5,  # the one PatchSpec every way of writing a patch builds (tests/test_patch_spec.py)
+    "patch_spec": 5,  # the one PatchSpec every way of writing a patch builds (tests/patch/test_patch_spec.py)
     "patch": 6,
     "calibrate": 7, "costs": 7, "recipe": 7, "recovery": 7,
     "load": 8,

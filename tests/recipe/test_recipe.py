@@ -21,7 +21,7 @@ from retrofit.recipe import (
     save_recipe,
 )
 
-RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 BASE = {"model": {"source": "gpt2"}, "data": {"files": ["train.txt"]}}
 
 

@@ -1,7 +1,7 @@
 """Floor schedules that end above 0 and move in the loss's units (issue #30 item 3): shape=loss spreads the zero-shot
 probe's cost evenly over the steps; an avnorm floor may end at 1 or 2 and is recorded so a reload is what was trained.
 
-    pytest tests/test_floor_schedule.py
+    pytest tests/recovery/test_floor_schedule.py
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def test_bad_loss_schedules_are_one_line_errors(schedule, message):
 
 def test_the_cli_probe_prints_costs_for_a_floor_ending_at_2(tmp_path, capsys):
     from retrofit.cli import main
-    from tests.test_data import char_tokenizer
+    from tests.data.test_data import char_tokenizer
     tiny_model("llama").save_pretrained(tmp_path / "m")
     char_tokenizer().save_pretrained(tmp_path / "m")
     text = tmp_path / "t.txt"
@@ -161,8 +161,8 @@ def test_the_cli_probe_prints_costs_for_a_floor_ending_at_2(tmp_path, capsys):
 
 
 def _run_raw(tmp_path, out):
-    from tests.test_train import write_corpus
     from tests.tiny import TINY
+    from tests.train.test_train import write_corpus
     folder = tmp_path / "corpus"
     if not folder.is_dir():
         folder.mkdir()

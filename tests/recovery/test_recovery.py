@@ -1,6 +1,6 @@
 """retrofit.recovery, the pieces: identity-start schedules (start = the original model, end = the plain norm,
 bitwise), the bypassed teacher, chunked KL, attention-output matching, the patch's parameter group, the probes,
-bad input. Training with them (resume, reload, convergence) is tests/test_recovery_train.py."""
+bad input. Training with them (resume, reload, convergence) is tests/recovery/test_recovery_train.py."""
 
 from __future__ import annotations
 

@@ -21,10 +21,10 @@ from retrofit.load import load
 from retrofit.recipe import PatchSection, load_recipe, recipe_from_dict
 from retrofit.recovery.distill import teacher_mode
 from retrofit.train import checkpoint, read_log, train
-from tests.test_train import write_corpus
 from tests.tiny import TINY, random_ids
+from tests.train.test_train import write_corpus
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUIET = {"progress": False, "log_every": 1}
 TINY_LLAMA = {"model_type": "llama", **TINY["llama"]}
 

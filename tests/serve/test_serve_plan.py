@@ -1,5 +1,6 @@
 """retrofit.serve.plan: which patched checkpoints the vLLM plugin serves, and the one-line refusals. No vLLM needed:
-the plan is read from the config.json a save writes (the parity itself: tests/test_serve_vllm.py, in vLLM's env)."""
+the plan is read from the config.json a save writes (the parity itself: tests/serve/test_serve_vllm.py, in vLLM's
+env)."""
 
 from __future__ import annotations
 

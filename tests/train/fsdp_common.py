@@ -1,4 +1,4 @@
-"""The model, data and loss that tests/test_fsdp.py and tests/fsdp_worker.py share (one place, so the
+"""The model, data and loss that tests/train/test_fsdp.py and tests/train/fsdp_worker.py share (one place, so the
 sharded run and the single-process reference cannot drift apart)."""
 
 import torch

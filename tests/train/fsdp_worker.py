@@ -1,6 +1,6 @@
-"""Run by tests/test_fsdp.py under torchrun (2 processes, gloo): train a patched tiny Llama sharded with FSDP2.
+"""Run by tests/train/test_fsdp.py under torchrun (2 processes, gloo): train a patched tiny Llama sharded with FSDP2.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_worker.py MODES OUT     # MODES: full,lora
+    python -m torch.distributed.run --nproc_per_node 2 tests/train/fsdp_worker.py MODES OUT     # MODES: full,lora
 
 Each mode in turn, in the same two processes (one launch: its start costs more than a mode's training), into OUT/MODE.
 """
@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from retrofit.train.fsdp import shard_model  # noqa: E402
-from tests.fsdp_common import build, global_batch, logits_of, loss_of  # noqa: E402
+from tests.train.fsdp_common import build, global_batch, logits_of, loss_of  # noqa: E402
 
 
 def main(modes: str, out: Path) -> None:

@@ -1,5 +1,5 @@
-"""The models and batch that tests/test_sequence_parallel.py and tests/sequence_parallel_worker.py share (one place,
-so the sharded run and the one-process reference cannot drift apart)."""
+"""The models and batch that tests/train/test_sequence_parallel.py and tests/train/sequence_parallel_worker.py share
+(one place, so the sharded run and the one-process reference cannot drift apart)."""
 
 import torch
 from peft import LoraConfig, get_peft_model

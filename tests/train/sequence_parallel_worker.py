@@ -1,8 +1,8 @@
-"""Run by tests/test_sequence_parallel.py under torchrun (2 processes, gloo).
+"""Run by tests/train/test_sequence_parallel.py under torchrun (2 processes, gloo).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_worker.py OUT [RECIPE [MODE]]
+    python -m torch.distributed.run --nproc_per_node 2 tests/train/sequence_parallel_worker.py OUT [RECIPE [MODE]]
 
-OUT/sharded.pt: every case of tests/sequence_parallel_common.py sharded over both processes (Ulysses). RECIPE
+OUT/sharded.pt: every case of tests/train/sequence_parallel_common.py sharded over both processes (Ulysses). RECIPE
 (train.sequence_parallel: 2) is then trained; MODE full (default) to the end; kill:N (no parity cases) until both
 processes kill themselves after step N, as a job kill does; resume (no parity cases): resumed from its run folder.
 One training run per launch: a run ends the process group, and a second one in the same processes would meet the
@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from retrofit.recipe import load_recipe  # noqa: E402
 from retrofit.train import train  # noqa: E402
 from retrofit.train.losses import loss_sum  # noqa: E402
 from retrofit.train.sequence_parallel import sequence_layout, shard, sharded  # noqa: E402
-from tests.sequence_parallel_common import CASES, batch, build, grads  # noqa: E402
+from tests.train.sequence_parallel_common import CASES, batch, build, grads  # noqa: E402
 
 
 def sharded_case(case: str, layout) -> dict:

@@ -24,8 +24,8 @@ from retrofit.recovery.distill import chunked_kl_sum
 from retrofit.train import build, train
 from retrofit.train.losses import items, loss_sum
 from retrofit.train.validation import validation_metrics
-from tests.test_train import lm_recipe, write_corpus
 from tests.tiny import VOCAB, random_ids, tiny_model
+from tests.train.test_train import lm_recipe, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

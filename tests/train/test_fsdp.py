@@ -15,10 +15,10 @@ import torch
 import retrofit
 from retrofit.errors import RetrofitError
 from retrofit.train.fsdp import shard_model
-from tests.fsdp_common import build, global_batch, logits_of, loss_of
 from tests.tiny import tiny_model
+from tests.train.fsdp_common import build, global_batch, logits_of, loss_of
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
 
@@ -28,7 +28,7 @@ def sharded_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "fsdp_worker.py"), "full,lora", str(out)],
+                           str(ROOT / "tests" / "train" / "fsdp_worker.py"), "full,lora", str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out

@@ -1,7 +1,7 @@
 """The commands for several processes on a CPU that docs/many-gpus.md gives are run here exactly as written: the
 `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2` line and the `torchrun` line each start two
-gloo processes that train 6 tiny steps together (the torchrun launch is shared with tests/test_train.py). (`accelerate
-launch --cpu --num_processes 2` starts one.)"""
+gloo processes that train 6 tiny steps together (the torchrun launch is shared with tests/train/test_train.py).
+(`accelerate launch --cpu --num_processes 2` starts one.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import yaml
 
 from tests.tiny import TINY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "many-gpus.md"  # the guide that gives these lines (the README links to it)
 LAUNCHERS = {"accelerate": "ACCELERATE_USE_CPU=1 accelerate launch", "torchrun": "torchrun --standalone"}
 
@@ -64,7 +64,7 @@ def launch(launcher: str, folder: Path) -> tuple[subprocess.CompletedProcess, Pa
 
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_the_guides_cpu_launch_line_starts_two_processes(launcher, tmp_path, torchrun_launch):
-    # torchrun's launch is shared with tests/test_train.py (tests/conftest.py): one start of three processes less
+    # torchrun's launch is shared with tests/train/test_train.py (tests/conftest.py): one start of three processes less
     done, _, out = torchrun_launch if launcher == "torchrun" else launch(launcher, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())

@@ -3,7 +3,7 @@
 A YAML alias bomb and a 1000-deep recipe are refused in one short line, fast; a full disk while checkpointing
 is one line and the run resumes to the uninterrupted weights; a tokenizer whose ids exceed the model's
 vocabulary is refused where train meets it. Tiny counting GPT-2 runs (under a second each). The CLI-level
-cases (exit 2, one line, nothing left behind) are in tests/test_bad_inputs.py, block `# round 3 (errors)`.
+cases (exit 2, one line, nothing left behind) are in tests/cli/test_bad_inputs.py, block `# round 3 (errors)`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from retrofit.recipe.schema import MAX_VALUES, load_yaml
 from retrofit.recovery import record_knob, set_knob_position
 from retrofit.recovery.distill import kl_per_position
 from retrofit.train import checkpoint, train
-from tests.test_reliability import counting_recipe, weights
-from tests.test_train import TINY_LLAMA, lm_recipe, write_corpus
 from tests.tiny import tiny_model
+from tests.train.test_reliability import counting_recipe, weights
+from tests.train.test_train import TINY_LLAMA, lm_recipe, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

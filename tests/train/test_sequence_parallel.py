@@ -23,17 +23,17 @@ from retrofit.train import checkpoint, train
 from retrofit.train.losses import loss_sum
 from retrofit.train.sequence_parallel import SequenceLayout, check_recipe, shard
 from retrofit.train.sequence_parallel import sharded as sharded_model
-from tests.sequence_parallel_common import CASES, batch, build, grads
-from tests.test_train import lm_recipe, losses_of, write_corpus
+from tests.train.sequence_parallel_common import CASES, batch, build, grads
+from tests.train.test_train import lm_recipe, losses_of, write_corpus
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
 
 def launch(out: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(ROOT / "tests" / "sequence_parallel_worker.py"), str(out), *args]
+               str(ROOT / "tests" / "train" / "sequence_parallel_worker.py"), str(out), *args]
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=300)

@@ -21,10 +21,10 @@ from retrofit.errors import RetrofitError
 from retrofit.load import load
 from retrofit.recipe import load_recipe, recipe_from_dict
 from retrofit.train import build, checkpoint, read_log, train
-from tests.test_data import char_tokenizer
+from tests.data.test_data import char_tokenizer
 from tests.tiny import TINY, tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUIET = {"progress": False, "log_every": 1}
 TINY_GPT2 = {"model_type": "gpt2", **TINY["gpt2"]}
 TINY_LLAMA = {"model_type": "llama", **TINY["llama"]}
@@ -109,7 +109,8 @@ def test_two_cpu_processes_match_one_process(tmp_path, torchrun_launch):
     """Same global batch (4): one process accumulates 2 micro-batches of 2, two processes take 2 each.
     Tolerance 1e-5 absolute on every step's loss (fp32; gloo's all-reduce may sum in another order).
     The two processes: `torchrun --standalone --nproc_per_node 2 -m retrofit train` (docs/many-gpus.md's line,
-    launched once for this test and tests/test_launchers.py; recipe: tests/test_launchers.py two_process_recipe)."""
+    launched once for this test and tests/train/test_launchers.py; recipe: tests/train/test_launchers.py
+    two_process_recipe)."""
     proc, path, two = torchrun_launch
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = train(load_recipe(path, [f"output.dir={tmp_path / 'one'}"]))

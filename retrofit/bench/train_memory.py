@@ -8,7 +8,9 @@ Each (loop, length) runs in a fresh Python process (`python -m retrofit.bench.tr
 peak never hides in another's: the peak is the process's resident-set high-water mark (VmHWM; CUDA: the caching
 allocator's peak), model loading included. Loops: `retrofit` (the chunked loss, train.loss_chunk_tokens),
 `retrofit-full-logits` (the same loop with loss_chunk_tokens 0: the whole (B, T, V) logits) and `hf-trainer`
-(transformers' Trainer, the model's own loss). Every loop trains the same model on the same random tokens for
+(transformers' Trainer, the model's own loss) and `hf-trainer-freed` (the Trainer under the allocator setting
+retrofit's loop makes on the CPU, retrofit.memory.return_freed_memory: the fair comparison of the two losses; a
+Trainer user does not get it by default). Every loop trains the same model on the same random tokens for
 --steps steps (default 2) of --batch sequences; tokens/s is timed from the first step's end to the last's. Beside
 each retrofit row, the peak `retrofit train --dry-run` predicts (retrofit.memory.plan_training), made in the same
 process before the model loads. Writes --out (JSON) and the same stem .md (the table).
@@ -28,7 +30,8 @@ from pathlib import Path
 from ..atomic import atomic_write_text
 from ..errors import RetrofitError
 
-LOOPS = ("retrofit", "retrofit-full-logits", "hf-trainer")
+LOOPS = ("retrofit", "retrofit-full-logits", "hf-trainer", "hf-trainer-freed")
+TRAINERS = ("hf-trainer", "hf-trainer-freed")
 
 
 def add_arguments(parser) -> None:
@@ -64,15 +67,16 @@ def _run_child(spec: dict) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| loop | length | peak MiB | predicted MiB | predicted / peak | tokens/s | peak / Trainer's |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    trainer = {r["seq_len"]: r["peak_mb"] for r in rows if r["loop"] == "hf-trainer"}
+    lines = ["| loop | length | peak MiB | predicted MiB | predicted / peak | tokens/s | peak / Trainer's | "
+             "peak / Trainer's, same allocator |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    trainers = [{r["seq_len"]: r["peak_mb"] for r in rows if r["loop"] == loop} for loop in TRAINERS]
     for r in rows:
         predicted = r.get("predicted_mb")
         ratio = f"{predicted / r['peak_mb']:.2f}" if predicted else "-"
-        versus = f"{r['peak_mb'] / trainer[r['seq_len']]:.2f}" if r["seq_len"] in trainer else "-"
+        versus = [f"{r['peak_mb'] / t[r['seq_len']]:.2f}" if r["seq_len"] in t else "-" for t in trainers]
         lines.append(f"| {r['loop']} | {r['seq_len']:,} | {r['peak_mb']:,.0f} | "
-                     f"{f'{predicted:,.0f}' if predicted else '-'} | {ratio} | {r['tokens_per_s']:,.0f} | {versus} |")
+                     f"{f'{predicted:,.0f}' if predicted else '-'} | {ratio} | {r['tokens_per_s']:,.0f} | "
+                     f"{' | '.join(versus)} |")
     return "\n".join(lines + [""] + _growth(rows))
 
 
@@ -163,7 +167,10 @@ def child(spec: dict, out: Path) -> None:
         torch.set_num_threads(spec["threads"])
     device = "cuda" if torch.cuda.is_available() and not spec["cpu"] else "cpu"
     predicted = None
-    if spec["loop"] != "hf-trainer":  # what the dry run predicts, from the config alone, before the model loads
+    if spec["loop"] == "hf-trainer-freed" and device == "cpu":
+        from ..memory import return_freed_memory
+        return_freed_memory()  # what retrofit's train() sets on the CPU, before anything is allocated
+    if spec["loop"] not in TRAINERS:  # what the dry run predicts, from the config alone, before the model loads
         config = load_config(spec["model"]) if spec["model"] else _config_of(spec)
         predicted = _predicted_mb(spec, config, count_parameters(config))  # MiB by part
     with PeakMemory(device) if device == "cuda" else contextlib.nullcontext() as memory:
@@ -172,7 +179,7 @@ def child(spec: dict, out: Path) -> None:
         rows = torch.randint(0, model.config.vocab_size, (spec["batch"] * spec["steps"], spec["seq_len"]),
                              generator=torch.Generator().manual_seed(0))
         with tempfile.TemporaryDirectory() as tmp:
-            if spec["loop"] == "hf-trainer":
+            if spec["loop"] in TRAINERS:
                 stamps = bench.run_trainer(args, rows, Path(tmp) / "run", model,
                                            gradient_checkpointing=spec["gradient_checkpointing"])
             else:

@@ -303,3 +303,13 @@ def test_bench_train_memory_refuses_bad_options_in_one_line(options, message, tm
     assert main(["bench", "train", "--memory", *options, "--out", str(tmp_path / "m.json")]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and not (tmp_path / "m.json").exists()
+
+
+def test_memory_table_compares_with_the_trainer_both_as_shipped_and_under_the_same_allocator():
+    """`hf-trainer-freed` is the Trainer with retrofit's CPU allocator setting: the table gives each loop's peak over
+    both Trainer rows of its length, so the allocator's share of the gap is visible."""
+    from retrofit.bench.train_memory import _table
+    rows = [{"loop": loop, "seq_len": 8192, "peak_mb": peak, "tokens_per_s": 60.0, "batch": 1, "vocab_size": 100}
+            for loop, peak in (("retrofit", 3000.0), ("hf-trainer", 10000.0), ("hf-trainer-freed", 6000.0))]
+    line = next(x for x in _table(rows).splitlines() if x.startswith("| retrofit |"))
+    assert line.rstrip(" |").endswith("| 0.30 | 0.50")

@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="passkey and niah depths, 0 = start .. 1 = end")
     parser.add_argument("--trials", type=int, default=8, help="passkey trials / counting sequences per length")
     parser.add_argument("--alphabet", type=int, default=None, help="counting alphabet (default: the run's recipe)")
+    parser.add_argument("--prefixes", action="store_true",
+                        help="counting: score every length as a prefix of sequences of the longest length (the L2 "
+                             "post's evaluation: one forward at the longest length)")
     add_patch_flag(parser, "patch every model before evaluating it, e.g. avnorm:kind=rms or ssmax:scale=beyond; "
                            "avnorm:layers=16-29,heads=0+3 patches layers 16-29, heads 0 and 3 ('+' joins items)")
     parser.add_argument("--rope", metavar="TYPE:FACTOR[,KEY=VALUE...]", default=None,
@@ -130,7 +133,8 @@ def _run_models(args: argparse.Namespace) -> int:
     check_eval_memory(args.models, parse_lengths(args.lengths), args.batch_tokens, args.device, args.dtype)
     depths = _depths(args.depths)
     variants = _read_variants(args.variants) if args.variants else None
-    counting = {"sequences": args.trials, **({"alphabet": args.alphabet} if args.alphabet else {})}
+    counting = {"sequences": args.trials, **({"alphabet": args.alphabet} if args.alphabet else {}),
+                **({"prefixes": True} if args.prefixes else {})}
     spec = EvalSpec(
         data=args.data, lengths=args.lengths, train_len=args.train_len,
         tasks=args.tasks.split(",") if args.tasks else None, max_tokens=args.max_tokens, tokenizer=args.tokenizer,

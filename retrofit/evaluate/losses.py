@@ -165,31 +165,51 @@ def evaluate_passkey(model, tokenizer, lengths: list[int], *, depths=(0.0, 0.25,
 
 
 @torch.inference_mode()
-def evaluate_counting(model, lengths: list[int], *, sequences=8, alphabet=8, seed=0, batch_tokens=16384) -> list[dict]:
+def evaluate_counting(model, lengths: list[int], *, sequences=8, alphabet=8, seed=0, batch_tokens=16384,
+                      prefixes=False) -> list[dict]:
     """L1 and MSE of a counting model (input_ids (B, T) -> counts (B, T)) on data.counting_batch sequences
-    of T = length tokens, over positions 1..T-1, with L1 by log-spaced position bucket."""
+    of T = length tokens, over positions 1..T-1, with L1 by log-spaced position bucket.
 
-    device = next(model.parameters()).device
+    prefixes=True scores every length as a prefix of the same `sequences` sequences of the longest length (the L2
+    post's evaluation: one forward at the longest length, scored at every prefix boundary): a causal model's
+    prediction at position t sees only positions <= t, so the prefix of length L is scored as a sequence of length
+    L would be (other draws of the same distribution), at the cost of one forward instead of one per length."""
+    if prefixes:
+        longest = max(lengths)
+        errors, counts = _counting_errors(model, sequences, longest, alphabet, seed, batch_tokens)
+        return [_counting_row(errors[:, :n], counts[:, :n]) | {"prefix_of": longest} for n in lengths]
     rows = []
     for length in lengths:
-        fresh_dynamic_rope(model)
-        batch = counting_batch(sequences, length, alphabet=alphabet, seed=seed)
-        l1_sum, sq_sum = torch.zeros(length, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-        per_sequence = []  # (b,) per batch: each sequence's mean |error| over positions 1..T-1
-        step = max(1, batch_tokens // length)
-        for i in range(0, sequences, step):
-            err = model(batch["input_ids"][i:i + step].to(device)).cpu() - batch["counts"][i:i + step]  # (b, T)
-            err[:, 0] = 0  # position 0 holds the target symbol: no count to predict
-            l1_sum += err.abs().double().sum(0)
-            per_sequence.append(err.abs().double().sum(1) / (length - 1))
-            sq_sum += err.double().pow(2).sum()
-        n = sequences * (length - 1)
-        mean_count = batch["counts"][:, 1:].double().mean().item()  # counts grow with length: L1 relative to this
-        rows.append({"length": length, "l1": l1_sum.sum().item() / n, "mse": sq_sum.item() / n, "sequences": sequences,
-                     "sequence_l1": torch.cat(per_sequence).tolist(),
-                     "ci95": as_list(mean_interval(torch.cat(per_sequence).numpy())), "mean_count": mean_count,
-                     "relative_l1": l1_sum.sum().item() / n / max(mean_count, 1e-9),
-                     "by_position": bucket_rows(l1_sum, sequences, "l1", skip_first=True)})
+        rows.append(_counting_row(*_counting_errors(model, sequences, length, alphabet, seed, batch_tokens)))
     return rows
+
+
+def _counting_errors(model, sequences: int, length: int, alphabet: int, seed: int, batch_tokens: int):
+    """(predicted - true count, true count), both (sequences, length) float64; position 0 (the target symbol, no
+    count to predict) has error 0."""
+    device = next(model.parameters()).device
+    fresh_dynamic_rope(model)
+    batch = counting_batch(sequences, length, alphabet=alphabet, seed=seed)
+    step, errors = max(1, batch_tokens // length), []
+    for i in range(0, sequences, step):
+        err = model(batch["input_ids"][i:i + step].to(device)).cpu() - batch["counts"][i:i + step]  # (b, T)
+        err[:, 0] = 0
+        errors.append(err.double())
+    return torch.cat(errors), batch["counts"].double()
+
+
+def _counting_row(errors: torch.Tensor, counts: torch.Tensor) -> dict:
+    """One evaluation row from (sequences, L) errors and true counts: L1, MSE, per-sequence L1 (the units of the
+    interval), L1 relative to the mean true count, and L1 by position bucket."""
+    sequences, length = errors.shape
+    n = sequences * (length - 1)
+    l1_by_position = errors.abs().sum(0)  # (L,)
+    per_sequence = errors.abs().sum(1) / (length - 1)  # (S,): each sequence's mean |error| over positions 1..L-1
+    mean_count = counts[:, 1:].mean().item()  # counts grow with length: L1 relative to this
+    l1 = l1_by_position.sum().item() / n
+    return {"length": length, "l1": l1, "mse": errors.pow(2).sum().item() / n, "sequences": sequences,
+            "sequence_l1": per_sequence.tolist(), "ci95": as_list(mean_interval(per_sequence.numpy())),
+            "mean_count": mean_count, "relative_l1": l1 / max(mean_count, 1e-9),
+            "by_position": bucket_rows(l1_by_position, sequences, "l1", skip_first=True)}
 
 

@@ -63,6 +63,7 @@ _COUNTING_BUCKET = {"type": "object", "required": ["start", "end", "l1", "tokens
 _COUNTING_ROW = {"type": "object", "required": ["length", "l1", "mse", "sequences"],
                  "properties": {"length": _INT, "l1": _NUM, "mse": _NUM, "sequences": _INT, "mean_count": _NUM,
                                 "relative_l1": _NUM, "sequence_l1": _NUMS, "ci95": _CI95,
+                                "prefix_of": _INT,  # scored as a prefix of sequences this long (prefixes=True)
                                 "by_position": {"type": "array", "items": _COUNTING_BUCKET}}}
 _MODEL = {
     "type": "object", "required": ["name", "model_type", "lengths"],

@@ -188,6 +188,12 @@ def recovery_points(run_dir: Path) -> dict[int, dict]:
             for r in read_log(log) if any(k.startswith("eval/") for k in r)}
 
 
+def final_train_loss(run_dir: Path) -> float | None:
+    """The run's training loss over its last log window (result.json final_loss), or None (failed, not run)."""
+    result = run_dir / "result.json"
+    return json.loads(result.read_text()).get("final_loss") if result.is_file() else None
+
+
 def learned_limit(source: str) -> int | None:
     """The length bound of a model with learned absolute positions (GPT-2), unless patched with NoPE."""
     config = load_config(source)
@@ -249,7 +255,8 @@ def _previous_evaluation(path: Path, recipe: Recipe, exp: ExperimentSection) -> 
 
 def _counting_options(exp: ExperimentSection) -> dict | None:
     """evaluate_counting's options the experiment sets (None: its defaults)."""
-    return {"sequences": exp.eval_sequences} if exp.eval_sequences is not None else None
+    options = {k: v for k, v in (("sequences", exp.eval_sequences), ("prefixes", exp.eval_prefixes or None)) if v}
+    return options or None
 
 
 def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: ExperimentSection, progress: bool,
@@ -383,6 +390,7 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
                "base": base, "arms": {a.name: {"patch": trained_patch(out / "arms" / a.name, a),
                                                "settings": {"lr": a.lr, "recovery": to_plain(a.recovery)},
                                                "failed": failures.get(a.name),
+                                               "train_loss": final_train_loss(out / "arms" / a.name),
                                                "recovery": recovery.get(a.name)} | labels.get(a.name, {})
                         for a in runs},
                "control": exp.control, "seeds": exp.seeds,

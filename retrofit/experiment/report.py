@@ -173,6 +173,7 @@ def write_experiment_report(results: dict, out) -> Path:
              f"## {label} by context length", "", "`*` marks the trained length; the last column is the "
              "longest length's value divided by the trained length's.", "", comparison_table(results), ""]
     lines += _paired_gap_lines(evaluation)
+    lines += _train_vs_heldout_lines(results)
     for title, table in seed_sections(evaluation):  # an experiment with seeds: means and differences over seeds
         lines += [f"### {title}", "", table, ""]
     if _metric(evaluation)[0] == "counting":
@@ -193,6 +194,25 @@ def write_experiment_report(results: dict, out) -> Path:
     lines += ["", "Per-length details (windows, tokens, time, memory, by-position): "
                   "[eval/results.md](eval/results.md)."]
     return atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+
+
+def _train_vs_heldout_lines(results: dict) -> list[str]:
+    """Each run's training loss (its last log window) beside its evaluation at the trained length: a held-out value
+    far above the training one is overfitting (the data seen many times), not a property of the norm."""
+    evaluation = results["evaluation"]
+    train_len, table = evaluation.get("train_len"), by_length(evaluation)
+    rows = []
+    for name, arm in results["arms"].items():
+        train, held_out = arm.get("train_loss"), table.get(name, {}).get(train_len)
+        if train is not None and held_out is not None:
+            rows.append([name, _fmt(train), _fmt(held_out), f"{held_out - train:+.3f}"])
+    if not rows:
+        return []
+    _, label = _metric(evaluation)
+    return [f"### Training vs evaluation at the trained length ({train_len})", "",
+            f"{label}: the training loss is the mean over the run's last log window (train.log_every steps of "
+            "training batches); the evaluation is the table above at the trained length.", "",
+            markdown_table(["run", "training", f"evaluation at {train_len}", "evaluation - training"], rows), ""]
 
 
 def _paired_gap_lines(evaluation: dict) -> list[str]:

@@ -117,8 +117,8 @@ def _load_source(source, loading: dict, *, task_head: bool, adapter: bool, plain
     task = json.loads((run / TASK_FILE).read_text())
     if task.get("task") != "counting":
         raise RetrofitError(f"{run / TASK_FILE} names an unknown task {task.get('task')!r}")
-    model = CountingModel(lm)
-    model.head.load_state_dict(load_file(str(run / HEAD_FILE)))
+    model = CountingModel(lm, first_token=bool(task.get("first_token")))
+    model.load_task_state(load_file(str(run / HEAD_FILE)))
     return model.eval()
 
 
@@ -244,10 +244,10 @@ def save_model(model: nn.Module, run_dir, *, tokenizer=None, peft_save: str | No
             state_dict = {k[3:]: v for k, v in state_dict.items() if k.startswith("lm.")}
         lm.save_pretrained(run_dir, state_dict=state_dict)
     if isinstance(model, CountingModel):
-        head = {k: v.detach().contiguous().cpu() for k, v in model.head.state_dict().items()}
-        save_file(head, str(run_dir / HEAD_FILE))
+        save_file(model.task_state(), str(run_dir / HEAD_FILE))
         (run_dir / TASK_FILE).write_text(json.dumps({"task": "counting", "head": "linear",
-                                                     "hidden_size": model.head.in_features}, indent=2))
+                                                     "hidden_size": model.head.in_features,
+                                                     "first_token": model.first_token is not None}, indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(run_dir)
     return model if isinstance(model, CountingModel) else lm

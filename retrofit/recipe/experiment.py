@@ -108,6 +108,10 @@ class ExperimentSection:
     eval_max_tokens: int | None = setting(None, "lm: cap on tokens evaluated per length (null = all windows)")
     eval_sequences: int | None = setting(None, "counting: generated sequences per evaluation length (the units of its "
                                                "intervals); null = evaluate_counting's default, 8")
+    eval_prefixes: bool = setting(False, "counting: score every evaluation length as a prefix of the same sequences "
+                                         "of the longest length (the L2 post's evaluation: one forward at the "
+                                         "longest, every prefix boundary scored); false = separate sequences per "
+                                         "length")
     train_len: int | None = setting(None, "the length marked as 'trained' in the report; null = data.seq_len")
     reference: ReferenceSection | None = setting(None, "a published loss table to compare directions with "
                                                        "(retrofit.experiment.reference): file, control, arms, note")

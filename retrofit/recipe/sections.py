@@ -102,6 +102,9 @@ def _all_norm_options() -> set[str]:
 class CountingOptions:
     alphabet: int = setting(8, "symbols 0..alphabet-1; smaller = larger counts per length "
                                "(the model's vocab must be >= this)")
+    first_token: bool = setting(False, "add a learned 2-row table to the token embeddings, row 0 at the first token, "
+                                       "row 1 at every other (the L2 post's only position signal); with patch.nope: "
+                                       "true the model sees no other position")
 
     def __post_init__(self):
         need(self.alphabet >= 2, f"data.counting.alphabet must be >= 2, got {self.alphabet}")

@@ -149,10 +149,17 @@ def check_vocabulary(model: nn.Module, tokenizer) -> None:
         check_token_ids(max(tokenizer.get_vocab().values()), rows, "the tokenizer (model.tokenizer)", "the model")
 
 
-def wrap_task(model: nn.Module, task: str) -> nn.Module:
-    """counting trains a regression head on the backbone; other tasks use the LM itself."""
+def wrap_task(model: nn.Module, task: str, first_token: bool = False) -> nn.Module:
+    """counting trains a regression head on the backbone (first_token: plus the L2 post's first-token table,
+    data.counting.first_token); other tasks use the LM itself."""
     if task == "counting":
-        return model if isinstance(model, CountingModel) else CountingModel(model)
+        if isinstance(model, CountingModel):
+            has = model.first_token is not None
+            if has != first_token:
+                raise RetrofitError(f"the counting model passed in {'has' if has else 'has no'} first-token table but "
+                                    f"data.counting.first_token is {first_token}; make them agree")
+            return model
+        return CountingModel(model, first_token=first_token)
     return language_model(model)
 
 

@@ -78,7 +78,7 @@ def setup(recipe: Recipe, accelerator, *, model=None, tokenizer=None, data=None)
     build.check_lengths(model, recipe)
     build.check_packing(model, recipe)
     build.check_vocabulary(model, tokenizer if recipe.data.task != "counting" else None)
-    model = build.wrap_task(model, recipe.data.task)
+    model = build.wrap_task(model, recipe.data.task, first_token=recipe.data.counting.first_token)
     if data is None:
         data = build_data(recipe.data, tokenizer, seed=recipe.train.seed, eval_lengths=recipe.eval_lengths())
     calibration = build.calibrate_patch(model, data, recipe) if report is not None else None

@@ -52,6 +52,12 @@ def test_demo_writes_the_report(demo_run):
     assert "64*" in report and "recovery.png" in report and (out / "recovery.png").is_file()
     assert (out / "eval" / "counting.png").is_file()
     assert "Hardware" in report and "Wall time" in report
+    table = report.split("### Training vs evaluation at the trained length (64)")[1]  # overfitting shows here
+    for name, arm in results["arms"].items():
+        assert arm["train_loss"] == json.loads((out / "arms" / name / "result.json").read_text())["final_loss"]
+        at = next(r["l1"] for m in results["evaluation"]["models"] if m["name"] == name for r in m["counting"]
+                  if r["length"] == 64)
+        assert f"| {name} | {arm['train_loss']:.3f} | {at:.3f} | {at - arm['train_loss']:+.3f} |" in table
     assert f"report: {out / 'report.md'}" in stdout and "| base |" in stdout  # the terminal summary
 
 

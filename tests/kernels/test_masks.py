@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import retrofit
+from retrofit.kernels import masks
 from retrofit.kernels.masks import causal_mask, hides_future
 from retrofit.norms.base import visible_keys
 from tests.kernels.test_kernels import left_padding
@@ -89,3 +90,15 @@ def test_sliding_and_full_masks_alternating_are_both_cached(monkeypatch):
     monkeypatch.setattr(masks, "causal_rows", no_recheck)
     for _ in range(3):
         assert hides_future(full, 12, 12) and hides_future(window, 12, 12)
+
+
+def test_hides_future_keeps_its_answers_on_the_mask_not_in_the_module():
+    mutable = {name for name, value in vars(masks).items()
+               if isinstance(value, (list, dict, set)) and not name.startswith("__")}
+    assert mutable == set()
+    mask, other = masks.causal_mask(8, 8)[None, None].clone(), masks.causal_mask(8, 8)[None, None].clone()
+    assert masks.hides_future(mask, 8, 8)
+    assert getattr(mask, masks.KEPT_ANSWERS) == {(8, 8): (mask._version, True)}
+    assert not hasattr(other, masks.KEPT_ANSWERS)  # another mask holds nothing of this one's
+    mask[..., 0, 5] = True  # the same object, changed in place: asked afresh
+    assert not masks.hides_future(mask, 8, 8)

@@ -116,3 +116,16 @@ def test_what_is_not_a_retrofit_adapter_fails_with_one_line(tmp_path, monkeypatc
             call()
         assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
     assert not (tmp_path / "b").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_adapter_only_save_keeps_the_psoftmax_gain(tmp_path):
+    from retrofit.load.adapters import load_adapter, save_adapter
+    from tests.load.test_adapters import peft_on_patched
+    model, _, ids = peft_on_patched(tmp_path, "llama", "psoftmax", train_patch=False, gain=1.0)
+    gains = {n: p.detach().clone() for n, p in model.get_base_model().named_parameters() if n.endswith(".gain")}
+    assert gains and not all(torch.equal(g, torch.ones_like(g)) for g in gains.values())  # moved off 1.0
+    loaded = load_adapter(save_adapter(model, tmp_path / "adapter"))
+    kept = {n: p for n, p in loaded.get_base_model().named_parameters() if n.endswith(".gain")}
+    assert kept.keys() == gains.keys() and all(torch.equal(kept[n], gains[n]) for n in gains)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)

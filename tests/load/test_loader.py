@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import retrofit
 from retrofit.errors import RetrofitError
-from retrofit.load import load
+from retrofit.load import load, sources
 from tests.tiny import random_ids, tiny_model
 
 HUB_ARGS = {"revision": "main", "token": "hf_not_a_real_token", "local_files_only": True}
@@ -105,3 +105,17 @@ def test_an_adapter_forwards_them_to_its_base(tmp_path, spy):
     assert loaded.get_base_model().config.retrofit["base_attn_implementation"] == "eager"
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=ids).logits, expected, atol=1e-4)
+
+
+def test_hub_reachability_is_asked_again_after_its_ttl(monkeypatch):
+    now, asked = [100.0], []
+    monkeypatch.setattr(sources.hub_reachable, "clock", lambda: now[0])
+    monkeypatch.setattr(sources.hub_reachable, "ask", lambda: asked.append(now[0]) or len(asked) % 2 == 1)
+    monkeypatch.setattr(sources.hub_reachable, "asked_at", None)  # restored afterwards, with the real answer
+    monkeypatch.setattr(sources.hub_reachable, "answer", None)
+    ttl = sources.hub_reachable.ttl_s
+    assert sources.hub_reachable() is True and asked == [100.0]
+    now[0] += ttl / 2
+    assert sources.hub_reachable() is True and asked == [100.0]  # within the TTL: the kept answer
+    now[0] += ttl
+    assert sources.hub_reachable() is False and asked == [100.0, 100.0 + 1.5 * ttl]  # asked again: now offline

@@ -93,3 +93,12 @@ def test_a_recipe_typo_in_the_patch_section_names_the_closest_key():
         _recipe({"norm": "avnorm", "nop": True})
     with pytest.raises(RetrofitError, match=r"patch.kindd \(did you mean 'kind'\?\)"):
         _recipe({"norm": "avnorm", "kindd": "layer"})
+
+
+def test_psoftmax_has_parameters_exactly_when_it_has_a_gain():
+    with_gain, without = tiny_model("llama"), tiny_model("llama")
+    retrofit.patch(with_gain, "psoftmax", gain=1.0)
+    retrofit.patch(without, "psoftmax")
+    norms = [m for m in with_gain.modules() if isinstance(m, retrofit.norms.Norm)]
+    assert norms and all(n.has_parameters for n in norms)
+    assert not any(n.has_parameters for n in without.modules() if isinstance(n, retrofit.norms.Norm))

@@ -118,3 +118,14 @@ def test_missing_and_malformed_recipe_files(tmp_path):
     (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
     with pytest.raises(RetrofitError, match="not valid YAML"):
         load_recipe(tmp_path / "bad.yaml")
+
+
+def test_old_calibrate_recipe_keys_read_as_calibrate_tokens(tmp_path):
+    from retrofit.recipe import recipe_from_dict
+    (tmp_path / "t.txt").write_text("some text\n")
+    base = {"model": {"source": "gpt2"}, "data": {"files": [str(tmp_path / "t.txt")]}}  # nothing is loaded
+    old = recipe_from_dict({**base, "patch": {"norm": "avnorm", "calibrate": 64}, "recovery": {"calibrate": 32}})
+    new = recipe_from_dict({**base, "patch": {"norm": "avnorm", "calibrate_tokens": 64},
+                            "recovery": {"calibrate_tokens": 32}})
+    assert old.patch.calibrate_tokens == new.patch.calibrate_tokens == 64 and "calibrate" not in old.patch.options
+    assert old.section("recovery").calibrate_tokens == new.section("recovery").calibrate_tokens == 32

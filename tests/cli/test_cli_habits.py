@@ -10,10 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import retrofit
 from retrofit.cli import COMMANDS, build_parser, main
 from retrofit.errors import RetrofitError
+from retrofit.experiment import driver as experiment
 from retrofit.version import DISTRIBUTION, INSTALL
 from tests.tiny import tiny_model
 
@@ -242,3 +244,23 @@ def test_the_public_api_is_typed():
         untyped = [p.name for p in signature.parameters.values() if p.annotation is inspect.Parameter.empty
                    and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
         assert not untyped, (name, untyped)
+
+
+@pytest.mark.parametrize("verb", ["experiment", "demo"])
+@pytest.mark.parametrize("flag", [True, False])
+def test_no_progress_turns_off_training_and_evaluation_bars(verb, flag, tmp_path, monkeypatch):
+
+    import retrofit.experiment as library
+    from retrofit.commands import experiment as command
+    seen = {}
+
+    def fake_run(recipe, out, progress=True):
+        seen.update(train=recipe.train.progress, eval=progress)
+        return {}
+
+    monkeypatch.setattr(library, "run_experiment", fake_run)  # imported by the command when it runs
+    monkeypatch.setattr(command, "_print_summary", lambda results, out: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # demo's; the fixture's 1 thread stays
+    argv = [verb, *([str(experiment.DEMO_RECIPE)] if verb == "experiment" else []), "--out", str(tmp_path / "x")]
+    assert main(argv + (["--no-progress"] if flag else [])) == 0
+    assert seen == {"train": not flag, "eval": not flag}

@@ -363,3 +363,29 @@ def test_a_second_eval_into_the_same_folder_is_refused_while_the_first_runs(eval
         assert sorted(p.name for p in out.iterdir()) == sorted([atomic.MARKER, atomic.LOCK])  # the second wrote nothing
     code, lines, _ = run_cli(argv, capsys)  # once it is done, the folder (made by retrofit) is written again
     assert code == 0 and (out / "results.json").is_file(), lines
+
+
+def test_remove_owned_needs_the_marker_and_a_folder_strictly_inside(tmp_path):
+    root = tmp_path / "run"
+    plain = root / "plain"
+    plain.mkdir(parents=True)
+    assert not atomic.remove_owned(plain, root) and plain.is_dir()  # no marker: not ours
+    atomic.owned_folder(root)
+    assert not atomic.remove_owned(root, root) and root.is_dir()  # the root itself, even marked
+    outside = atomic.owned_folder(tmp_path / "elsewhere")
+    assert not atomic.remove_owned(outside, root) and outside.is_dir()  # marked but outside
+    assert not atomic.remove_owned(root / "sub" / ".." / "..", root)  # a path that climbs out
+    link = root / "link"
+    link.symlink_to(outside)
+    assert not atomic.remove_owned(link, root) and outside.is_dir()
+    mine = atomic.owned_folder(root / "mine")
+    assert atomic.remove_owned(mine, root) and not mine.exists()
+
+
+def test_atomic_files_follow_the_umask(tmp_path):
+    old = os.umask(0o027)
+    try:
+        path = atomic.atomic_write_text(tmp_path / "r.json", "{}")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o640

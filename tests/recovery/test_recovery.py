@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import retrofit
 from retrofit.calibrate import calibrate
 from retrofit.errors import RetrofitError
+from retrofit.load import load
 from retrofit.recipe import RecoverySection, TrainSection, recipe_from_dict
 from retrofit.recovery import (
     attention_outputs,
@@ -23,11 +24,14 @@ from retrofit.recovery import (
     knob_losses,
     match_sum,
     patch_bypassed,
+    record_knob,
     set_knob_position,
 )
+from retrofit.recovery.distill import kl_per_position
 from retrofit.recovery.schedule import knob_at, position_at
-from retrofit.train import build
+from retrofit.train import build, train
 from tests.tiny import random_ids, tiny_model
+from tests.train.test_checkpoints import counting_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -296,3 +300,75 @@ def test_a_schedule_on_a_norm_without_a_knob_and_a_teacher_on_no_patch_are_one_l
         build.check_recovery(tiny_model("llama"), recipe)
     with pytest.raises(RetrofitError, match="avnorm floor applies to kind=rms only"):
         retrofit.patch(tiny_model("llama"), "avnorm", kind="layer", floor=1.0)
+
+
+IDS = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def _psoftmax_model(p: float, gain: float):
+    model = tiny_model("llama").eval()
+    retrofit.patch(model, "psoftmax", p=p, gain=gain)
+    with torch.no_grad():  # per-head gains apart, as calibration and training leave them
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.retrofit.gain.copy_(torch.tensor([0.3, 0.6, 1.7, 2.9]) * (i + 1))
+    return model
+
+
+@pytest.mark.parametrize("end", [1.5, 3.0, 1.0])
+def test_a_psoftmax_gain_schedule_ending_elsewhere_reloads_to_the_trained_model(end, tmp_path):
+    """The knob at the schedule's end `end` != the patch's p=2: the trained forward uses g^((end-1)/(p-1)). Before,
+    config.retrofit recorded p=end and a reload applied the full g (logits off by ~0.07); now it is bitwise."""
+    model = _psoftmax_model(2.0, 1.0)
+    set_knob_position(model, 1.0, end=end)
+    with torch.no_grad():
+        trained = model(input_ids=IDS).logits
+    record_knob(model)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=IDS).logits, trained)  # settling changes nothing in memory
+    assert model.config.retrofit["options"]["p"] == end
+    model.save_pretrained(tmp_path / "m")
+    reloaded = retrofit.from_pretrained(str(tmp_path / "m")).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=IDS).logits, trained)
+
+
+def test_a_trained_psoftmax_gain_schedule_reloads_bitwise(tmp_path):
+    raw = counting_recipe(tmp_path / "run", steps=4, save_every=0)
+    raw["patch"] = {"norm": "psoftmax", "p": 2.0, "gain": 0.8}
+    raw["recovery"] = {"schedule": {"steps": 2, "end": 1.5}}
+    result = train(recipe_from_dict(raw))
+    reloaded = load(tmp_path / "run").eval()
+    ids = IDS % 16
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids), result.model.eval()(input_ids=ids))
+
+
+def test_psoftmax_p1_with_a_gain_refuses_a_moving_knob_in_one_line():
+    model = _psoftmax_model(1.0, 1.0)
+    with pytest.raises(RetrofitError, match=r"^psoftmax p=1 with a gain cannot move its p to 1.5: .*undefined at "
+                                            r"p = 1; set patch.p > 1") as err:
+        set_knob_position(model, 0.5, start=2.0)
+    assert "\n" not in str(err.value)
+    set_knob_position(model, 1.0)  # start 1 -> end 1: nothing moves, nothing divides
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=IDS).logits).all()
+    plain = tiny_model("llama").eval()
+    retrofit.patch(plain, "psoftmax", p=1.0)  # without a gain, p = 1 schedules like any p
+    assert set_knob_position(plain, 0.5, start=2.0) == [1.5, 1.5]
+
+
+def test_kl_with_a_teacher_that_rules_a_token_out_is_finite_and_exact():
+    teacher = torch.log_softmax(torch.tensor([[0.0, 1.0, float("-inf")]]), -1)
+    student_logits = torch.tensor([[0.5, 0.2, 0.1]], requires_grad=True)
+    student = torch.log_softmax(student_logits, -1)
+    kl = kl_per_position(teacher, student)
+    p0, p1 = 1 / (1 + math.e), math.e / (1 + math.e)  # the teacher's two possible tokens
+    s = torch.log_softmax(torch.tensor([0.5, 0.2, 0.1], dtype=torch.float64), -1).tolist()
+    expected = p0 * (math.log(p0) - s[0]) + p1 * (math.log(p1) - s[1])  # the -inf token adds 0 * log 0 = 0
+    assert torch.isfinite(kl).all() and abs(kl.item() - expected) < 1e-6
+    kl.sum().backward()
+    assert torch.isfinite(student_logits.grad).all()
+    naive = (teacher.exp() * (teacher - student)).sum(-1)  # the old form: NaN
+    assert torch.isnan(naive).all()
+    finite = torch.log_softmax(torch.tensor([[0.0, 1.0, -2.0]]), -1)  # elsewhere: exactly the usual sum
+    assert torch.equal(kl_per_position(finite, student), (finite.exp() * (finite - student)).sum(-1))

@@ -354,3 +354,17 @@ def test_bench_train_prints_a_table_and_writes_json(tmp_path, capsys):
     result = json.loads((tmp_path / "b.json").read_text())
     assert set(result["loops"]) == {"retrofit", "hf-trainer"} and result["ratio"] > 0
     assert all(len(v["repeats"]) == 1 for v in result["loops"].values())
+
+
+def test_a_tokenizer_beyond_the_vocabulary_is_refused_before_training(tmp_path):
+    """IndexError in the first forward before; now refused in setup, naming both sides (the eval side is a CLI case)."""
+    corpus = write_corpus(tmp_path)
+    raw = lm_recipe(corpus, tmp_path / "run")
+    raw["model"]["config"] = {**TINY_LLAMA, "vocab_size": 16}
+    with pytest.raises(RetrofitError, match=r"^the tokenizer \(model.tokenizer\) has token ids up to \d+ but the "
+                                            r"model has 16 embedding rows \(vocab_size\)") as err:
+        train(recipe_from_dict(raw))
+    assert "\n" not in str(err.value) and not (tmp_path / "run" / "log.jsonl").exists()
+    raw["model"]["config"] = {**TINY_LLAMA, "vocab_size": 97}  # the char tokenizer's ids all fit: it trains
+    raw["output"]["dir"], raw["train"]["steps"] = str(tmp_path / "run-fits"), 2
+    assert train(recipe_from_dict(raw)).model is not None

@@ -1,0 +1,112 @@
+"""Recipe YAML as it is read: floats without a dot load, non-numbers and infinite rates are refused, plain anchors
+load while alias bombs and self-references are refused fast in one short line, and values echoed in errors are cut."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+
+from retrofit.errors import RetrofitError, shown
+from retrofit.experiment import driver as experiment
+from retrofit.recipe import load_recipe, recipe_from_dict
+from retrofit.recipe.schema import MAX_VALUES, load_yaml
+from tests.train.test_checkpoints import counting_recipe
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+BASE = {"model": {"source": "gpt2"}, "data": {"files": ["train.txt"]}}
+
+
+def test_floats_without_a_dot_load_in_yaml_and_overrides(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(BASE) + "train:\n  lr: 3e-4\n  adam_eps: 1e-8\n  betas: [9e-1, 0.95]\n")
+    recipe = load_recipe(path)
+    assert recipe.train.lr == 3e-4 and recipe.train.adam_eps == 1e-8 and recipe.train.betas == [0.9, 0.95]
+    assert load_recipe(path, ["train.lr=5e-5"]).train.lr == 5e-5
+    recipe = load_recipe(experiment.DEMO_RECIPE, ["experiment.finetune_lr=1e-3"])
+    assert recipe.section("experiment").finetune_lr == 1e-3
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=.inf", "train.lr must be >= 0 and finite, got inf"),
+    ("train.lr=.nan", "train.lr must be >= 0 and finite, got nan"),
+    ("train.lr=fast", "train.lr must be a number, got 'fast'"),
+    ("train.steps=1e3", "train.steps must be an integer, got '1e3'"),
+])
+def test_non_numbers_and_infinite_rates_are_refused(override, message, tmp_path, capsys):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    with pytest.raises(RetrofitError) as err:
+        load_recipe(path, [override])
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("override", ["experiment.finetune_lr=.inf", "experiment.finetune_lr=0",
+                                      "experiment.arms=[{name: a, patch: {norm: softmax}, lr: .nan}]"])
+def test_experiment_rates_must_be_finite_and_positive(override):
+    with pytest.raises(RetrofitError, match="must be a finite number > 0"):
+        load_recipe(experiment.DEMO_RECIPE, [override])
+
+
+def alias_bomb(levels: int) -> str:
+    """The 'billion laughs' recipe: each level a list of 9 aliases of the one before, under train.steps
+    (9**levels values once written out; ~550 bytes at 9 levels)."""
+    lines = ["train:", "  steps:", "    - &a0 [lol,lol,lol,lol,lol,lol,lol,lol,lol]"]
+    lines += [f"    - &a{i} [{','.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("levels", [9, 10])
+def test_an_alias_bomb_is_refused_fast_in_one_short_line(levels, tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(alias_bomb(levels))
+    assert path.stat().st_size < 700
+    start = time.perf_counter()
+    with pytest.raises(RetrofitError) as err:
+        load_recipe(path)
+    assert time.perf_counter() - start < 2
+    message = str(err.value)
+    assert "\n" not in message and len(message) < 300, message
+    assert f"expands to more than {MAX_VALUES:,} values through its aliases" in message and str(path) in message
+
+
+def test_a_self_referencing_alias_and_a_deep_recipe_are_one_line(tmp_path):
+    cycle = tmp_path / "cycle.yaml"
+    cycle.write_text("a: &a [*a]\ntrain: {steps: *a}\n")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("train:\n  steps: " + "[" * 1000 + "]" * 1000 + "\n")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump(counting_recipe(tmp_path / "run")))
+    for path in (cycle, deep):
+        with pytest.raises(RetrofitError, match=r"nests deeper than 32 levels") as err:
+            load_recipe(path)
+        assert "\n" not in str(err.value)
+    with pytest.raises(RetrofitError, match=r"override train.steps nests deeper"):
+        load_recipe(plain, ["train.steps=" + "[" * 40 + "]" * 40])
+
+
+def test_a_recipe_with_plain_anchors_still_loads(tmp_path):
+    """Anchors are useful (one list shared by two keys): a few aliases load exactly as PyYAML reads them."""
+    raw = {k: v for k, v in counting_recipe(tmp_path / "run").items() if k != "eval"}
+    text = yaml.safe_dump(raw) + "eval:\n  batches: 1\n  lengths: &lengths [32, 64]\n" \
+        "experiment:\n  recovery_lengths: *lengths\n  arms: [{name: softmax, patch: {norm: softmax}}]\n"
+    path = tmp_path / "anchors.yaml"
+    path.write_text(text)
+    assert load_yaml(text, "x") == yaml.safe_load(text)
+    recipe = load_recipe(path)
+    assert recipe.eval.lengths == [32, 64] and recipe.section("experiment").recovery_lengths == [32, 64]
+
+
+def test_values_echoed_in_errors_are_cut():
+    huge = list(range(10**6))
+    start = time.perf_counter()
+    text = shown(huge)
+    assert time.perf_counter() - start < 0.1 and text == "[0, 1, 2, 3, 4, 5, 6, 7, ...]"
+    assert len(shown("x" * 10**6)) <= 80 and len(shown([huge] * 3)) <= 80
+    assert shown("abc") == "'abc'" and shown(-1) == "-1"
+    with pytest.raises(RetrofitError) as err:
+        recipe_from_dict({**counting_recipe("x"), "train": {"steps": huge}})
+    assert len(str(err.value)) < 200 and "train.steps must be an integer, got [0, 1, 2" in str(err.value)

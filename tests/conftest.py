@@ -1,4 +1,6 @@
-"""Shared fixtures, and one habit of the whole session (pytest_collection_finish)."""
+"""Fixtures for every folder, and one habit of the whole session (pytest_collection_finish). A fixture that serves
+one folder lives in that folder's conftest.py (tests/cli/conftest.py, tests/train/conftest.py); tests/README.md
+lists them all."""
 
 import gc
 
@@ -28,9 +30,31 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def run_cli(capsys):
+    """`retrofit ARGV` run in this process, as `python -m retrofit` runs it: returns (exit code, the non-empty lines
+    of stderr, stdout). argparse's usage errors exit from inside main(); they are caught and returned the same way."""
+    from retrofit.cli import main
+
+    def run(argv: list) -> tuple[int, list[str], str]:
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as exit_:
+            code = exit_.code
+        captured = capsys.readouterr()
+        return code, [line for line in captured.err.splitlines() if line.strip()], captured.out
+    return run
+
+
 @pytest.fixture(scope="session")
-def torchrun_launch(tmp_path_factory):
-    """docs/many-gpus.md's torchrun line, run once for tests/train/test_launchers.py and tests/train/test_train.py
-    (each launch starts three processes): (the finished process, its recipe, its run folder)."""
-    from tests.train.test_launchers import launch
-    return launch("torchrun", tmp_path_factory.mktemp("torchrun"))
+def evaluated_run(tmp_path_factory):
+    """A finished tiny counting run with `retrofit eval --out RUN/eval` results in it (their JSON names this
+    machine's paths), built once: push's link tests (tests/hub) and the eval lock test (tests/cli) only read it."""
+    from retrofit.cli import main
+    from tests.cli.test_output_folders import counting_run
+    root = tmp_path_factory.mktemp("push-links")
+    run, _ = counting_run(root)
+    assert main(["eval", str(run), "--lengths", "32", "--trials", "2", "--no-progress",
+                 "--out", str(run / "eval")]) == 0
+    assert str(run) in (run / "eval" / "results.json").read_text()  # the local path the push must not publish
+    return run

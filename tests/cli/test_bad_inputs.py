@@ -228,11 +228,6 @@ def build_bounds_inputs(root: Path, w: dict) -> None:
     Path(w["json_deep"]).write_text("[" * 100_000 + "]" * 100_000)
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("bad-inputs"))
-
-
 # (id, argv with {placeholders}, regex the one line must match). {out} is a fresh path that must not exist after.
 CASES = [
     # ---- patch: models

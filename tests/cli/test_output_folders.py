@@ -1,10 +1,10 @@
-"""Nothing of the user's leaked or overwritten (issue 26, items 1, 2, 8 and the low items on files).
+"""Output folders: nothing of the user's overwritten (issue 26, items 2, 8 and the low items on files).
 
-push never publishes what a symbolic link points to; every verb that writes a folder takes it only when it is
-new, empty or made by retrofit (retrofit.atomic.check_output), and a refusal leaves the user's folder byte for
-byte as it was; `~` is expanded once; a killed save's temporary folder is recognised and cleaned; a refused train
-leaves no folder; a second `eval --out X` is refused while the first holds X; eval results go up without
-this machine's paths. Tiny models built in-process; no network.
+Every verb that writes a folder takes it only when it is new, empty or made by retrofit
+(retrofit.atomic.check_output), and a refusal leaves the user's folder byte for byte as it was; rmtree removes
+only folders retrofit marked; `~` is expanded once; a killed save's temporary folder is recognised and cleaned; a
+refused train leaves no folder; a second `eval --out X` is refused while the first holds X. (push and symbolic
+links: tests/hub/test_push_links.py.) Tiny models built in-process; no network.
 """
 
 from __future__ import annotations
@@ -22,33 +22,14 @@ import yaml
 
 from retrofit import atomic
 from retrofit.cli import main
-from tests.cli.test_bad_inputs import build_world
 from tests.tiny import TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-SECRET = "-----BEGIN OPENSSH PRIVATE KEY----- canary-secret-3f9a"
 NOT_OURS = ("retrofit {verb}: error: {flag} {path} holds files retrofit did not write (it has no .retrofit-owned); "
             "choose a new or empty folder: retrofit never writes into a folder of yours (a run from an older retrofit: "
             "`retrofit adopt {path}` first)")
 NOT_EMPTY = "retrofit {verb}: error: {flag} {path} exists and is not empty; choose another {flag} or remove it"
-LINK = ("retrofit push: error: {where} in {root} is a symbolic link; push never publishes what a link points to: "
-        "replace it with a copy of the file, or remove it")
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("files-world"))
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, list[str], str]:
-    """(exit code, the non-empty lines of stderr, stdout) of `retrofit ARGV` run in-process."""
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, [line for line in captured.err.splitlines() if line.strip()], captured.out
 
 
 def checksums(root: Path) -> dict:
@@ -88,98 +69,6 @@ def counting_run(root: Path, name: str = "run", **output) -> tuple[Path, dict]:
     return root / name, recipe
 
 
-# ---- item 1: push and symbolic links ------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def evaluated_run(tmp_path_factory):
-    """A finished run with `retrofit eval --out RUN/eval` results in it (their JSON names this machine's paths)."""
-    root = tmp_path_factory.mktemp("push-links")
-    run, _ = counting_run(root)
-    assert main(["eval", str(run), "--lengths", "32", "--trials", "2", "--no-progress",
-                 "--out", str(run / "eval")]) == 0
-    assert str(run) in (run / "eval" / "results.json").read_text()  # the local path the push must not publish
-    return run
-
-
-def plant(run: Path, where: str, kind: str, tmp_path: Path) -> str:
-    """Plant a link at RUN/where: to a secret file, to a folder of secrets, or to a file inside the run."""
-    secret_dir = tmp_path / "secrets"
-    secret_dir.mkdir(exist_ok=True)
-    (secret_dir / "id_ed25519").write_text(SECRET)
-    target = {"file": secret_dir / "id_ed25519", "folder": secret_dir, "inside": run / "config.json"}[kind]
-    link = run / where
-    link.parent.mkdir(parents=True, exist_ok=True)
-    if link.exists() and not link.is_symlink():
-        link.rename(link.with_name(link.name + ".real"))
-    os.symlink(target, link)
-    return where
-
-
-def unplant(run: Path, where: str) -> None:
-    link = run / where
-    link.unlink()
-    real = link.with_name(link.name + ".real")
-    if real.exists():
-        real.rename(link)
-
-
-@pytest.mark.parametrize("where,kind", [
-    ("tokenizer_config.json", "file"),          # replaces a published name: /etc/passwd in the issue
-    ("chat_template.jinja", "file"),            # a name push would pick up: the private key in the issue
-    ("eval/results.md", "file"),                # under eval/, which push copies
-    ("eval/results.json", "file"),
-    ("eval/plots", "folder"),                   # a link to a folder
-    ("notes/deep/key.png", "file"),             # any subfolder
-    ("generation_config.json", "inside"),       # a link that stays inside the run: refused the same way
-])
-def test_push_refuses_a_symbolic_link_before_staging_anything(where, kind, evaluated_run, tmp_path, capsys):
-    run = evaluated_run
-    plant(run, where, kind, tmp_path)
-    try:
-        staged = tmp_path / "staged"
-        before = checksums(run)
-        code, lines, _ = run_cli(["push", run, "--repo", "me/x", "--dry-run", staged], capsys)
-        assert code == 2 and lines == [LINK.format(where=where, root=run)], lines
-        assert not staged.exists()
-        assert checksums(run) == before
-        leaked = [p for p in tmp_path.rglob("*") if p.is_file() and "secrets" not in p.parts
-                  and SECRET in p.read_text(errors="replace")]
-        assert leaked == []
-        assert [p.name for p in tmp_path.iterdir()] == ["secrets"]  # no staging folder, no temporary sibling
-    finally:
-        unplant(run, where)
-
-
-def test_push_refuses_a_link_in_the_eval_folder_it_is_given(evaluated_run, tmp_path, capsys):
-    elsewhere = tmp_path / "eval-copy"
-    elsewhere.mkdir()
-    for name in ("results.md", "results.csv"):
-        (elsewhere / name).write_bytes((evaluated_run / "eval" / name).read_bytes())
-    (tmp_path / "secret.txt").write_text(SECRET)
-    os.symlink(tmp_path / "secret.txt", elsewhere / "results.json")
-    code, lines, _ = run_cli(["push", evaluated_run, "--repo", "me/x", "--eval", elsewhere,
-                              "--dry-run", tmp_path / "staged"], capsys)
-    assert code == 2 and lines == [LINK.format(where="results.json", root=elsewhere)], lines
-    assert not (tmp_path / "staged").exists()
-
-
-def test_push_without_links_publishes_eval_results_with_names_not_paths(evaluated_run, tmp_path, capsys):
-    staged = tmp_path / "staged"
-    code, lines, _ = run_cli(["push", evaluated_run, "--repo", "me/x", "--dry-run", staged], capsys)
-    assert code == 0, lines
-    published = {p.name: p.read_text() for p in (staged / "eval").glob("results.*")}
-    assert set(published) == {"results.md", "results.json", "results.csv"}
-    local = str(evaluated_run.parent)
-    for name, text in published.items():
-        assert local not in text, name  # no absolute path of this machine
-    results = json.loads(published["results.json"])
-    assert results["models"][0]["source"] == evaluated_run.name  # the run's name, as recipe.yaml gets it
-    original = json.loads((evaluated_run / "eval" / "results.json").read_text())
-    assert results["models"][0]["counting"] == original["models"][0]["counting"]  # the numbers untouched
-    assert f"`{evaluated_run.name}`" in published["results.md"]
-    assert not (staged / "eval" / atomic.MARKER).exists() and not (staged / "eval" / atomic.LOCK).exists()
-
-
 # ---- item 2: a folder of the user's own files, for every verb -----------------------------------------------------
 
 VERBS = [  # (id, argv with placeholders, flag named in the message, message template)
@@ -195,52 +84,52 @@ VERBS = [  # (id, argv with placeholders, flag named in the message, message tem
 
 
 @pytest.mark.parametrize("case_id,template,flag,message", VERBS, ids=[v[0] for v in VERBS])
-def test_no_verb_writes_into_a_folder_of_the_users_files(case_id, template, flag, message, world, tmp_path, capsys):
+def test_no_verb_writes_into_a_folder_of_the_users_files(case_id, template, flag, message, world, tmp_path, run_cli):
     canary = make_canary(tmp_path)
     before = checksums(tmp_path)
-    code, lines, _ = run_cli(template.format(**world, canary=canary).split(), capsys)
+    code, lines, _ = run_cli(template.format(**world, canary=canary).split())
     verb = "demo" if case_id == "experiment" else template.split()[0]
     assert code == 2 and lines == [message.format(verb=verb, flag=flag, path=canary)], lines
     assert checksums(tmp_path) == before  # not a byte, mode or name changed; nothing added next to it
 
 
 @pytest.mark.parametrize("value", ["/", "~/"])  # (a bare ~ is YAML's null)
-def test_the_root_and_the_home_folder_are_refused(value, world, tmp_path, monkeypatch, capsys):
+def test_the_root_and_the_home_folder_are_refused(value, world, tmp_path, monkeypatch, run_cli):
     home = tmp_path / "home"
     home.mkdir()
     (home / ".bashrc").write_text("export PS1=mine\n")
     monkeypatch.setenv("HOME", str(home))
     before = checksums(tmp_path)
-    code, lines, _ = run_cli(["train", world["recipe"], f"output.dir={value}"], capsys)
+    code, lines, _ = run_cli(["train", world["recipe"], f"output.dir={value}"])
     shown = "/" if value == "/" else str(home)  # `~` is expanded once, before anything else sees it
     assert code == 2 and lines == [NOT_OURS.format(verb="train", flag="output.dir", path=shown)], lines
     assert checksums(tmp_path) == before
 
 
-def test_a_retrofit_made_run_resumes_and_an_empty_folder_is_taken(tmp_path, capsys):
+def test_a_retrofit_made_run_resumes_and_an_empty_folder_is_taken(tmp_path, run_cli):
     run, recipe = counting_run(tmp_path)
     assert (run / atomic.MARKER).is_file()  # train marks the folder it made
-    code, lines, out = run_cli(["train", tmp_path / "run.yaml", "--resume", run], capsys)
+    code, lines, out = run_cli(["train", tmp_path / "run.yaml", "--resume", run])
     assert code == 0 and "already finished 2 steps" in out, lines
     empty = tmp_path / "empty"
     empty.mkdir()
-    code, lines, _ = run_cli(["train", tmp_path / "run.yaml", "--out", empty], capsys)
+    code, lines, _ = run_cli(["train", tmp_path / "run.yaml", "--out", empty])
     assert code == 0 and (empty / "result.json").is_file() and (empty / atomic.MARKER).is_file(), lines
 
 
-def test_a_run_from_before_the_marker_resumes_once_its_user_adopts_it(tmp_path, capsys):
+def test_a_run_from_before_the_marker_resumes_once_its_user_adopts_it(tmp_path, run_cli):
     """Only the marker makes a folder retrofit's (issue 36): a run an older retrofit wrote is refused, however
     retrofit-like its log.jsonl, until `retrofit adopt RUN` lists it and marks it."""
     run, _ = counting_run(tmp_path, save_every=1)
     (run / atomic.MARKER).unlink()  # as an older retrofit left it: its log.jsonl opens with the config event
     (run / "result.json").unlink()
     before = checksums(tmp_path)
-    code, lines, _ = run_cli(["train", tmp_path / "run.yaml", "--resume", run], capsys)
+    code, lines, _ = run_cli(["train", tmp_path / "run.yaml", "--resume", run])
     assert code == 2 and "holds files retrofit did not write" in lines[-1] and f"retrofit adopt {run}" in lines[-1]
     assert checksums(tmp_path) == before
-    code, lines, out = run_cli(["adopt", run], capsys)
+    code, lines, out = run_cli(["adopt", run])
     assert code == 0 and "  log.jsonl  (" in out and (run / atomic.MARKER).is_file(), lines
-    code, lines, out = run_cli(["train", tmp_path / "run.yaml", "--resume", run], capsys)
+    code, lines, out = run_cli(["train", tmp_path / "run.yaml", "--resume", run])
     assert code == 0 and "resumed from" in out, lines
     assert (run / "result.json").is_file() and (run / atomic.MARKER).is_file()
 
@@ -260,21 +149,21 @@ def test_a_copied_retrofit_results_file_does_not_make_a_folder_retrofits(tmp_pat
         atomic.adopt(notes)
 
 
-def test_an_experiment_re_run_keeps_working(tmp_path, capsys):
+def test_an_experiment_re_run_keeps_working(tmp_path, run_cli):
     overrides = ["experiment.base_steps=0", "experiment.finetune_steps=1", "experiment.recovery_at=[0]",
                  "experiment.arms=[{name: softmax, patch: {norm: softmax}}]", "train.batch_size=2",
                  "train.micro_batch_size=2", "train.warmup_steps=1", "train.progress=false", "eval.lengths=[64]",
                  "eval.batches=1", "eval.batch_size=2"]
     out = tmp_path / "exp"
-    code, lines, _ = run_cli(["demo", *overrides, "--out", out], capsys)
+    code, lines, _ = run_cli(["demo", *overrides, "--out", out])
     assert code == 0 and (out / atomic.MARKER).is_file(), lines
-    code, lines, printed = run_cli(["demo", *overrides, "--out", out], capsys)
+    code, lines, printed = run_cli(["demo", *overrides, "--out", out])
     assert code == 0 and "finished, skipping" in printed, lines
 
 
 # ---- item 8: `~` ----------------------------------------------------------------------------------------------------
 
-def test_tilde_is_expanded_once_and_no_literal_tilde_folder_appears(world, tmp_path, monkeypatch, capsys):
+def test_tilde_is_expanded_once_and_no_literal_tilde_folder_appears(world, tmp_path, monkeypatch, run_cli):
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     home.mkdir()
     cwd.mkdir()
@@ -289,7 +178,7 @@ def test_tilde_is_expanded_once_and_no_literal_tilde_folder_appears(world, tmp_p
               f"saved to {home}/p"),
              (["push", run, "--repo", "me/x", "--dry-run", "~/s"], home / "s" / "README.md", f"wrote {home}/s")]
     for argv, written, hint in steps:
-        code, lines, out = run_cli(argv, capsys)
+        code, lines, out = run_cli(argv)
         assert code == 0 and written.is_file(), (argv, lines)
         assert hint in out, (argv, out)  # what is printed is where it was written
     assert list(cwd.iterdir()) == []  # no ./~ folder, nothing else in the working folder
@@ -314,7 +203,7 @@ def _saving(out: Path) -> tuple[subprocess.Popen, Path]:
     return proc, Path(proc.stdout.readline().strip())
 
 
-def test_a_save_killed_mid_way_leaves_a_marked_folder_the_next_save_removes(world, tmp_path, capsys):
+def test_a_save_killed_mid_way_leaves_a_marked_folder_the_next_save_removes(world, tmp_path, run_cli):
     out = tmp_path / "out"
     proc, tmp = _saving(out)
     try:
@@ -327,14 +216,14 @@ def test_a_save_killed_mid_way_leaves_a_marked_folder_the_next_save_removes(worl
     mine = tmp_path / ".out.user-backup"  # the user's own folder with a matching name: never touched
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    code, lines, _ = run_cli(["patch", world["model"], "--norm", "avnorm", "--out", out], capsys)
+    code, lines, _ = run_cli(["patch", world["model"], "--norm", "avnorm", "--out", out])
     assert code == 0, lines
     assert not tmp.exists() and (mine / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.user-backup", "out"]
     assert not (out / atomic.MARKER).exists() and not (out / atomic.LOCK).exists()  # the model folder is clean
 
 
-def test_a_train_refused_for_its_length_leaves_no_folder(tmp_path, capsys):
+def test_a_train_refused_for_its_length_leaves_no_folder(tmp_path, run_cli):
     recipe = tmp_path / "long.yaml"
     recipe.write_text(yaml.safe_dump({
         "model": {"config": {"model_type": "gpt2", **TINY["gpt2"], "vocab_size": 16}},  # 64 learned positions
@@ -342,26 +231,26 @@ def test_a_train_refused_for_its_length_leaves_no_folder(tmp_path, capsys):
         "train": {"steps": 1, "batch_size": 2, "micro_batch_size": 2, "progress": False},
         "eval": {"batches": 1, "batch_size": 2}}))
     out = tmp_path / "runs" / "long"
-    code, lines, _ = run_cli(["train", recipe, "--out", out], capsys)
+    code, lines, _ = run_cli(["train", recipe, "--out", out])
     assert code == 2 and lines == ["retrofit train: error: length 128 (data.seq_len / eval.lengths) exceeds gpt2's 64 "
                                    "learned positions; set patch.nope: true (with a patch.norm) or use shorter "
                                    "lengths"], lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long.yaml"]  # neither runs/long nor runs/
     empty = tmp_path / "empty"  # a folder the user made empty stays empty: no marker, no lock left in it
     empty.mkdir()
-    code, lines, _ = run_cli(["train", recipe, "--out", empty], capsys)
+    code, lines, _ = run_cli(["train", recipe, "--out", empty])
     assert code == 2 and list(empty.iterdir()) == [], lines
 
 
-def test_a_second_eval_into_the_same_folder_is_refused_while_the_first_runs(evaluated_run, tmp_path, capsys):
+def test_a_second_eval_into_the_same_folder_is_refused_while_the_first_runs(evaluated_run, tmp_path, run_cli):
     out = tmp_path / "eval"
     argv = ["eval", evaluated_run, "--lengths", "32", "--trials", "2", "--no-progress", "--out", out]
     with atomic.output_folder(out, "--out"):  # the first `eval --out X`, still running
-        code, lines, _ = run_cli(argv, capsys)
+        code, lines, _ = run_cli(argv)
         assert code == 2 and lines == [f"retrofit eval: error: {out} is in use by process {os.getpid()} "
                                        f"(lock {out / atomic.LOCK}); wait for it to finish, or stop it, and try again"]
         assert sorted(p.name for p in out.iterdir()) == sorted([atomic.MARKER, atomic.LOCK])  # the second wrote nothing
-    code, lines, _ = run_cli(argv, capsys)  # once it is done, the folder (made by retrofit) is written again
+    code, lines, _ = run_cli(argv)  # once it is done, the folder (made by retrofit) is written again
     assert code == 0 and (out / "results.json").is_file(), lines
 
 

@@ -1,16 +1,14 @@
-"""Issue 36 (bounds) beyond the CLI table: texts are read as far as a token budget needs, RULER instances are
-built when read, and the model card escapes every text it embeds. The CLI cases (one line, exit 2, nothing
-written, peak memory) are in tests/cli/test_bad_inputs.py."""
+"""Reading within bounds (issue 36): texts are read as far as a token budget needs, in pieces, a binary text is
+named with its byte, and RULER instances and haystacks are built when read. The CLI cases (one line, exit 2,
+nothing written, peak memory) are in tests/cli/test_bad_inputs.py; the model card's escaping in tests/hub."""
 
 from __future__ import annotations
 
-import re
 import tracemalloc
 
 import pytest
 
 from retrofit.errors import RetrofitError
-from retrofit.hub.model_card import model_card
 from tests.data.test_data import char_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -74,50 +72,6 @@ def test_ruler_instances_are_built_when_read_not_all_first(monkeypatch):
     assert last["depth"] == 1.0 and last["index"] == 9_999 and len(built) == 2
     assert insts[3]["input"] == make("niah", char_tokenizer(), ruler.Haystack(char_tokenizer()), length=512,
                                      depth=0.0, index=3)["input"]  # the same instance, built again on demand
-
-
-EVIL = "x\n```\n<script>alert(1)</script>\n"
-
-
-def card_info(**record) -> dict:
-    return {"kind": "model", "repo": "me/x", "base_model": None, "license": None, "merged": False, "params_added": 8,
-            "model_type": "llama", "task": None, "command": None, "curve": None,
-            "record": {"norm": "avnorm", "options": {"kind": "rms"}, **record},
-            "summary": {"steps": 2, "processes": 1, "final_loss": 1.5},
-            "recipe_text": "name: |\n  evil\n  ```\n  <script>alert(1)</script>\n  ```\ntrain: {steps: 2}\n",
-            "eval_md": "| model | 64 |\n|---|---|\n| <img src=x onerror=alert(1)> | 3.1 |"}
-
-
-def outside_fences(markdown: str) -> list[str]:
-    """The lines of `markdown` outside fenced code blocks, read as CommonMark does: a fence closes on a line of
-    at least as many of its characters, indented at most 3 spaces."""
-    lines, fence = [], None
-    for line in markdown.splitlines():
-        found = re.match(r"^ {0,3}(`{3,}|~{3,})(.*)$", line)
-        if fence is None and found:
-            fence = found.group(1)
-        elif fence is not None and found and found.group(1)[0] == fence[0] and len(found.group(1)) >= len(fence) \
-                and not found.group(2).strip():
-            fence = None
-        elif fence is None:
-            lines.append(line)
-    return lines
-
-
-def test_the_model_card_escapes_every_text_it_embeds():
-    card = model_card(card_info(options={"kind": "rms|<b>bold</b>\nnext"}, retrofit_version=EVIL,
-                                base_attn_implementation="sdpa`</code><i>"))
-    outside = "\n".join(outside_fences(card))
-    assert "<script>" not in outside and "<img" not in outside and "<b>" not in outside, outside
-    assert "&lt;img src=x onerror=alert(1)&gt;" in outside  # the evaluation table shows the name as text
-    row = next(line for line in outside.splitlines() if line.startswith("| options |"))
-    assert len(re.findall(r"(?<!\\)\|", row)) == 3 and "&lt;b&gt;" in row  # one row, one cell
-    version = next(line for line in outside.splitlines() if line.startswith("| retrofit version |"))
-    assert "&lt;script&gt;" in version  # the newlines folded into one table row
-    kernel = next(line for line in outside.splitlines() if line.startswith("| attention kernel |"))
-    assert "``sdpa`</code><i>``" in kernel  # a code span its backtick cannot close
-    fenced = card[card.index("recipe.yaml"):]
-    assert "<script>alert(1)</script>" in fenced and "<script>" not in "\n".join(outside_fences(fenced))
 
 
 def test_a_ruler_haystack_reads_as_far_as_the_longest_length_needs(big_text):

@@ -8,6 +8,7 @@ process with HF_HUB_OFFLINE=1 then loads `me/...` from that cache. Everything up
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import retrofit
 from retrofit.cli import main
 from retrofit.commands.patch import save_atomically
 from retrofit.hub import push
+from retrofit.hub.model_card import model_card
 from tests.data.test_data import char_tokenizer
 from tests.tiny import TINY, random_ids, tiny_model
 
@@ -293,3 +295,47 @@ torch.save(got, sys.argv[2])
         assert torch.allclose(got[key], merged_logits, atol=1e-5), key
     assert torch.equal(load_adapter(lora_run / "adapter")(input_ids=ids).logits, run_adapter(input_ids=ids).logits)
     scan_for_token(capfd, tmp_path, lora_run)
+
+
+EVIL = "x\n```\n<script>alert(1)</script>\n"
+
+
+def card_info(**record) -> dict:
+    return {"kind": "model", "repo": "me/x", "base_model": None, "license": None, "merged": False, "params_added": 8,
+            "model_type": "llama", "task": None, "command": None, "curve": None,
+            "record": {"norm": "avnorm", "options": {"kind": "rms"}, **record},
+            "summary": {"steps": 2, "processes": 1, "final_loss": 1.5},
+            "recipe_text": "name: |\n  evil\n  ```\n  <script>alert(1)</script>\n  ```\ntrain: {steps: 2}\n",
+            "eval_md": "| model | 64 |\n|---|---|\n| <img src=x onerror=alert(1)> | 3.1 |"}
+
+
+def outside_fences(markdown: str) -> list[str]:
+    """The lines of `markdown` outside fenced code blocks, read as CommonMark does: a fence closes on a line of
+    at least as many of its characters, indented at most 3 spaces."""
+    lines, fence = [], None
+    for line in markdown.splitlines():
+        found = re.match(r"^ {0,3}(`{3,}|~{3,})(.*)$", line)
+        if fence is None and found:
+            fence = found.group(1)
+        elif fence is not None and found and found.group(1)[0] == fence[0] and len(found.group(1)) >= len(fence) \
+                and not found.group(2).strip():
+            fence = None
+        elif fence is None:
+            lines.append(line)
+    return lines
+
+
+def test_the_model_card_escapes_every_text_it_embeds():
+    card = model_card(card_info(options={"kind": "rms|<b>bold</b>\nnext"}, retrofit_version=EVIL,
+                                base_attn_implementation="sdpa`</code><i>"))
+    outside = "\n".join(outside_fences(card))
+    assert "<script>" not in outside and "<img" not in outside and "<b>" not in outside, outside
+    assert "&lt;img src=x onerror=alert(1)&gt;" in outside  # the evaluation table shows the name as text
+    row = next(line for line in outside.splitlines() if line.startswith("| options |"))
+    assert len(re.findall(r"(?<!\\)\|", row)) == 3 and "&lt;b&gt;" in row  # one row, one cell
+    version = next(line for line in outside.splitlines() if line.startswith("| retrofit version |"))
+    assert "&lt;script&gt;" in version  # the newlines folded into one table row
+    kernel = next(line for line in outside.splitlines() if line.startswith("| attention kernel |"))
+    assert "``sdpa`</code><i>``" in kernel  # a code span its backtick cannot close
+    fenced = card[card.index("recipe.yaml"):]
+    assert "<script>alert(1)</script>" in fenced and "<script>" not in "\n".join(outside_fences(fenced))

@@ -77,3 +77,17 @@ def tiny_model(model_type: str = "llama", seed: int = 0, attn_implementation: st
 def random_ids(batch: int = 2, length: int = 16, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=g)
+
+
+# A character-level tokenizer for tests that need text: every character below gets an id < 80.
+CHARS = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,?!'-:;\n"
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer built in-process (ids < 80, fits tests/tiny.py's vocab of 97)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<eos>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")

@@ -20,8 +20,7 @@ import yaml
 
 import retrofit
 from retrofit.cli import main
-from tests.data.test_data import char_tokenizer
-from tests.tiny import tiny_model
+from tests.tiny import char_tokenizer, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -173,7 +173,7 @@ def test_uncalibrated_avnorm_warns_with_the_measured_cost(tiny_folder, tmp_path,
 
 
 def test_check_text_without_out_measures_and_says_nothing_was_saved(tiny_folder, tmp_path, capsys):
-    from tests.data.test_data import char_tokenizer
+    from tests.tiny import char_tokenizer
 
     char_tokenizer().save_pretrained(tiny_folder)
     text = tmp_path / "t.txt"

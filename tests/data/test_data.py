@@ -10,18 +10,7 @@ import torch
 from retrofit.data import build_data, counting_batch, passkey_batch, passkey_example
 from retrofit.errors import RetrofitError
 from retrofit.recipe import DataSection
-
-CHARS = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,?!'-:;\n"
-
-
-def char_tokenizer():
-    """A character-level fast tokenizer built in-process (ids < 80, fits tests/tiny.py's vocab of 97)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<eos>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+from tests.tiny import char_tokenizer
 
 
 def lm_section(tmp_path, **kw) -> DataSection:

@@ -19,8 +19,8 @@ from retrofit.errors import RetrofitError
 from retrofit.recipe import DataSection, recipe_from_dict
 from retrofit.train import read_log, train
 from retrofit.train.losses import loss_sum
-from tests.data.test_data import char_tokenizer, lm_section
-from tests.tiny import VOCAB, tiny_model
+from tests.data.test_data import lm_section
+from tests.tiny import VOCAB, char_tokenizer, tiny_model
 from tests.train.test_train import lm_recipe, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

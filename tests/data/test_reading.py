@@ -9,7 +9,7 @@ import tracemalloc
 import pytest
 
 from retrofit.errors import RetrofitError
-from tests.data.test_data import char_tokenizer
+from tests.tiny import char_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

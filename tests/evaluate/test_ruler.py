@@ -17,8 +17,7 @@ from retrofit.errors import RetrofitError
 from retrofit.evaluate.report import RESULTS_SCHEMA
 from retrofit.evaluate.ruler import evaluate_ruler, greedy_answer, ruler_instances
 from retrofit.evaluate.ruler_metric import string_match_all, string_match_part
-from tests.data.test_data import char_tokenizer
-from tests.tiny import tiny_model
+from tests.tiny import char_tokenizer, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

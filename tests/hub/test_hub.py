@@ -22,8 +22,7 @@ from retrofit.cli import main
 from retrofit.commands.patch import save_atomically
 from retrofit.hub import push
 from retrofit.hub.model_card import model_card
-from tests.data.test_data import char_tokenizer
-from tests.tiny import TINY, random_ids, tiny_model
+from tests.tiny import TINY, char_tokenizer, random_ids, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "hf_retrofitFAKEtoken0123456789abcdefXYZ"

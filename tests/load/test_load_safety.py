@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from retrofit.errors import RetrofitError
-from tests.data.test_data import char_tokenizer
-from tests.tiny import tiny_model
+from tests.tiny import char_tokenizer, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -12,8 +12,7 @@ from peft import LoraConfig, get_peft_model
 import retrofit
 from retrofit.cli import main
 from retrofit.errors import RetrofitError
-from tests.data.test_data import char_tokenizer
-from tests.tiny import random_ids, tiny_model
+from tests.tiny import char_tokenizer, random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

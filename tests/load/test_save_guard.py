@@ -21,8 +21,7 @@ import retrofit
 from retrofit.cli import main
 from retrofit.errors import RetrofitError
 from retrofit.load import load, save_model
-from tests.data.test_data import char_tokenizer
-from tests.tiny import random_ids, tiny_model
+from tests.tiny import char_tokenizer, random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -323,7 +323,7 @@ def test_cli_check_text_ranks_layers_and_heads(tmp_path, capsys):
     import re
 
     from retrofit.cli import main
-    from tests.data.test_data import char_tokenizer
+    from tests.tiny import char_tokenizer
     folder, text = tmp_path / "m", tmp_path / "t.txt"
     base = four_layers("llama")
     base.save_pretrained(folder)

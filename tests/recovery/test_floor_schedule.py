@@ -143,7 +143,7 @@ def test_bad_loss_schedules_are_one_line_errors(schedule, message):
 
 def test_the_cli_probe_prints_costs_for_a_floor_ending_at_2(tmp_path, capsys):
     from retrofit.cli import main
-    from tests.data.test_data import char_tokenizer
+    from tests.tiny import char_tokenizer
     tiny_model("llama").save_pretrained(tmp_path / "m")
     char_tokenizer().save_pretrained(tmp_path / "m")
     text = tmp_path / "t.txt"

@@ -22,9 +22,8 @@ from retrofit.errors import RetrofitError  # noqa: E402
 from retrofit.serve.engine import load_llm  # noqa: E402
 from retrofit.serve.parity import compare, prompt_logprobs, retrofit_run, vllm_run  # noqa: E402
 from retrofit.serve.plan import PSOFTMAX_REFUSED  # noqa: E402
-from tests.data.test_data import char_tokenizer  # noqa: E402
 from tests.evaluate.test_ruler import BOOK, LENGTH  # noqa: E402
-from tests.tiny import tiny_model  # noqa: E402
+from tests.tiny import char_tokenizer, tiny_model  # noqa: E402
 
 # initializer_range 0.2: sharp logits, so every case's patch moves the prompt logprobs by > 1 (measured 4-7), not
 # the ~0.01 of the default 0.02 init, where dropping a patch would pass a 1e-3 tolerance by luck

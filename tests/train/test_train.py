@@ -21,8 +21,7 @@ from retrofit.errors import RetrofitError
 from retrofit.load import load
 from retrofit.recipe import load_recipe, recipe_from_dict
 from retrofit.train import build, checkpoint, read_log, train
-from tests.data.test_data import char_tokenizer
-from tests.tiny import TINY, tiny_model
+from tests.tiny import TINY, char_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 QUIET = {"progress": False, "log_every": 1}

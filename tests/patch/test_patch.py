@@ -2,7 +2,7 @@
 
 Checks per combination: parity with an independent reference (tests/reference.py), causality,
 KV-cache generation, left padding, unpatch, gradients, bf16 stability. Save/reload in a fresh process
-is in test_reload.py; bad input in test_errors.py.
+is in tests/load/test_reload.py; bad input in test_patch_errors.py.
 """
 
 from __future__ import annotations

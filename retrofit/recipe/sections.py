@@ -214,6 +214,8 @@ class TrainSection:
     cpu: bool = setting(False, "run on CPU even when a GPU is present")
     sequence_parallel: int = setting(1, "N processes share each row (Ulysses: each holds T/N tokens, attention sees "
                                         "the whole row for H/N heads); groups of N are data parallel; 1 = off")
+    fsdp: bool = setting(False, "FSDP2 over every process (retrofit.train.fsdp.shard_model): weights, gradients and "
+                                "AdamW state sharded instead of DDP's copies; without train.peft and checkpoints")
     log_every: int = setting(10, "steps between log lines (loss is averaged over them)")
     progress: bool = setting(True, "show a progress bar (loss, tokens/s, ETA)")
     peft: PeftSection | None = setting(None, "LoRA finetune instead of full; null = train all weights")

@@ -71,3 +71,50 @@ def shard_model(model: nn.Module, *, fully_shard=None, **kwargs) -> list[str]:
             units.append(name)
     fully_shard(model, **kwargs)
     return units + ["<root>"]
+
+
+# ---- train.fsdp: the loop's FSDP2 path (CPU processes included; accelerate's FSDP plugin needs CUDA) -----------------
+
+def check_recipe(recipe, distributed_type: str) -> None:
+    """Refuse, in one line, what train.fsdp does not run yet."""
+    if not recipe.train.fsdp:
+        return
+    if distributed_type in ("FSDP", "DEEPSPEED"):
+        raise RetrofitError(f"train.fsdp shards the model itself; accelerate already runs {distributed_type}: "
+                            "set train.fsdp false or launch without accelerate's FSDP / DeepSpeed config")
+    if recipe.train.peft is not None:
+        raise RetrofitError("train.fsdp with train.peft is not built yet: drop one of them")
+    if recipe.section("recovery") is not None:
+        raise RetrofitError("train.fsdp with a recovery section is not built yet: drop one of them")
+    if recipe.output.save_every:
+        raise RetrofitError("train.fsdp does not write resumable checkpoints yet: set output.save_every 0 "
+                            "(the final model is saved unsharded)")
+    if recipe.train.compile:
+        raise RetrofitError("train.fsdp with train.compile is not built yet: drop one of them")
+
+
+def prepare(model: nn.Module, make_optimizer, accelerator):
+    """FSDP2 over every process (one mesh: each process holds 1/world of every unit, as ZeRO-3 / DeepSpeed ALST do
+    under sequence parallelism), then the optimizer on the sharded parameters, prepared by accelerate alone.
+
+    Gradients are reduce-scattered as a mean over all processes, like DDP's: the loop's loss scale (processes /
+    global items) makes that mean the gradient of the global batch's mean loss, sequence groups included (each
+    process's loss covers its own tokens, so the sum over every process is the whole batch)."""
+    shard_model(model)
+    return model, accelerator.prepare(make_optimizer(model))
+
+
+def local(t):
+    """A DTensor's local shard (or `t`): what a per-process check (finite weights) looks at."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def whole(t):
+    """A DTensor's full value on every process (or `t`): the gradient norm clip_grad_norm_ returns under FSDP2."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """Every unsharded tensor on the CPU of every process (a collective: all call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

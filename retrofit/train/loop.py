@@ -40,7 +40,7 @@ from ..load import apply_patch, language_model, load_base, recipe_tokenizer, sav
 from ..memory import return_freed_memory
 from ..recipe import Recipe, flat, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, knob_values, record_knob
-from . import build, checkpoint
+from . import build, checkpoint, fsdp
 from .sequence_parallel import check_recipe
 from .state import Divergence, LogWindow, Run, Split, StepStats, TrainResult
 from .update import train_step
@@ -135,6 +135,7 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
 
 def _split(recipe: Recipe, acc) -> Split:
     layout = check_recipe(recipe)  # train.sequence_parallel: N processes share each row (None when 1)
+    fsdp.check_recipe(recipe, acc.distributed_type.name)
     rank, world = (layout.data_rank, layout.data_size) if layout else (acc.process_index, acc.num_processes)
     accum = build.accumulation(recipe.train, world)
     if acc.distributed_type.name == "DEEPSPEED" and accum != 1:
@@ -163,8 +164,10 @@ def _build(recipe: Recipe, acc, run_dir: Path, split: Split, *, model, tokenizer
     if rec is not None and schedule is not rec.schedule:
         acc.print(f"recovery.schedule.costs measured (zero-shot, first training block): "
                   f"{schedule.costs}")  # every digit: pinned in a recipe, they give this schedule exactly
-    optimizer = build.make_optimizer(model, recipe.train, rec)
-    model, optimizer = acc.prepare(model, optimizer)
+    if recipe.train.fsdp:  # FSDP2 over every process, then the optimizer on the shards
+        model, optimizer = fsdp.prepare(model, lambda m: build.make_optimizer(m, recipe.train, rec), acc)
+    else:
+        model, optimizer = acc.prepare(model, build.make_optimizer(model, recipe.train, rec))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return Run(recipe=recipe, acc=acc, run_dir=run_dir, split=split, model=model, optimizer=optimizer, data=data,
                tokenizer=tokenizer, recovery=rec, schedule=schedule, callbacks=tuple(callbacks),
@@ -248,7 +251,8 @@ def _check_finite(run: Run, step: int, weights: bool = False) -> None:
     """Raise if any process flagged a non-finite step; weights: check the trained parameters first (an update
     from a finite loss can still overflow them)."""
     if weights:
-        run.divergence.note(step, torch.stack([torch.isfinite(p.detach()).all() for p in run.trainable]).all())
+        finite = [torch.isfinite(fsdp.local(p.detach())).all() for p in run.trainable]  # train.fsdp: this shard
+        run.divergence.note(step, torch.stack(finite).all())
     run.divergence.check(run.acc)
 
 
@@ -313,6 +317,8 @@ def save_final(acc, model, run_dir: Path, tokenizer, recipe: Recipe, result: Tra
     sharded = acc.distributed_type.name in ("FSDP", "DEEPSPEED")
     peft = recipe.train.peft
     state = acc.get_state_dict(model) if sharded and peft is None else None  # FSDP: gathered on every rank
+    if recipe.train.fsdp:
+        state = fsdp.full_state_dict(model)
     saved = unwrapped
     if acc.is_main_process:
         with _atomic_files(run_dir) as tmp:

@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from ..recovery import apply_schedule
-from . import build
+from . import build, fsdp
 from .losses import items, loss_sum, recovery_loss_sum
 from .sequence_parallel import shard, sharded
 from .state import Run, StepStats
@@ -80,6 +80,7 @@ def _update(run: Run, step: int) -> torch.Tensor | None:
         for p in run.base:
             p.grad = None  # fused AdamW skips a parameter without a gradient: no update, no moment change
     grad_norm = run.acc.clip_grad_norm_(run.trainable, t.grad_clip) if t.grad_clip > 0 else None
+    grad_norm = fsdp.whole(grad_norm)  # train.fsdp: a DTensor
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     if run.schedule is not None:

@@ -1,12 +1,13 @@
 """Run by tests/train/test_sequence_parallel.py under torchrun (2 processes, gloo).
 
     python -m torch.distributed.run --nproc_per_node 2 tests/train/sequence_parallel_worker.py OUT [RECIPE [MODE]]
+    python -m torch.distributed.run --nproc_per_node 4 tests/train/sequence_parallel_worker.py OUT RECIPE,RECIPE groups
 
 OUT/sharded.pt: every case of tests/train/sequence_parallel_common.py sharded over both processes (Ulysses). RECIPE
 (train.sequence_parallel: 2) is then trained; MODE full (default) to the end; kill:N (no parity cases) until both
-processes kill themselves after step N, as a job kill does; resume (no parity cases): resumed from its run folder.
-One training run per launch: a run ends the process group, and a second one in the same processes would meet the
-first one's rendezvous keys on torchrun's store.
+processes kill themselves after step N, as a job kill does; resume (no parity cases): resumed from its run folder;
+groups (no parity cases): each recipe in turn, the process group kept between them (a run ends the group, and a
+run in a new group would meet the previous one's rendezvous keys on torchrun's store).
 """
 
 import os
@@ -49,7 +50,7 @@ def sharded_case(case: str, layout) -> dict:
 def main(out: Path, recipe: str | None, mode: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a mismatch fails instead of waiting 30 min
     torch.set_num_threads(1)
-    if mode == "full":
+    if mode == "full":  # the parity cases
         results = {case: sharded_case(case, sequence_layout(2)) for case in CASES}
         if dist.get_rank() == 0:
             torch.save(results, out / "sharded.pt")
@@ -62,6 +63,13 @@ def main(out: Path, recipe: str | None, mode: str) -> None:
         if event == "step" and step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
 
+    if mode == "groups":
+        *first, last = recipe.split(",")
+        end = dist.destroy_process_group
+        dist.destroy_process_group = lambda *a, **k: None  # keep the group for the next run
+        for each in first:
+            train(load_recipe(each))
+        dist.destroy_process_group, recipe = end, last
     train(load_recipe(recipe), callbacks=[kill], resume=mode == "resume")  # ends the process group
 
 

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 import retrofit
 from retrofit.errors import RetrofitError
 from retrofit.recipe import load_recipe, recipe_from_dict
-from retrofit.train import checkpoint, train
+from retrofit.train import checkpoint, read_log, train
+from retrofit.train.fsdp import check_recipe as fsdp_check
 from retrofit.train.losses import loss_sum
 from retrofit.train.sequence_parallel import SequenceLayout, check_recipe, shard
 from retrofit.train.sequence_parallel import sharded as sharded_model
@@ -30,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
 
-def launch(out: Path, *args: str) -> subprocess.CompletedProcess:
+def launch(out: Path, *args: str, processes: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
                str(ROOT / "tests" / "train" / "sequence_parallel_worker.py"), str(out), *args]
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
@@ -44,10 +45,11 @@ def launch(out: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
-def sp_recipe(folder: Path, name: str, sequence_parallel: int = 2) -> Path:
+def sp_recipe(folder: Path, name: str, sequence_parallel: int = 2, save_every: int = 4, **train) -> Path:
     """lm on a tiny Llama with SSMax (a per-head parameter), gradient checkpointing, 10 steps, a checkpoint every 4."""
-    raw = lm_recipe(folder, folder / name, sequence_parallel=sequence_parallel, gradient_checkpointing=True)
+    raw = lm_recipe(folder, folder / name, sequence_parallel=sequence_parallel, gradient_checkpointing=True, **train)
     raw["patch"] = {"norm": "ssmax"}
+    raw["output"]["save_every"] = save_every
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -60,6 +62,26 @@ def launched(tmp_path_factory):
     proc = launch(folder, str(sp_recipe(folder, "full")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return folder
+
+
+@pytest.fixture(scope="module")
+def one(launched):
+    """The reference: the same recipe trained by one process."""
+    return train(load_recipe(sp_recipe(launched, "one", sequence_parallel=1)))
+
+
+def same_training(folder: Path, run: str, one) -> None:
+    """`run`'s logged losses and gradient norms are one process's (1e-5: AdamW hides a gradient's scale, the norm
+    shows it); its unsharded model reloads with one process's weights."""
+    got = losses_of(folder / run)
+    assert sorted(got) == sorted(one.losses) == list(range(1, 11))
+    assert max(abs(got[s] - one.losses[s]) for s in got) <= 1e-5, (run, got, one.losses)
+    logs = (read_log(f / "log.jsonl") for f in (folder / run, one.run_dir))
+    norms = [[r["grad_norm"] for r in log if "grad_norm" in r] for log in logs]
+    assert len(norms[0]) == 10 and norms[0] == pytest.approx(norms[1], rel=1e-5, abs=0), (run, norms)
+    reloaded = retrofit.from_pretrained(str(folder / run)).state_dict()  # unsharded: one process loads it
+    for name, weight in one.model.state_dict().items():
+        torch.testing.assert_close(reloaded[name], weight, rtol=0, atol=1e-4, msg=f"{run}: {name}")
 
 
 @pytest.fixture(scope="module")
@@ -101,13 +123,11 @@ def test_shard_scores_the_token_after_a_boundary():
         shard({**batch(), "attention_mask": torch.ones_like(ids).index_fill(1, torch.tensor([0]), 0)}, layout)
 
 
-def test_training_matches_one_process_and_a_killed_run_resumes_bitwise(launched):
+def test_training_matches_one_process_and_a_killed_run_resumes_bitwise(launched, one):
     folder = launched
-    full = losses_of(folder / "full")
-    one = train(load_recipe(sp_recipe(folder, "one", sequence_parallel=1)))
-    assert sorted(full) == sorted(one.losses) == list(range(1, 11))
-    assert max(abs(full[s] - one.losses[s]) for s in full) <= 1e-5, (full, one.losses)
+    same_training(folder, "full", one)
     assert one.losses[10] < one.losses[1]  # it trained
+    full = losses_of(folder / "full")
     killed = sp_recipe(folder, "killed")
     proc = launch(folder, str(killed), "kill:7")  # both processes kill themselves after step 7
     assert proc.returncode != 0 and not (folder / "killed" / "result.json").exists()
@@ -118,9 +138,18 @@ def test_training_matches_one_process_and_a_killed_run_resumes_bitwise(launched)
     assert losses_of(folder / "killed") == full  # bitwise: the same floats in the log
     saved, resumed = (load_file(folder / run / "model.safetensors") for run in ("full", "killed"))
     assert saved.keys() == resumed.keys() and all(torch.equal(saved[k], resumed[k]) for k in saved)
-    reloaded = retrofit.from_pretrained(str(folder / "full"))  # unsharded: one process loads it as a plain run
-    for name, weight in one.model.state_dict().items():
-        torch.testing.assert_close(reloaded.state_dict()[name], weight, rtol=0, atol=1e-4, msg=name)
+
+
+def test_two_groups_of_two_train_like_one_process_with_ddp_and_fsdp2(launched, one):
+    """4 processes: 2 sequence groups of 2 (data parallel across groups), under DDP, then under FSDP2 over all
+    4 (train.fsdp): the same global batch, so one process's losses and weights."""
+    folder = launched
+    recipes = [sp_recipe(folder, "groups-ddp", save_every=0), sp_recipe(folder, "groups-fsdp", save_every=0, fsdp=True)]
+    proc = launch(folder, ",".join(map(str, recipes)), "groups", processes=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "4 process(es)" in proc.stdout + proc.stderr
+    for run in ("groups-ddp", "groups-fsdp"):
+        same_training(folder, run, one)
 
 
 def test_what_sequence_parallelism_cannot_run_is_refused_in_one_line(tmp_path):
@@ -146,3 +175,12 @@ def test_what_sequence_parallelism_cannot_run_is_refused_in_one_line(tmp_path):
         check_recipe(recipe_from_dict(odd))
     model = tiny_model("llama")
     assert sharded_model(model, None).__enter__() is model  # off: the model as it is
+    fsdp = {**raw, "train": {**raw["train"], "fsdp": True}, "output": {**raw["output"], "save_every": 0}}
+    fsdp_check(recipe_from_dict(fsdp), "MULTI_CPU")  # what it runs
+    for change, message in [({"output": {**raw["output"], "save_every": 4}}, "resumable checkpoints"),
+                            ({"train": {**fsdp["train"], "peft": {"r": 4}}}, "train.peft is not built"),
+                            ({"train": {**fsdp["train"], "compile": True}}, "train.compile is not built")]:
+        with pytest.raises(RetrofitError, match=message):
+            fsdp_check(recipe_from_dict({**fsdp, **change}), "MULTI_CPU")
+    with pytest.raises(RetrofitError, match="accelerate already runs FSDP"):
+        fsdp_check(recipe_from_dict(fsdp), "FSDP")

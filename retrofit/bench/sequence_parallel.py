@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from ..atomic import atomic_write_text
@@ -49,28 +50,42 @@ def run(args: argparse.Namespace) -> int:
         raise RetrofitError("--steps must be a multiple of --warmup and at least 2 x --warmup")
     if args.seq_len % n:
         raise RetrofitError(f"--seq-len {args.seq_len} is not a multiple of --sequence-parallel {n}")
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         one, many = _measure(args, Path(tmp), 1), _measure(args, Path(tmp), n)
     peak_one, peak_many = one[0]["peak_mb"], max(r["peak_mb"] for r in many)
     ratio = peak_many / peak_one
     result = {
-        "benchmark": "train-sequence-parallel", "model_type": args.model_type, "norm": args.norm, "batch": args.batch,
-        "seq_len": args.seq_len, "steps": args.steps, "precision": args.precision, "sequence_parallel": n,
+        "benchmark": "train-sequence-parallel", "command": " ".join(["retrofit", *sys.argv[1:]]),
+        "model": args.model or args.model_type, "norm": args.norm, "batch": args.batch, "seq_len": args.seq_len,
+        "steps": args.steps, "precision": args.precision, "sequence_parallel": n, "fsdp": args.fsdp,
+        "gradient_checkpointing": args.gradient_checkpointing, "loss_chunk_tokens": args.loss_chunk_tokens,
         "load_average": os.getloadavg()[0], "cpus": os.cpu_count(), "memory_method": one[0]["method"],
         "one_process": one[0], "processes": many, "peak_ratio": round(ratio, 3),
         "added_ratio": round(max(r["added_mb"] for r in many) / one[0]["added_mb"], 3),
-        "target": TARGET, "meets_target": ratio <= TARGET}
-    print("\n| processes | peak MiB / process | at start | added by training | tokens/s | threads each |")
-    print("|----------:|-------------------:|---------:|------------------:|---------:|-------------:|")
-    for count, ranks in ((1, one), (n, many)):
-        worst = max(ranks, key=lambda r: r["peak_mb"])
-        print(f"| {count:9} | {worst['peak_mb']:18,.0f} | {worst['start_mb']:8,.0f} | {worst['added_mb']:17,.0f} | "
-              f"{ranks[0]['tokens_per_s']:8,.0f} | {worst['threads']:12} |")
-    print(f"\npeak per process, {n} processes / 1 = {ratio:.2f}x (target <= {TARGET}x); added by training "
-          f"{result['added_ratio']:.2f}x — {args.model_type}{' + ' + args.norm if args.norm else ''}, batch "
-          f"{args.batch} x {args.seq_len}, {args.precision}, load average {result['load_average']:.1f} on "
-          f"{result['cpus']} CPUs")
+        "target": TARGET, "meets_target": ratio <= TARGET, "wall_s": round(time.perf_counter() - started, 1)}
+    table = _table(result, one, many)
+    print("\n" + table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    atomic_write_text(Path(args.out).with_suffix(".md"), table + "\n")
+    print(f"wrote {args.out} and {Path(args.out).with_suffix('.md')}")
     return 0
+
+
+def _table(result: dict, one: list[dict], many: list[dict]) -> str:
+    """The markdown table and its one-line verdict (tokens/s: per the first rank, on whatever CPU was free)."""
+    n, sharded = result["sequence_parallel"], " + FSDP2" if result["fsdp"] else ""
+    lines = ["| processes | peak MiB / process | at start | added by training | tokens/s | threads each |",
+             "|----------:|-------------------:|---------:|------------------:|---------:|-------------:|"]
+    for count, ranks in ((1, one), (n, many)):
+        worst = max(ranks, key=lambda r: r["peak_mb"])
+        lines.append(f"| {count}{sharded if count > 1 else ''} | {worst['peak_mb']:,.0f} | {worst['start_mb']:,.0f} | "
+                     f"{worst['added_mb']:,.0f} | {ranks[0]['tokens_per_s']:,.0f} | {worst['threads']} |")
+    lines.append(f"\npeak per process, {n} processes{sharded} / 1 = {result['peak_ratio']:.2f}x (target <= {TARGET}x); "
+                 f"added by training {result['added_ratio']:.2f}x — {result['model']}"
+                 f"{' + ' + result['norm'] if result['norm'] else ''}, batch {result['batch']} x {result['seq_len']}, "
+                 f"{result['precision']}{', gradient checkpointing' if result['gradient_checkpointing'] else ''}, "
+                 f"loss chunk {result['loss_chunk_tokens']}, load average {result['load_average']:.1f} on "
+                 f"{result['cpus']} CPUs, {result['wall_s']:,.0f} s")
+    return "\n".join(lines)

@@ -19,14 +19,21 @@ def worker(args, workdir: Path) -> None:
     import torch
 
     from ..memory import PeakMemory
-    from .loops import SIZES, run_retrofit
+    from .loops import run_retrofit
+    from .train_memory import load_model
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, processes = int(os.environ.get("RANK", "0")), args.sequence_parallel
-    rows = torch.randint(0, SIZES[args.model_type]["vocab_size"], (args.batch * args.steps, args.seq_len),
+    knobs = {"gradient_checkpointing": args.gradient_checkpointing, "loss_chunk_tokens": args.loss_chunk_tokens,
+             "fsdp": args.fsdp and processes > 1}
+    model = load_model({"model": args.model, "model_type": args.model_type, "norm": args.norm})  # in `start`
+    rows = torch.randint(0, model.config.vocab_size, (args.batch * args.steps, args.seq_len),
                          generator=torch.Generator().manual_seed(0))  # the rows bench train uses
-    with PeakMemory("cpu") as memory:
-        stamps = run_retrofit(args, rows, workdir / f"run-{processes}")  # (step, time) at every log
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    if device == "cuda":  # this process's GPU, before the peak is reset on it (accelerate picks the same one)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    with PeakMemory(device) as memory:  # from here: what training holds at its peak (FSDP2 frees the full weights)
+        stamps = run_retrofit(args, rows, workdir / f"run-{processes}", model, **knobs)  # (step, time) at each log
     (first_step, first), (last_step, last) = stamps[0], stamps[-1]
     atomic_write_text(workdir / f"measure-{processes}-{rank}.json", json.dumps({
         "rank": rank, "start_mb": memory.start_mb, "peak_mb": memory.peak_mb, "added_mb": memory.added_mb,

@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-train.json", help="where to write the JSON results")
     parser.add_argument("--sequence-parallel", type=int, default=1, help="N > 1: retrofit's loop alone, one process "
                         "vs N sharing each row: peak memory per process, tokens/s (bench/sequence_parallel.py)")
+    parser.add_argument("--fsdp", action="store_true", help="--sequence-parallel: the N processes also shard weights, "
+                        "gradients and AdamW state (train.fsdp)")
 
     parser.add_argument("--memory", action="store_true", help="peak memory instead: each loop and length in a fresh "
                         "process (retrofit/bench/train_memory.py); also writes a markdown table beside --out")
@@ -68,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         args.batch = args.batch or 1
         return train_memory.run(args)
     args.batch, args.steps = args.batch or 4, args.steps or 12
+    if getattr(args, "fsdp", False) and args.sequence_parallel == 1:
+        raise RetrofitError("--fsdp is measured with --sequence-parallel N > 1 (one process against N sharded)")
     if args.sequence_parallel > 1:
         from .sequence_parallel import run as run_sequence_parallel
         return run_sequence_parallel(args)

@@ -126,7 +126,8 @@ def run(args) -> int:
 
 # ---- the child: one loop at one length, in its own process -----------------------------------------------------
 
-def _load_model(spec: dict):
+def load_model(spec: dict):
+    """spec["model"] (a source, in fp32) or spec["model_type"]'s small config, patched with spec["norm"] if any."""
     from ..load import load, model_from_config
     if spec["model"] is None:
         model = model_from_config(spec["model_type"], seed=0, **_sizes(spec))
@@ -174,7 +175,7 @@ def child(spec: dict, out: Path) -> None:
         config = load_config(spec["model"]) if spec["model"] else _config_of(spec)
         predicted = _predicted_mb(spec, config, count_parameters(config))  # MiB by part
     with PeakMemory(device) if device == "cuda" else contextlib.nullcontext() as memory:
-        model = _load_model(spec)
+        model = load_model(spec)
         args = _Args(spec)
         rows = torch.randint(0, model.config.vocab_size, (spec["batch"] * spec["steps"], spec["seq_len"]),
                              generator=torch.Generator().manual_seed(0))

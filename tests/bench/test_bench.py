@@ -37,6 +37,8 @@ def test_bench_attention_writes_table_and_json(tmp_path, capsys):
     (["attention", "--seq", "12,x"], "--seq must be a comma list"),
     (["attention", "--impl", "sdpa,fast"], "unknown --impl"),
     (["attention", "--p", "0"], "--p must be > 0"),
+    (["train", "--fsdp"], "--fsdp is measured with --sequence-parallel N > 1"),
+    (["train", "--sequence-parallel", "2", "--seq-len", "129"], "129 is not a multiple of --sequence-parallel 2"),
 ])
 def test_bench_bad_input_is_one_line_error(argv, message):
     from retrofit.errors import RetrofitError

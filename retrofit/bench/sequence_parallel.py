@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     ratio = peak_many / peak_one
     result = {
         "benchmark": "train-sequence-parallel", "command": " ".join(["retrofit", *sys.argv[1:]]),
-        "model": args.model or args.model_type, "norm": args.norm, "batch": args.batch, "seq_len": args.seq_len,
+        "model": args.model or args.model_type, "random_init": args.random_init, "norm": args.norm,
+        "batch": args.batch, "seq_len": args.seq_len,
         "steps": args.steps, "precision": args.precision, "sequence_parallel": n, "fsdp": args.fsdp,
         "gradient_checkpointing": args.gradient_checkpointing, "loss_chunk_tokens": args.loss_chunk_tokens,
         "load_average": os.getloadavg()[0], "cpus": os.cpu_count(), "memory_method": one[0]["method"],

@@ -26,7 +26,8 @@ def worker(args, workdir: Path) -> None:
     rank, processes = int(os.environ.get("RANK", "0")), args.sequence_parallel
     knobs = {"gradient_checkpointing": args.gradient_checkpointing, "loss_chunk_tokens": args.loss_chunk_tokens,
              "fsdp": args.fsdp and processes > 1}
-    model = load_model({"model": args.model, "model_type": args.model_type, "norm": args.norm})  # in `start`
+    model = load_model({"model": args.model, "model_type": args.model_type, "norm": args.norm,  # in `start`
+                        "random_init": args.random_init})
     rows = torch.randint(0, model.config.vocab_size, (args.batch * args.steps, args.seq_len),
                          generator=torch.Generator().manual_seed(0))  # the rows bench train uses
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"

@@ -43,6 +43,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true", help="--memory: in every loop")
     parser.add_argument("--activation-offload", action="store_true", help="--memory: retrofit's save_on_cpu knob")
     parser.add_argument("--loss-chunk-tokens", type=int, default=1024, help="--memory: retrofit's loss chunk")
+    parser.add_argument("--random-init", action="store_true", help="--sequence-parallel: build --model's architecture "
+                        "from its config with random weights (seed 0); --model may be a folder of config.json only")
 
 
 def _spec(args, loop: str, length: int) -> dict:
@@ -131,6 +133,9 @@ def load_model(spec: dict):
     from ..load import load, model_from_config
     if spec["model"] is None:
         model = model_from_config(spec["model_type"], seed=0, **_sizes(spec))
+    elif spec.get("random_init"):
+        from .gpu_train import random_model
+        model = random_model(spec["model"])
     else:
         model = load(spec["model"], dtype="float32")
     if spec["norm"]:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from .loops import SIZES
 
 TARGET = 0.6
 
@@ -44,12 +45,25 @@ def _measure(args, workdir: Path, processes: int) -> list[dict]:
     return [json.loads((workdir / f"measure-{processes}-{r}.json").read_text()) for r in range(processes)]
 
 
+def _heads(args) -> int:
+    """The model's query heads, from its config alone."""
+    if args.model:
+        from ..load import load_config
+        return load_config(args.model).num_attention_heads
+    sizes = SIZES[args.model_type]
+    return sizes.get("num_attention_heads") or sizes["n_head"]
+
+
 def run(args: argparse.Namespace) -> int:
     n = args.sequence_parallel
     if args.steps % args.warmup or args.steps < 2 * args.warmup:
         raise RetrofitError("--steps must be a multiple of --warmup and at least 2 x --warmup")
     if args.seq_len % n:
         raise RetrofitError(f"--seq-len {args.seq_len} is not a multiple of --sequence-parallel {n}")
+    heads = _heads(args)
+    if heads % n:  # Ulysses gives each process whole heads: refuse now, not after the one-process run
+        raise RetrofitError(f"the model's {heads} attention heads cannot be split over --sequence-parallel {n}: "
+                            f"choose a divisor of {heads}")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         one, many = _measure(args, Path(tmp), 1), _measure(args, Path(tmp), n)

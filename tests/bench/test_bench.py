@@ -39,6 +39,8 @@ def test_bench_attention_writes_table_and_json(tmp_path, capsys):
     (["attention", "--p", "0"], "--p must be > 0"),
     (["train", "--fsdp"], "--fsdp is measured with --sequence-parallel N > 1"),
     (["train", "--sequence-parallel", "2", "--seq-len", "129"], "129 is not a multiple of --sequence-parallel 2"),
+    (["train", "--sequence-parallel", "3", "--model-type", "llama", "--seq-len", "129"],
+     "4 attention heads cannot be split over --sequence-parallel 3"),
 ])
 def test_bench_bad_input_is_one_line_error(argv, message):
     from retrofit.errors import RetrofitError

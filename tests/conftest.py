@@ -1,11 +1,16 @@
 """Fixtures for every folder, and one habit of the whole session (pytest_collection_finish). A fixture that serves
 one folder lives in that folder's conftest.py (tests/cli/conftest.py, tests/train/conftest.py); tests/README.md
-lists them all."""
+lists them all. And what the README's test command, `pytest -n 2 --dist loadscope` (pytest-xdist: two worker
+processes, one per core of CI's two, each running whole test modules), needs: one torch thread per worker, and
+costly session fixtures built once per run (built_once), not once per worker."""
 
 import gc
+import json
+import os
 
 import pytest
 import torch
+from filelock import FileLock
 
 
 def pytest_collection_finish(session):
@@ -15,6 +20,14 @@ def pytest_collection_finish(session):
     too, and each such collection took ~0.7 s here. Objects made by the tests themselves are collected as before."""
     gc.collect()
     gc.freeze()
+
+
+def pytest_configure(config):
+    """In each of `-n N`'s workers, torch and the processes its tests start compute on one thread: the N workers share
+    the cores, and each one's default of a thread per core would oversubscribe them."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def pytest_unconfigure(config):
@@ -58,3 +71,18 @@ def evaluated_run(tmp_path_factory):
                  "--out", str(run / "eval")]) == 0
     assert str(run) in (run / "eval" / "results.json").read_text()  # the local path the push must not publish
     return run
+
+
+def built_once(tmp_path_factory, name: str, build) -> dict | list:
+    """`build(folder)`'s JSON-able result, built once per test run however many pytest-xdist workers ask (a session
+    fixture alone is built once per worker): the first to ask builds in the folder the workers share, under a file
+    lock; the others wait for it and read the result it recorded."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's folder, above each worker's own
+    record = shared / f"{name}.json"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not record.is_file():
+            (shared / name).mkdir()
+            record.write_text(json.dumps(build(shared / name)))
+        return json.loads(record.read_text())

@@ -14,6 +14,7 @@ from tests.project.test_layout import RANKS
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+TEST_COMMAND = "python -m pytest -q -n 2 --dist loadscope"  # pytest-xdist: two worker processes (tests/conftest.py)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 # one quoted number: a signed decimal, with its ± half-width when it has one ("-0.791 ± 0.191", "−0.796", "6,271")
 NUMBER = re.compile(r"[−+-]?\d[\d,]*\.\d+(?: ± \d+\.\d+)?")
@@ -27,7 +28,8 @@ def test_the_readme_is_a_front_door():
     text = README.read_text()
     assert len(text.splitlines()) <= 150, "README.md is a front door: move the detail to a page under docs/"
     assert "pip install torch==2.13.0 && pip install -e . && retrofit demo\n" in text
-    assert 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q\n' in text
+    assert f'pip install torch==2.13.0 && pip install -e ".[test]" && {TEST_COMMAND}\n' in text
+    assert f"\n{TEST_COMMAND}\n" in (ROOT / ".ci" / "run").read_text()  # CI runs exactly the README's command
 
 
 @pytest.mark.parametrize("page", [README, *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)

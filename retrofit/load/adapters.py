@@ -29,9 +29,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from huggingface_hub import snapshot_download
-from peft import PeftConfig, PeftModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -43,6 +43,9 @@ from ..patch import patch_from_record, patch_record
 from .checkpoint import checkpoint_or_plain, listed
 from .sources import hub_error, hub_reachable, source_kind
 from .validate import check_finite, check_record
+
+if TYPE_CHECKING:  # PEFT is imported where an adapter is loaded: its import costs ~1 s, most runs load none
+    from peft import PeftConfig
 
 RECORD, TENSORS = "retrofit.json", "retrofit.safetensors"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -218,6 +221,8 @@ def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=
                             f"({listed(saved.keys() - expected)}): it belongs to another model or patch")
     check_finite(saved, str(folder / TENSORS))
     base.load_state_dict(saved, strict=False)
+    from peft import PeftModel  # here, not at the top: PEFT's import costs ~1 s, and most runs train no adapter
+
     try:
         model = PeftModel.from_pretrained(base, str(folder), is_trainable=is_trainable)
     except (OSError, ValueError, KeyError, RuntimeError) as err:

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -263,4 +262,6 @@ def _load_adapter_run(run: Path) -> nn.Module:
     recipe = load_recipe(run / "recipe.yaml")
     base, _ = load_base(recipe)
     apply_patch(base, recipe.patch)  # the calibrated / trained patch parameters come back from the adapter
+    from peft import PeftModel  # imported here: most runs have no adapter, and PEFT's import costs ~1 s
+
     return PeftModel.from_pretrained(language_model(base), str(run / ADAPTER_DIR))

@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from ..calibrate import calibrate
@@ -185,6 +184,8 @@ def apply_peft(model: nn.Module, peft: PeftSection | None) -> nn.Module:
     """LoRA on the language model; the patch's `retrofit` children train too (modules_to_save)."""
     if peft is None:
         return model
+    from peft import LoraConfig, get_peft_model  # imported here: PEFT costs ~1 s, and most runs train no LoRA
+
     lm = language_model(model)
     patched = any(n.endswith(".retrofit") and any(True for _ in m.parameters()) for n, m in lm.named_modules())
     config = LoraConfig(r=peft.r, lora_alpha=peft.alpha, lora_dropout=peft.dropout, task_type="CAUSAL_LM",

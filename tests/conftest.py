@@ -24,10 +24,30 @@ def pytest_collection_finish(session):
 
 def pytest_configure(config):
     """In each of `-n N`'s workers, torch and the processes its tests start compute on one thread: the N workers share
-    the cores, and each one's default of a thread per core would oversubscribe them."""
+    the cores, and each one's default of a thread per core would oversubscribe them. The modules are handed out in
+    the order pytest_collection_modifyitems gives them (xdist's own, most tests first, ends on few long ones)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"
+    elif getattr(config.option, "dist", "no") == "loadscope":
+        config.option.loadscopereorder = False
+
+
+LONG = ("subprocess", "torch.compile", "nbclient")  # in a test module's source: it starts processes or compiles
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the modules that start processes or compile (most of the long ones: launches, the demo,
+    notebooks, compiled models) come first, so the run does not end on one of them while the other worker idles.
+    The sort is stable: within each half, the collection order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    long = {}
+    for item in items:
+        path = item.path
+        if path not in long:
+            long[path] = any(word in path.read_text() for word in LONG)
+    items.sort(key=lambda item: not long[item.path])
 
 
 def pytest_unconfigure(config):

@@ -230,17 +230,17 @@ def save_model(model: nn.Module, run_dir, *, tokenizer=None, peft_save: str | No
     when the merged form was written). Call on the main process with the unwrapped model."""
     run_dir = Path(run_dir)
     lm = language_model(model)
+    if state_dict is not None and isinstance(model, CountingModel):
+        state_dict = {k[3:]: v for k, v in state_dict.items() if k.startswith("lm.")}
     if peft_save is not None:
-        if peft_save in ("adapter", "both"):
-            lm.save_pretrained(run_dir / ADAPTER_DIR)
+        if peft_save in ("adapter", "both"):  # state_dict (a sharded model's, gathered): the adapter's part of it
+            lm.save_pretrained(run_dir / ADAPTER_DIR, **({"state_dict": state_dict} if state_dict else {}))
         if peft_save in ("merged", "both"):
             lm = lm.merge_and_unload()
             lm.save_pretrained(run_dir)
             if isinstance(model, CountingModel):
                 model.lm = lm
     else:
-        if state_dict is not None and isinstance(model, CountingModel):
-            state_dict = {k[3:]: v for k, v in state_dict.items() if k.startswith("lm.")}
         lm.save_pretrained(run_dir, state_dict=state_dict)
     if isinstance(model, CountingModel):
         save_file(model.task_state(), str(run_dir / HEAD_FILE))

@@ -215,7 +215,8 @@ class TrainSection:
     sequence_parallel: int = setting(1, "N processes share each row (Ulysses: each holds T/N tokens, attention sees "
                                         "the whole row for H/N heads); groups of N are data parallel; 1 = off")
     fsdp: bool = setting(False, "FSDP2 over every process (retrofit.train.fsdp.shard_model): weights, gradients and "
-                                "AdamW state sharded instead of DDP's copies; without train.peft and checkpoints")
+                                "AdamW state sharded instead of DDP's copies, checkpoints per process; LoRA saves "
+                                "the adapter")
     log_every: int = setting(10, "steps between log lines (loss is averaged over them)")
     progress: bool = setting(True, "show a progress bar (loss, tokens/s, ETA)")
     peft: PeftSection | None = setting(None, "LoRA finetune instead of full; null = train all weights")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..atomic import MARKER, atomic_write_text, owned_folder, remove_owned
 from ..errors import RetrofitError
+from . import fsdp
 
 FOLDER, PREFIX, TMP, MANIFEST = "checkpoints", "step-", ".tmp-", "manifest.json"
 
@@ -55,10 +56,11 @@ def fsync_tree(path: Path) -> None:
 
 
 def save_checkpoint(accelerator, run_dir, step: int, data_state: dict, recipe_flat: dict, keep: int,
-                    window: dict | None = None, knob: list[float] | None = None) -> Path:
+                    window: dict | None = None, knob: list[float] | None = None, sharded=None) -> Path:
     """Every process calls this (accelerate writes each process's RNG state); the main one commits.
     window: the open log window (loss sum, items) so a resumed run logs the same mean. knob: a recovery
-    schedule's knob value per layer at this step (resume recomputes it from the step and checks it)."""
+    schedule's knob value per layer at this step (resume recomputes it from the step and checks it).
+    sharded: (model, optimizer) under train.fsdp, whose shards every process writes itself (see write_state)."""
     root = Path(run_dir) / FOLDER
     final, tmp = root / f"{PREFIX}{step:07d}", root / f"{TMP}{PREFIX}{step:07d}"
     if accelerator.is_main_process:
@@ -70,7 +72,7 @@ def save_checkpoint(accelerator, run_dir, step: int, data_state: dict, recipe_fl
         owned_folder(tmp)
     accelerator.wait_for_everyone()
     with _disk_full_is_one_line(accelerator, tmp, run_dir, step):
-        write_state(accelerator, tmp)
+        write_state(accelerator, tmp, sharded)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         meta = {"step": step, "data": data_state, "recipe": recipe_flat, "processes": accelerator.num_processes,
@@ -158,7 +160,7 @@ def verify(folder: Path) -> str | None:
     return None
 
 
-def resume_checkpoint(accelerator, run_dir, recipe_flat: dict) -> tuple[Path, dict] | None:
+def resume_checkpoint(accelerator, run_dir, recipe_flat: dict, sharded=None) -> tuple[Path, dict] | None:
     """Load the newest checkpoint that verifies, naming each damaged one it passes over; None when the run
     has no checkpoint at all, an error when it has some and every one is damaged."""
     found = complete_checkpoints(run_dir)
@@ -166,7 +168,7 @@ def resume_checkpoint(accelerator, run_dir, recipe_flat: dict) -> tuple[Path, di
     for i, (_, path) in enumerate(reversed(found)):
         problem = verify(path)
         if problem is None:
-            return path, load_checkpoint(accelerator, path, recipe_flat)
+            return path, load_checkpoint(accelerator, path, recipe_flat, sharded)
         older = found[-2 - i][1].name if i + 1 < len(found) else None
         accelerator.print(f"checkpoint {path} is damaged: {problem}; "
                           + (f"falling back to {older}" if older else "no older checkpoint"))
@@ -177,9 +179,17 @@ def resume_checkpoint(accelerator, run_dir, recipe_flat: dict) -> tuple[Path, di
     return None
 
 
-def write_state(accelerator, folder: Path) -> None:
-    """accelerate's save_state (a seam the tests use to simulate a crash mid-write)."""
-    accelerator.save_state(str(folder))
+def write_state(accelerator, folder: Path, sharded=None) -> None:
+    """accelerate's save_state (a seam the tests use to simulate a crash mid-write). Under train.fsdp
+    (sharded = (model, optimizer)) accelerate would write the optimizer from the main process alone, which holds
+    1/world of it: every process writes its own shards (torch.distributed.checkpoint), accelerate the RNG states."""
+    if sharded is None:
+        accelerator.save_state(str(folder))
+        return
+    from accelerate.checkpointing import save_accelerator_state
+    fsdp.save_shards(folder, *sharded)
+    save_accelerator_state(str(folder), [], [], [], [], accelerator.process_index, accelerator.step,
+                           accelerator.scaler if accelerator.is_main_process else None)
 
 
 def check_same_recipe(saved: dict, current: dict, where) -> None:
@@ -190,12 +200,20 @@ def check_same_recipe(saved: dict, current: dict, where) -> None:
                             f"{', ...' if len(keys) > 3 else ''}); resume with the original recipe")
 
 
-def load_checkpoint(accelerator, path: Path, recipe_flat: dict) -> dict:
-    """Restore model, optimizer and RNG states into the prepared objects; returns meta.json."""
+def load_checkpoint(accelerator, path: Path, recipe_flat: dict, sharded=None) -> dict:
+    """Restore model, optimizer and RNG states into the prepared objects (sharded: as write_state); returns
+    meta.json."""
     meta = json.loads((path / "meta.json").read_text())
     check_same_recipe(meta["recipe"], recipe_flat, path)
     if meta["processes"] != accelerator.num_processes:
         raise RetrofitError(f"{path} was written by {meta['processes']} process(es), this run has "
                             f"{accelerator.num_processes}; resume with the same number of processes")
-    accelerator.load_state(str(path))
+    if sharded is None:
+        accelerator.load_state(str(path))
+        return meta
+    from accelerate.checkpointing import load_accelerator_state
+    fsdp.load_shards(path, *sharded)
+    restored = load_accelerator_state(str(path), [], [], [], [], accelerator.process_index, accelerator.scaler)
+    for key, value in restored.items():  # what load_state sets too (its step counter)
+        setattr(accelerator, key, value)
     return meta

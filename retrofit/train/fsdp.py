@@ -82,13 +82,12 @@ def check_recipe(recipe, distributed_type: str) -> None:
     if distributed_type in ("FSDP", "DEEPSPEED"):
         raise RetrofitError(f"train.fsdp shards the model itself; accelerate already runs {distributed_type}: "
                             "set train.fsdp false or launch without accelerate's FSDP / DeepSpeed config")
-    if recipe.train.peft is not None:
-        raise RetrofitError("train.fsdp with train.peft is not built yet: drop one of them")
+    if recipe.train.peft is not None and recipe.train.peft.save != "adapter":
+        raise RetrofitError(f"train.fsdp with LoRA saves the adapter only (train.peft.save is "
+                            f"{recipe.train.peft.save!r}): set train.peft.save: adapter; the run then loads with "
+                            "retrofit.from_pretrained(run), which can merge it")
     if recipe.section("recovery") is not None:
         raise RetrofitError("train.fsdp with a recovery section is not built yet: drop one of them")
-    if recipe.output.save_every:
-        raise RetrofitError("train.fsdp does not write resumable checkpoints yet: set output.save_every 0 "
-                            "(the final model is saved unsharded)")
     if recipe.train.compile:
         raise RetrofitError("train.fsdp with train.compile is not built yet: drop one of them")
 
@@ -118,3 +117,43 @@ def full_state_dict(model: nn.Module) -> dict:
     """Every unsharded tensor on the CPU of every process (a collective: all call it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ---- resumable checkpoints: each process writes its own shards (torch.distributed.checkpoint) -----------------------
+
+SHARDS = "fsdp"  # the checkpoint's subfolder: one .distcp file per process, .metadata from the main one
+
+
+def _options():
+    """Frozen parameters are left out (a LoRA run's base: rebuilt from the same recipe, it never changes); the
+    load is exact all the same, as dcp.load refuses a key the checkpoint lacks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _states(model: nn.Module, optimizer) -> dict:
+    """The model's trained and optimizer's sharded state dicts (DTensors: each process holds its own shards). A
+    fresh optimizer gets its state created first (a step at learning rate 0), so a load has tensors to fill."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+    return {"model": get_model_state_dict(model, options=_options()),
+            "optim": get_optimizer_state_dict(model, inner, options=_options())}
+
+
+def save_shards(folder, model: nn.Module, optimizer) -> None:
+    """Every process writes its shards of the model and optimizer into folder/fsdp (a collective: all call it)."""
+    import torch.distributed.checkpoint as dcp
+    dcp.save(_states(model, optimizer), checkpoint_id=str(folder / SHARDS))
+
+
+def load_shards(folder, model: nn.Module, optimizer) -> None:
+    """The inverse of save_shards, in place, on the same number of processes (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    if not (folder / SHARDS).is_dir():
+        raise RetrofitError(f"{folder} holds no {SHARDS}/ shards: it was not written under train.fsdp; resume "
+                            "with the recipe it was trained with")
+    states = _states(model, optimizer)
+    dcp.load(states, checkpoint_id=str(folder / SHARDS))
+    set_model_state_dict(model, states["model"], options=_options())
+    set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), states["optim"], options=_options())

@@ -182,7 +182,7 @@ def _resume(run: Run) -> list[float] | None:
     position and the open log window (so a window spanning the resume logs the same mean). Returns the schedule
     knob it saved (None: none)."""
     run.result.resumed_from = 0
-    found = checkpoint.resume_checkpoint(run.acc, run.run_dir, run.flat)
+    found = checkpoint.resume_checkpoint(run.acc, run.run_dir, run.flat, _sharded(run))
     if not found:
         run.acc.print(f"no complete checkpoint in {run.run_dir}: starting at step 0")
         return None
@@ -292,8 +292,13 @@ def _save_checkpoint(run: Run, done: int) -> None:
     window = {"loss": float(acc.reduce(run.window.loss.clone(), "sum")), "items": run.window.items}
     knob = knob_values(run.model) if run.schedule is not None else None
     path = checkpoint.save_checkpoint(acc, run.run_dir, done, run.data.state_dict(), run.flat, run.recipe.output.keep,
-                                      window=window, knob=knob)
+                                      window=window, knob=knob, sharded=_sharded(run))
     run.notify("checkpoint", done, path=path)
+
+
+def _sharded(run: Run):
+    """(model, optimizer) under train.fsdp, whose checkpoints each process writes its own shards of; else None."""
+    return (run.model, run.optimizer) if run.recipe.train.fsdp else None
 
 
 def _finish(run: Run) -> TrainResult:

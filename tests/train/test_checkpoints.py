@@ -196,8 +196,8 @@ def uninterrupted(tmp_path_factory):
 def test_a_full_disk_while_checkpointing_is_one_line_and_the_run_resumes(error, uninterrupted, tmp_path, monkeypatch):
     real_write = checkpoint.write_state
 
-    def full_at_step_8(accelerator, folder):
-        real_write(accelerator, folder)  # files half there, as when the disk fills mid-write
+    def full_at_step_8(accelerator, folder, sharded=None):
+        real_write(accelerator, folder, sharded)  # files half there, as when the disk fills mid-write
         if folder.name.endswith("0000008"):
             raise error
 
@@ -218,7 +218,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_run_resumes(error, 
 
 
 def test_another_runtime_error_while_checkpointing_keeps_its_traceback(tmp_path, monkeypatch):
-    def broken(accelerator, folder):
+    def broken(accelerator, folder, sharded=None):
         raise RuntimeError("a bug, not a disk")
     monkeypatch.setattr(checkpoint, "write_state", broken)
     with pytest.raises(RuntimeError, match="a bug, not a disk"):

@@ -1,8 +1,9 @@
 """Ulysses sequence parallelism on CPU (2 processes, gloo): for every norm, GQA with fewer KV heads than ranks,
 eager, GPT-2's learned positions and LoRA + gradient checkpointing, the sharded forward's logits and gradients
-equal one process's (fp32, 1e-5); `retrofit train` with train.sequence_parallel: 2 logs one process's losses, saves
-an unsharded model, and a killed run resumes bitwise. Three launches (one training run each; the first also runs
-every parity case)."""
+equal one process's (fp32, 1e-5); `retrofit train` with train.sequence_parallel: 2 under train.fsdp logs one
+process's losses, saves an unsharded model, and a killed run resumes bitwise from its sharded checkpoint; 2 groups
+of 2 train like one process under DDP, FSDP2 and FSDP2 + LoRA. Four launches (the first also runs every parity
+case)."""
 
 from __future__ import annotations
 
@@ -57,9 +58,10 @@ def sp_recipe(folder: Path, name: str, sequence_parallel: int = 2, save_every: i
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """One launch: every parity case, then the uninterrupted sequence-parallel training run (folder/full)."""
+    """One launch: every parity case, then the uninterrupted sequence-parallel training run (folder/full), FSDP2
+    over both processes of its one sequence group (train.fsdp), a checkpoint every 4 steps."""
     folder = write_corpus(tmp_path_factory.mktemp("sp"))
-    proc = launch(folder, str(sp_recipe(folder, "full")))
+    proc = launch(folder, str(sp_recipe(folder, "full", fsdp=True)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return folder
 
@@ -128,10 +130,12 @@ def test_training_matches_one_process_and_a_killed_run_resumes_bitwise(launched,
     same_training(folder, "full", one)
     assert one.losses[10] < one.losses[1]  # it trained
     full = losses_of(folder / "full")
-    killed = sp_recipe(folder, "killed")
+    killed = sp_recipe(folder, "killed", fsdp=True)
     proc = launch(folder, str(killed), "kill:7")  # both processes kill themselves after step 7
     assert proc.returncode != 0 and not (folder / "killed" / "result.json").exists()
-    assert [s for s, _ in checkpoint.complete_checkpoints(folder / "killed")] == [4]
+    [(step, path)] = checkpoint.complete_checkpoints(folder / "killed")
+    assert step == 4 and not list(path.glob("*.safetensors")) and not list(path.glob("optimizer*"))
+    assert sorted(p.name for p in (path / "fsdp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     proc = launch(folder, str(killed), "resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout + proc.stderr
@@ -140,16 +144,30 @@ def test_training_matches_one_process_and_a_killed_run_resumes_bitwise(launched,
     assert saved.keys() == resumed.keys() and all(torch.equal(saved[k], resumed[k]) for k in saved)
 
 
-def test_two_groups_of_two_train_like_one_process_with_ddp_and_fsdp2(launched, one):
+def test_two_groups_of_two_train_like_one_process_with_ddp_fsdp2_and_lora(launched, one):
     """4 processes: 2 sequence groups of 2 (data parallel across groups), under DDP, then under FSDP2 over all
-    4 (train.fsdp): the same global batch, so one process's losses and weights."""
+    4 (train.fsdp), then FSDP2 with LoRA: the same global batch, so one process's losses, weights and adapter."""
     folder = launched
-    recipes = [sp_recipe(folder, "groups-ddp", save_every=0), sp_recipe(folder, "groups-fsdp", save_every=0, fsdp=True)]
+    lora = {"r": 4, "save": "adapter"}
+    recipes = [sp_recipe(folder, "groups-ddp", save_every=0), sp_recipe(folder, "groups-fsdp", save_every=0, fsdp=True),
+               sp_recipe(folder, "groups-lora", save_every=8, fsdp=True, peft=lora)]
     proc = launch(folder, ",".join(map(str, recipes)), "groups", processes=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "4 process(es)" in proc.stdout + proc.stderr
     for run in ("groups-ddp", "groups-fsdp"):
         same_training(folder, run, one)
+    alone = train(load_recipe(sp_recipe(folder, "one-lora", sequence_parallel=1, save_every=0, peft=lora)))
+    got = losses_of(folder / "groups-lora")
+    assert sorted(got) == list(range(1, 11)) and max(abs(got[s] - alone.losses[s]) for s in got) <= 1e-5
+    sharded, single = (load_file(folder / run / "adapter" / "adapter_model.safetensors")
+                       for run in ("groups-lora", "one-lora"))
+    assert sharded.keys() == single.keys() and any("lora_B" in k for k in single)
+    for name, weight in single.items():
+        torch.testing.assert_close(sharded[name], weight, rtol=0, atol=1e-4, msg=name)
+    from torch.distributed.checkpoint import FileSystemReader
+    [(_, path)] = checkpoint.complete_checkpoints(folder / "groups-lora")
+    keys = FileSystemReader(str(path / "fsdp")).read_metadata().state_dict_metadata
+    assert any("lora_A" in k for k in keys) and not any("base_layer" in k for k in keys)  # the frozen base: not saved
 
 
 def test_what_sequence_parallelism_cannot_run_is_refused_in_one_line(tmp_path):
@@ -177,8 +195,7 @@ def test_what_sequence_parallelism_cannot_run_is_refused_in_one_line(tmp_path):
     assert sharded_model(model, None).__enter__() is model  # off: the model as it is
     fsdp = {**raw, "train": {**raw["train"], "fsdp": True}, "output": {**raw["output"], "save_every": 0}}
     fsdp_check(recipe_from_dict(fsdp), "MULTI_CPU")  # what it runs
-    for change, message in [({"output": {**raw["output"], "save_every": 4}}, "resumable checkpoints"),
-                            ({"train": {**fsdp["train"], "peft": {"r": 4}}}, "train.peft is not built"),
+    for change, message in [({"train": {**fsdp["train"], "peft": {"r": 4}}}, "saves the adapter only"),
                             ({"train": {**fsdp["train"], "compile": True}}, "train.compile is not built")]:
         with pytest.raises(RetrofitError, match=message):
             fsdp_check(recipe_from_dict({**fsdp, **change}), "MULTI_CPU")

@@ -198,8 +198,8 @@ def test_crash_while_writing_a_checkpoint_never_leaves_one_that_loads(corpus, un
     raw = lm_recipe(corpus, tmp_path / "run")
     real_write = checkpoint.write_state
 
-    def crash_on_second(accelerator, folder):
-        real_write(accelerator, folder)  # the files are there, meta.json and the rename are not
+    def crash_on_second(accelerator, folder, sharded=None):
+        real_write(accelerator, folder, sharded)  # the files are there, meta.json and the rename are not
         if "0000008" in str(folder):
             raise KeyboardInterrupt("simulated kill during the checkpoint write")
 

@@ -219,6 +219,10 @@ class TrainSection:
                                 "the adapter")
     log_every: int = setting(10, "steps between log lines (loss is averaged over them)")
     progress: bool = setting(True, "show a progress bar (loss, tokens/s, ETA)")
+    cpu_release_memory: bool = setting(True, "CPU: freed tensors of 1 MiB or more go back to the OS at once (glibc's "
+                                             "mmap threshold; retrofit.memory): a lower peak at long lengths, but "
+                                             "~1.8x slower steps for a small model's many small tensors (measured); "
+                                             "false for small-model experiments. Results are the same either way")
     peft: PeftSection | None = setting(None, "LoRA finetune instead of full; null = train all weights")
 
     def __post_init__(self):

@@ -31,7 +31,7 @@ from . import fsdp
 FOLDER, PREFIX, TMP, MANIFEST = "checkpoints", "step-", ".tmp-", "manifest.json"
 
 # Keys that may differ between the run and its resumption without changing the result.
-_IGNORED = ("name", "output.", "train.progress", "train.log_every", "eval.")
+_IGNORED = ("name", "output.", "train.progress", "train.log_every", "train.cpu_release_memory", "eval.")
 
 
 def complete_checkpoints(run_dir) -> list[tuple[int, Path]]:

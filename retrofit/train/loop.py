@@ -106,8 +106,8 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
         if importlib.util.find_spec("wandb") is None:
             raise RetrofitError("output.trackers has wandb but it is not installed: pip install wandb")
     acc = build.make_accelerator(recipe.train, run_dir, trackers)
-    if acc.device.type == "cpu":  # freed activations go back to the OS instead of raising the peak (memory.py)
-        return_freed_memory()
+    if acc.device.type == "cpu" and recipe.train.cpu_release_memory:  # freed activations go back to the OS
+        return_freed_memory()  # instead of raising the peak (memory.py); it costs small models speed
     # made, marked and locked (one writer per run folder; released on any exit); a run refused before it wrote
     # anything (a length beyond GPT-2's positions, say) leaves no folder behind
     with output_folder(run_dir, "output.dir", enabled=acc.is_main_process):

@@ -85,3 +85,21 @@ def test_a_checkpointed_forward_leaves_no_freed_activations_resident_once_the_th
     was_set, fixed = retained("set")
     assert was_set == "True" and fixed < 16
     assert retained("default")[1] > 48
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_the_loop_sets_the_threshold_only_when_the_recipe_asks(release, tmp_path, monkeypatch):
+    """train.cpu_release_memory (default true) decides whether the CPU loop fixes glibc's threshold; it changes no
+    result, so a run may resume with it changed."""
+    from retrofit.recipe import recipe_from_dict
+    from retrofit.train import checkpoint, loop, train
+    calls = []
+    monkeypatch.setattr(loop, "return_freed_memory", lambda *a: calls.append(a) or True)
+    raw = {"model": {"config": {"model_type": "gpt2"}}, "data": {"task": "counting", "seq_len": 16},
+           "train": {"steps": 1, "batch_size": 2, "micro_batch_size": 2, "progress": False,
+                     "cpu_release_memory": release},
+           "eval": {"lengths": [16], "batches": 1}, "output": {"dir": str(tmp_path / "run")}}
+    train(recipe_from_dict(raw))
+    assert calls == ([()] if release else [])
+    flat = {"train.cpu_release_memory": release, "train.lr": 1e-3}
+    checkpoint.check_same_recipe(flat, {**flat, "train.cpu_release_memory": not release}, tmp_path)  # no error

@@ -131,13 +131,16 @@ def _options():
     return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
+def _torch_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+
+
 def _states(model: nn.Module, optimizer) -> dict:
     """The model's trained and optimizer's sharded state dicts (DTensors: each process holds its own shards). A
     fresh optimizer gets its state created first (a step at learning rate 0), so a load has tensors to fill."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
     return {"model": get_model_state_dict(model, options=_options()),
-            "optim": get_optimizer_state_dict(model, inner, options=_options())}
+            "optim": get_optimizer_state_dict(model, _torch_optimizer(optimizer), options=_options())}
 
 
 def save_shards(folder, model: nn.Module, optimizer) -> None:
@@ -156,4 +159,4 @@ def load_shards(folder, model: nn.Module, optimizer) -> None:
     states = _states(model, optimizer)
     dcp.load(states, checkpoint_id=str(folder / SHARDS))
     set_model_state_dict(model, states["model"], options=_options())
-    set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), states["optim"], options=_options())
+    set_optimizer_state_dict(model, _torch_optimizer(optimizer), states["optim"], options=_options())

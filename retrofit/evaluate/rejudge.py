@@ -14,9 +14,11 @@ import copy
 from .compare import comparison_references, judged
 from .intervals import METHOD, as_list, mean_interval, proportion_interval
 
+_UNITS = {"lengths": "window_losses", "counting": "sequence_l1", "passkey": "correct", "ruler": "scores"}
+
 
 def _interval(row: dict, key: str):
-    """The interval of one row from its stored units (None when they were not kept)."""
+    """The interval of one row from its stored units (None when they were not kept, or n = 1)."""
     if key == "lengths":
         return mean_interval(row["window_losses"]) if "window_losses" in row else None
     if key == "counting":
@@ -38,7 +40,7 @@ def rejudge(results: dict, reference=None) -> dict:
         for key in ("lengths", "counting", "passkey", "ruler"):
             for row in model.get(key) or []:
                 interval = _interval(row, key)
-                judged_any |= interval is not None
+                judged_any |= _UNITS[key] in row  # kept its units: judged, even where n = 1 gives no interval
                 if "ci95" in row or interval is not None:
                     row["ci95"] = as_list(interval)
     settings = results.setdefault("settings", {})

@@ -199,8 +199,9 @@ def test_every_committed_results_json_validates_and_renders(tmp_path):
             text = (out / "results.md").read_text()
             table = text.split("## Loss by context length")[1][:2000] if "## Loss by context length" in text else ""
             if results.get("settings", {}).get("intervals"):  # written with intervals: they are shown
-                has_lm = any(m.get("lengths") for m in results["models"])
-                assert "Intervals: 95%" in text and ("±" in table or not has_lm), path
+                # a ± wherever some length stands on 2+ windows (n = 1 gives none: the seeds' table has it)
+                has_n2 = any(r.get("windows", 0) >= 2 for m in results["models"] for r in m.get("lengths") or [])
+                assert "Intervals: 95%" in text and ("±" in table or not has_n2), path
             else:  # written before them: said, and no ± invented
                 assert "No intervals" in text and "±" not in table, path
 
@@ -267,6 +268,20 @@ def _judged_as_committed(results: dict) -> tuple[dict, dict]:
     control = results.get("control", "softmax") if "evaluation" in results else None  # as `retrofit report`
     known = control is not None and any(control in (m["name"], m.get("arm")) for m in evaluation["models"])
     return evaluation, rejudge(evaluation, control if known else None)
+
+
+def test_rejudge_keeps_the_method_where_every_row_stands_on_one_window():
+    """One window a model (seeds give the interval): judged, no per-row interval, the method still named."""
+    from retrofit.evaluate.rejudge import rejudge
+    one = {"schema": "retrofit.eval/2", "settings": {"intervals": "old"}, "models": [
+        {"name": n, "lengths": [{"length": 16, "loss": v, "windows": 1, "windows_sha1": "s", "window_losses": [v]}]}
+        for n, v in (("a", 3.0), ("b", 3.5))]}
+    again = rejudge(one)
+    assert again["settings"]["intervals"].startswith("Student's t")
+    assert [m["lengths"][0].get("ci95") for m in again["models"]] == [None, None]
+    unkept = {"schema": "retrofit.eval/1", "settings": {"intervals": "old"}, "models": [
+        {"name": "a", "lengths": [{"length": 16, "loss": 3.0, "windows": 3}]}]}
+    assert "intervals" not in rejudge(unkept)["settings"]  # no units kept: nothing was judged
 
 
 def test_every_committed_result_is_judged_by_mean_interval():

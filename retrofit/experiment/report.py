@@ -125,8 +125,29 @@ def _steps_table(series: dict, corner: str, fmt=None) -> str:
     return markdown_table([corner] + [str(s) for s in steps], rows) if rows else ""
 
 
+def _stage(results: dict) -> str:
+    """What an arm's steps are: training (from scratch, no base) or finetuning (from the base)."""
+    return "training" if results.get("base") is None else "finetune"
+
+
+def design_sentence(results: dict) -> str:
+    """The report's first line, from the results themselves: from scratch or from a base, the seeds, and the
+    learning rate of every arm that names its own."""
+    scratch = "Every arm trained from scratch (no shared base; arms under one seed start from one init)"
+    start = scratch if results.get("base") is None else "Base checkpoint, then every arm finetuned from it"
+    seeds = results.get("seeds")
+    seeded = (f", once under each training seed {seeds} (runs paired by seed)" if seeds
+              else ", with the same seed unless an arm names its own (recipe.yaml)")
+    rates = {n: a["settings"]["lr"] for n, a in results["arms"].items()
+             if (a.get("settings") or {}).get("lr") is not None}
+    own = ", ".join(f"{n} {lr:g}" for n, lr in rates.items())
+    lr = f"; arms with their own learning rate: {own} (the others: the recipe's)" if rates else ""
+    return (f"{start}, for the same steps on the same data{seeded}{lr}. Then every run is evaluated at every "
+            "length. Numbers are computed by this run, not copied.")
+
+
 def recovery_table(results: dict, length: int | None = None) -> str:
-    return _steps_table(recovery_series(results, length), "arm \\ finetune step")
+    return _steps_table(recovery_series(results, length), f"arm \\ {_stage(results)} step")
 
 
 def gap_table(results: dict, length: int | None = None) -> str:
@@ -157,13 +178,13 @@ def write_experiment_report(results: dict, out) -> Path:
             name = "recovery.png" if i == 0 else f"recovery-{n}.png"
             series = gaps or recovery_series(results, n)
             what = f"gap to {results.get('control', 'softmax')} at {n}" if gaps else f"{label} at {n}"
-            plots.append(line_plot(series, out / name, xlabel="finetune steps", log2x=False, colors=colors,
-                                   ylabel=what, title=f"Retrofit recovery at {n} tokens").name)
+            title = f"Retrofit recovery at {n} tokens" if results.get("base") else f"Held-out {label} at {n} tokens"
+            plots.append(line_plot(series, out / name, xlabel=f"{_stage(results)} steps", log2x=False, colors=colors,
+                                   ylabel=what, title=title).name)
     eval_plots = [p.name for p in sorted((out / "eval").glob("*.png"))]
     failed = {n: a["failed"] for n, a in results["arms"].items() if a.get("failed")}
     lines = [f"# Experiment: {results['recipe']}", "",
-             "Base checkpoint, then every arm finetuned from it for the same steps, data and seed; "
-             "then all evaluated at every length. Numbers are computed by this run, not copied.", "",
+             design_sentence(results), "",
              f"- Hardware: {json.dumps(results['hardware'])}",
              f"- Wall time (s): {json.dumps(results['wall_time_s'])}, total "
              f"{sum(v or 0 for v in results['wall_time_s'].values()) / 60:.1f} min (a stage a re-run skipped "
@@ -183,7 +204,8 @@ def write_experiment_report(results: dict, out) -> Path:
                   comparison_table(results, "relative_l1"), ""]
     for plot, n in zip(plots, lengths):
         gaps = gap_table(results, n)
-        lines += [f"## Recovery at {n} tokens: {label} during finetuning", "", recovery_table(results, n), ""]
+        during = "finetuning" if results.get("base") else "training (from scratch)"
+        lines += [f"## Recovery at {n} tokens: {label} during {during}", "", recovery_table(results, n), ""]
         if gaps:
             lines += [f"Gap to the control arm `{results.get('control', 'softmax')}` at the same step "
                       "(negative = better than the control):", "", gaps, ""]

@@ -61,6 +61,24 @@ def test_demo_writes_the_report(demo_run):
     assert f"report: {out / 'report.md'}" in stdout and "| base |" in stdout  # the terminal summary
 
 
+def test_the_report_says_what_each_run_trained_from(demo_run, tmp_path):
+    """From a base, or from scratch with seeds and arms' own rates: the first line and the recovery section say
+    which, from the results themselves (a from-scratch report once said every arm was finetuned from a base)."""
+    from retrofit.experiment.report import write_experiment_report
+    results = json.loads((demo_run[0] / "results.json").read_text())
+    report = (demo_run[0] / "report.md").read_text()
+    assert "Base checkpoint, then every arm finetuned from it" in report and "arm \\ finetune step" in report
+    assert "during finetuning" in report and "own learning rate" not in report
+    first = next(iter(results["arms"]))
+    results["arms"][first]["settings"]["lr"] = 0.004
+    scratch = dict(results, base=None, seeds=[0, 1])
+    (tmp_path / "eval").mkdir()
+    text = write_experiment_report(scratch, tmp_path).read_text()
+    assert "Every arm trained from scratch" in text and "Base checkpoint" not in text
+    assert "once under each training seed [0, 1]" in text and f"own learning rate: {first} 0.004 (the others" in text
+    assert "arm \\ training step" in text and "during training (from scratch)" in text and "finetun" not in text
+
+
 def _count_evaluations(monkeypatch, fail_on=None) -> list:
     """Replace evaluate_models with a wrapper that records model names (and can fail on one)."""
     import retrofit.evaluate

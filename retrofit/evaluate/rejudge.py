@@ -19,13 +19,15 @@ _UNITS = {"lengths": "window_losses", "counting": "sequence_l1", "passkey": "cor
 
 def _interval(row: dict, key: str):
     """The interval of one row from its stored units (None when they were not kept, or n = 1)."""
+    if _UNITS[key] not in row:
+        return None
     if key == "lengths":
-        return mean_interval(row["window_losses"]) if "window_losses" in row else None
+        return mean_interval(row["window_losses"])
     if key == "counting":
-        return mean_interval(row["sequence_l1"]) if "sequence_l1" in row else None
+        return mean_interval(row["sequence_l1"])
     if key == "passkey":
-        return proportion_interval(row["correct"], row["trials"]) if "correct" in row else None
-    scores = row.get("scores") or []  # ruler: Wilson when every score is 0 or 1 (as ruler.score_row)
+        return proportion_interval(row["correct"], row["trials"])
+    scores = row["scores"] or []  # ruler: Wilson when every score is 0 or 1 (as ruler.score_row)
     binary = all(s in (0.0, 1.0) for s in scores)
     return proportion_interval(int(sum(scores)), len(scores)) if binary else mean_interval(scores)
 

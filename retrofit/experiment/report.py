@@ -125,16 +125,20 @@ def _steps_table(series: dict, corner: str, fmt=None) -> str:
     return markdown_table([corner] + [str(s) for s in steps], rows) if rows else ""
 
 
+def _from_scratch(results: dict) -> bool:
+    """No base: every arm trained from its seed's init (model.config), so its steps are training, not finetuning."""
+    return results.get("base") is None
+
+
 def _stage(results: dict) -> str:
-    """What an arm's steps are: training (from scratch, no base) or finetuning (from the base)."""
-    return "training" if results.get("base") is None else "finetune"
+    return "training" if _from_scratch(results) else "finetune"
 
 
 def design_sentence(results: dict) -> str:
     """The report's first line, from the results themselves: from scratch or from a base, the seeds, and the
     learning rate of every arm that names its own."""
     scratch = "Every arm trained from scratch (no shared base; arms under one seed start from one init)"
-    start = scratch if results.get("base") is None else "Base checkpoint, then every arm finetuned from it"
+    start = scratch if _from_scratch(results) else "Base checkpoint, then every arm finetuned from it"
     seeds = results.get("seeds")
     seeded = (f", once under each training seed {seeds} (runs paired by seed)" if seeds
               else ", with the same seed unless an arm names its own (recipe.yaml)")
@@ -178,7 +182,7 @@ def write_experiment_report(results: dict, out) -> Path:
             name = "recovery.png" if i == 0 else f"recovery-{n}.png"
             series = gaps or recovery_series(results, n)
             what = f"gap to {results.get('control', 'softmax')} at {n}" if gaps else f"{label} at {n}"
-            title = f"Retrofit recovery at {n} tokens" if results.get("base") else f"Held-out {label} at {n} tokens"
+            title = f"Held-out {label} at {n} tokens" if _from_scratch(results) else f"Retrofit recovery at {n} tokens"
             plots.append(line_plot(series, out / name, xlabel=f"{_stage(results)} steps", log2x=False, colors=colors,
                                    ylabel=what, title=title).name)
     eval_plots = [p.name for p in sorted((out / "eval").glob("*.png"))]
@@ -204,7 +208,7 @@ def write_experiment_report(results: dict, out) -> Path:
                   comparison_table(results, "relative_l1"), ""]
     for plot, n in zip(plots, lengths):
         gaps = gap_table(results, n)
-        during = "finetuning" if results.get("base") else "training (from scratch)"
+        during = "training (from scratch)" if _from_scratch(results) else "finetuning"
         lines += [f"## Recovery at {n} tokens: {label} during {during}", "", recovery_table(results, n), ""]
         if gaps:
             lines += [f"Gap to the control arm `{results.get('control', 'softmax')}` at the same step "

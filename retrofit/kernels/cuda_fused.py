@@ -21,9 +21,11 @@ chunk (Tq < Tk, bottom-right) folds the causal triangle into it. A row with no v
 N = 0, so its weights and gradients are 0, as in every backend.
 
 On an H100 (docs/results/gpu-h100/) flash and cuDNN pass `retrofit bench gpu`'s parity suite in bf16 and fp16; the
-memory-efficient kernel's backward crashed with an illegal memory access at training sizes (B*H = 128-512,
-T = 4K-16K, bf16), so dispatch.py never picks it. On a CPU, tests/kernels/test_cuda_fused.py runs this composition
-over the fused CPU kernel standing in for the CUDA one; on CUDA it runs each real kernel.
+memory-efficient kernel's backward crashed there with an illegal memory access at training sizes (B*H = 128-512,
+T = 4K-16K, bf16): retrofit handed it an `out` in the (B, H, T, D) memory layout, which that kernel reads with the
+(B, T, H, D) row stride whatever the tensor's strides say (`_bthd` below; docs/results/gpu-h200-round4/). On a
+CPU, tests/kernels/test_cuda_fused.py runs this composition over the fused CPU kernel standing in for the CUDA one;
+on CUDA it runs each real kernel.
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ def _aux(kind: str, device: str, dtype: torch.dtype) -> tuple:
 
 def _ceil(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def _bthd(x):
+    """x (B, H, T, D) laid out in memory as (B, T, H, D), the layout the memory-efficient kernel's forward returns.
+    Its backward reads `out` with a row stride it assumes to be H * D (the CUTLASS kernel's o_strideM() ignores the
+    tensor's strides), so an `out` contiguous as (B, H, T, D) is read at the wrong rows: wrong gradients when small,
+    an illegal memory access at training sizes (docs/results/gpu-h200-round4/efficient_repro.py)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 class Fused:
@@ -127,7 +137,8 @@ class Fused:
         if self.kind == "efficient":  # its log-sum-exp is kept padded to a multiple of 32 rows
             padded = F.pad(lse, (0, _ceil(Tq, 32) - Tq))
             grads = aten._scaled_dot_product_efficient_attention_backward(
-                dout, q, k, v, bias, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+                dout, q, k, v, bias, _bthd(out), padded, seed, offset, 0.0, [True, True, True, False], causal,
+                scale=scale)
             return grads[:3]
         return aten._scaled_dot_product_cudnn_attention_backward(dout, q, k, v, out, lse.unsqueeze(-1), seed, offset,
                                                                  bias, cum_q, cum_k, Tq, Tk, 0.0, causal, scale=scale)
@@ -160,7 +171,7 @@ class Fused:
             dq, dk, dv = self._backward(dout, q, k2, v2, torch.zeros_like(out), norm, bias, scale, flag)
             lse_p, bias_p = norm * p, self._inputs(q, k, v, causal, mask, p)[2]  # LSE(p s), p * bias
             dq_p, dk_p, _ = self._backward(dout, q, k2, torch.zeros_like(v2), out, lse_p, bias_p, p * scale, flag)
-            dq = (dq.float() + dq_p.float() / p).to(q.dtype)
+            dq = (dq.float() + dq_p.float() / p).to(dq_dtype or q.dtype)
             dk = (dk.float() + dk_p.float() / p).to(k.dtype)
         if dk.shape[1] != Hkv:  # repeated kv heads: each kv head's gradient is the sum over its query heads
             dk = dk.view(dk.shape[0], Hkv, -1, *dk.shape[2:]).sum(2)

@@ -86,22 +86,27 @@ def _check(q, k, v, attn_mask, enable_gqa, name):
                              f"= {want}")
 
 
-def _attention(q, k, v, p, sink, scale, causal, attn_mask, dropout_p, softcap):
+def _attention(q, k, v, norm, p, sink, scale, causal, attn_mask, dropout_p, softcap, q_scale=None):
     """out (B, H, Tq, Dv): q, k, v go to the compute dtype first (dispatch.compute_dtype; autograd casts each
-    gradient back to its input's dtype), then to the backend dispatch.choose picks, through the custom op."""
+    gradient back to its input's dtype), then to the backend dispatch.choose picks for `norm`, through the custom
+    op. With `q_scale` (SSMax's per-row factor, fp32) q goes as it is: the op scales it and rounds it once."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
     wide = _compute_dtype(q, k, v)
     out_dtype = wide if autocast_on(q.device.type) else v.dtype  # SDPA's: autocast's dtype, else v's
-    q, k, v = q.to(wide), k.to(wide), v.to(wide)  # no-ops (no copy, no graph node) when they already agree
+    k, v = k.to(wide), v.to(wide)  # no-ops (no copy, no graph node) when they already agree
+    q = q.to(wide) if q_scale is None else q
     seed = torch.randint(2 ** 62, (), device="cpu") if dropout_p > 0 else None  # the dropout mask's seed
-    backend = _choose(q, k, v, p, attn_mask, dropout_p > 0, softcap, bool(causal))
+    as_computed = q if q_scale is None else torch.empty((), dtype=wide, device=q.device).expand(q.shape)
+    backend = _choose(as_computed, k, v, p, attn_mask, dropout_p > 0, softcap, bool(causal), norm)
     if backend == "flex":  # differentiable and traceable by itself: no custom op around it (flex.py)
+        if q_scale is not None:
+            q = ops.scaled_query(q, q_scale, wide)
         with dispatch.no_autocast(q.device.type):
             return flex.attention(q, k, v, sink, p, scale, bool(causal)).to(out_dtype)
-    out = ops.attention(q, k, v, sink, attn_mask, seed, p, scale, bool(causal), backend, softcap, dropout_p)
+    out = ops.attention(q, k, v, sink, attn_mask, seed, q_scale, p, scale, bool(causal), backend, softcap, dropout_p)
     return out.to(out_dtype)
 
 
@@ -118,15 +123,17 @@ def psoftmax_attention(q, k, v, p=2.0, *, scale=None, causal=True, attn_mask=Non
     if not p > 0 or math.isinf(p):
         raise ValueError(f"psoftmax_attention: p must be a finite number > 0; got {p}")
     softcap = check_softcap(softcap, "psoftmax_attention")
-    return _attention(q, k, v, p, None, scale, causal, attn_mask, dropout_p, softcap)
+    return _attention(q, k, v, "psoftmax" if p != 1.0 else "softmax", p, None, scale, causal, attn_mask, dropout_p,
+                      softcap)
 
 
 def ssmax_attention(q, k, v, s_param, *, scale=None, causal=True, attn_mask=None, enable_gqa=False, dropout_p=0.0,
                     softcap=None):
     """Scalable-Softmax: softmax of logits times s_h * log(n_i), n_i = keys query i may see (visible_counts).
 
-    A per-query, per-head scaling of q, then softmax attention: q'_hi = q_hi * s_h * log(n_i). The
-    scaling is ordinary autograd (gradient to q and s_param); fp16/bf16 inputs run in fp32. n_i counts
+    A per-query, per-head scaling of q, then softmax attention: q'_hi = q_hi * s_h * log(n_i), computed in fp32
+    and rounded once to the compute dtype inside the kernel op, whose backward takes the gradient of q' in fp32
+    through the chain rule to q and s_param (the gradient of s sums fp32 terms, not bf16-rounded ones). n_i counts
     what the mask leaves visible, so under a sliding window of W keys it is min(position + 1, W).
     With `softcap` c the scaling comes first, then the cap: c * tanh(s_h log(n_i) * scale * q.k / c),
     as a model whose query SSMax scaled would compute it.
@@ -141,8 +148,9 @@ def ssmax_attention(q, k, v, s_param, *, scale=None, causal=True, attn_mask=None
     n = visible_counts(attn_mask, causal, Tq, Tk, q.device)  # broadcastable to (B, H, Tq), >= 1
     wide = blockwise.compute_dtype(target)  # fp32 (fp64 for fp64): q * factor is rounded to target once
     factor = s_param.to(wide).view(H, 1) * torch.log(n.to(wide))  # (.., H, Tq)
-    q_scaled = (q.to(wide) * factor.unsqueeze(-1)).to(target)  # (B, H, Tq, D), the one tensor this norm adds
-    return _attention(q_scaled, k, v, 1.0, None, scale, causal, attn_mask, dropout_p, softcap)
+    q_scale = (factor if factor.dim() == 3 else factor.unsqueeze(0)).contiguous()  # (B or 1, H, Tq)
+    # q * q_scale is formed inside the kernel op (ops.py), whose backward keeps its gradient in fp32 for d s_param
+    return _attention(q, k, v, "ssmax", 1.0, None, scale, causal, attn_mask, dropout_p, softcap, q_scale)
 
 
 def softmax1_attention(q, k, v, sink, *, scale=None, causal=True, attn_mask=None, enable_gqa=False, dropout_p=0.0,
@@ -158,7 +166,7 @@ def softmax1_attention(q, k, v, sink, *, scale=None, causal=True, attn_mask=None
         raise ValueError(f"softmax1_attention: sink must have one value per query head ({q.shape[1]}); "
                          f"got {tuple(sink.shape)}")
     softcap = check_softcap(softcap, "softmax1_attention")
-    return _attention(q, k, v, 1.0, sink.reshape(-1), scale, causal, attn_mask, dropout_p, softcap)
+    return _attention(q, k, v, "softmax1", 1.0, sink.reshape(-1), scale, causal, attn_mask, dropout_p, softcap)
 
 
 __all__ = ["psoftmax_attention", "ssmax_attention", "softmax1_attention", "visible_counts", "causal_mask",

@@ -228,8 +228,9 @@ def _layout(q, k, v):
 
 
 def forward(q, k, v, p: float, scale: float, causal: bool, mask, dropout: Dropout | None = None,
-            softcap: float | None = None):
-    """out (B, H, Tq, Dv) in q's dtype and N (B, H, Tq) in the compute dtype (0 on rows with no visible key)."""
+            softcap: float | None = None, out_dtype: torch.dtype | None = None):
+    """out (B, H, Tq, Dv) in `out_dtype` (default q's) and N (B, H, Tq) in the compute dtype (0 on rows with no
+    visible key)."""
     plan = _Plan(q, k, v, causal, mask, dropout)
     B, Hkv, G, Tq, D, Dv = plan.B, plan.Hkv, plan.G, plan.Tq, plan.D, plan.Dv
     ct, qg, kc, vc = _layout(q, k, v)
@@ -270,12 +271,13 @@ def forward(q, k, v, p: float, scale: float, causal: bool, mask, dropout: Dropou
     plan.run(block, shared_rows=False)  # rows with no visible key (end == 0) keep out = 0, N = 0
     out.div_(row_norm.unsqueeze(-1))  # all rows at once
     norm = row_max.add_(row_norm.log_())  # N = m + log ||exp(s - m)||_p
-    return out.view(B, Hkv * G, Tq, Dv).to(q.dtype), norm.view(B, Hkv * G, Tq)
+    return out.view(B, Hkv * G, Tq, Dv).to(out_dtype or q.dtype), norm.view(B, Hkv * G, Tq)
 
 
 def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask, dropout: Dropout | None = None,
-             softcap: float | None = None):
-    """Gradients (dq, dk, dv) of sum(dout * out) for out = A V with A = exp(s - norm); see the module docstring."""
+             softcap: float | None = None, dq_dtype: torch.dtype | None = None):
+    """Gradients (dq, dk, dv) of sum(dout * out) for out = A V with A = exp(s - norm); see the module docstring.
+    dq in `dq_dtype` when given (ops.py asks for the fp32 it accumulates in), else in q's dtype."""
     plan = _Plan(q, k, v, causal, mask, dropout)
     B, Hkv, G, Tq, D, Dv = plan.B, plan.Hkv, plan.G, plan.Tq, plan.D, plan.Dv
     ct, qg, kc, vc = _layout(q, k, v)
@@ -321,4 +323,4 @@ def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mas
     plan.run(block, shared_rows=True)
     dq = dq.mul_(scale).view(B, Hkv * G, Tq, D)
     dk = dk.mul_(scale)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(dq_dtype or q.dtype), dk.to(k.dtype), dv.to(v.dtype)

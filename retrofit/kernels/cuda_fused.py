@@ -160,7 +160,9 @@ class Fused:
             norm = norm.masked_fill(empty, 0.0)
         return out, norm
 
-    def backward(self, dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask):
+    def backward(self, dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask, dq_dtype=None):
+        """(dq, dk, dv); PyTorch's kernels write dq in q's dtype, so `dq_dtype` (ops.py) only keeps p-softmax's sum of
+        its two dq terms unrounded."""
         Hkv = k.shape[1]
         k2, v2, bias, _ = self._inputs(q, k, v, causal, mask)
         flag = self._flag(causal, q.shape[2], k.shape[2])

@@ -58,8 +58,9 @@ def _scores(q, k, scale: float, causal: bool, mask, softcap):
     return s, tanh, mask is not None or (causal and Tq > Tk)
 
 
-def forward(q, k, v, p: float, scale: float, causal: bool, mask, softcap: float | None = None):
-    """out (B, H, Tq, Dv) in q's dtype and N (B, H, Tq) in the compute dtype, as blockwise.forward."""
+def forward(q, k, v, p: float, scale: float, causal: bool, mask, softcap: float | None = None,
+            out_dtype: torch.dtype | None = None):
+    """out (B, H, Tq, Dv) in `out_dtype` (default q's) and N (B, H, Tq) in the compute dtype, as blockwise.forward."""
     B, H, Tq, _ = q.shape
     Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     s, _, may_be_empty = _scores(q, k, scale, causal, mask, softcap)  # (B*Hkv, G*Tq, Tk)
@@ -80,11 +81,13 @@ def forward(q, k, v, p: float, scale: float, causal: bool, mask, softcap: float 
     out = torch.bmm(e, v3 if v3.dtype == e.dtype else v3.to(e.dtype)).div_(den)  # (B*Hkv, G*Tq, Dv)
     norm = m.add_(den.log_()).view(B, H, Tq)
     out = out.view(B, H, Tq, Dv)
-    return (out if out.dtype == q.dtype else out.to(q.dtype)), norm
+    want = out_dtype or q.dtype
+    return (out if out.dtype == want else out.to(want)), norm
 
 
-def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask, softcap: float | None = None):
-    """(dq, dk, dv) of sum(dout * out), each in its input's dtype."""
+def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask, softcap: float | None = None,
+             dq_dtype: torch.dtype | None = None):
+    """(dq, dk, dv) of sum(dout * out), each in its input's dtype (dq in `dq_dtype` when given)."""
     B, H, Tq, D = q.shape
     Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     s, tanh, _ = _scores(q, k, scale, causal, mask, softcap)  # (B*Hkv, G*Tq, Tk)
@@ -108,4 +111,4 @@ def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mas
     dq = torch.bmm(ds, k.to(ct).reshape(B * Hkv, Tk, D)).mul_(scale).view(B, H, Tq, D)
     dk = torch.bmm(ds.transpose(1, 2), qg).mul_(scale).view(k.shape)  # sums the G query heads of each kv head
     dv = torch.bmm(a.transpose(1, 2), do).view(v.shape)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(dq_dtype or q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -18,13 +18,12 @@ import torch
 from . import blockwise, cpu_fused, cuda_fused, decode, flex
 
 BACKENDS = ("blockwise", "cpu_fused", "decode", "triton", *cuda_fused.KERNELS, "flex")
-# On CUDA, the first backend of each list that takes a call computes it. p = 1 covers softmax, SSMax and softmax+1.
-# Measured on an H100 (docs/results/gpu-h100/): flash and Triton pass parity and train at >= 0.87x unpatched
-# tokens/s; cuda_efficient's backward crashed (illegal memory access) at training sizes and FlexAttention is
-# unverified on CUDA, so neither is chosen here (both can be forced). The timing table that would rank flash
-# against Triton per norm was lost in that run: the order is flash first for p = 1 (PyTorch's own kernel plus a
-# per-row rescale), the single fused Triton pass for p != 1 (the flash composition costs two passes each way).
-CUDA_ORDER = {"p=1": ("cuda_flash", "triton"), "p!=1": ("triton", "cuda_flash")}
+# On CUDA, the first backend of a norm's list that takes a call computes it ("softmax": psoftmax_attention at p = 1;
+# "psoftmax": any other p). Measured on an H100 (docs/results/gpu-h100/): flash and Triton pass parity and train at
+# >= 0.87x unpatched tokens/s; cuda_efficient's backward crashed there (retrofit's `out` layout, fixed since:
+# kernels/cuda_fused.py) and FlexAttention was unverified on CUDA, so neither is chosen here (both can be forced).
+CUDA_ORDER = {"softmax": ("cuda_flash", "triton"), "psoftmax": ("triton", "cuda_flash"),
+              "ssmax": ("cuda_flash", "triton"), "softmax1": ("cuda_flash", "triton")}
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("retrofit_kernels_backend", default=None)
 _TRITON_UNSET = object()
 _triton = _TRITON_UNSET  # the module, imported once on first use (importing retrofit never needs Triton)
@@ -82,8 +81,9 @@ def takes(name: str, q, k, v, mask, causal: bool) -> bool:
     return True  # blockwise and decode take everything
 
 
-def choose(q, k, v, p: float, mask, dropout: bool, softcap, causal: bool = True) -> str:
-    """The backend for one call (q, k, v already in the compute dtype)."""
+def choose(q, k, v, p: float, mask, dropout: bool, softcap, causal: bool = True, norm: str | None = None) -> str:
+    """The backend for one call (q, k, v already in the compute dtype) of `norm` (a CUDA_ORDER key; None: softmax
+    for p = 1, else psoftmax)."""
     if dropout:  # the one backend that regenerates the dropout mask in its backward
         return "blockwise"
     name = forced()
@@ -99,7 +99,7 @@ def choose(q, k, v, p: float, mask, dropout: bool, softcap, causal: bool = True)
         # decode path's two bmm's do not (SmolLM2 shapes, 2048 keys, 2 threads: 190 vs 220 us a call; 1 thread: equal)
         return "cpu_fused" if p == 1.0 and cpu_fused.available(q, v) else "decode"
     if q.is_cuda:
-        for name in CUDA_ORDER["p=1" if p == 1.0 else "p!=1"]:
+        for name in CUDA_ORDER[norm or ("softmax" if p == 1.0 else "psoftmax")]:
             if takes(name, q, k, v, mask, causal):
                 return name
     if p == 1.0 and cpu_fused.available(q, v):

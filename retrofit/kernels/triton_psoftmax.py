@@ -248,12 +248,13 @@ def _p_kind(p):
     return 1 if p == 1.0 else 2 if p == 2.0 else 0
 
 
-def forward(q, k, v, p: float, scale: float, causal: bool, mask):
-    """out (B, H, Tq, D) in q's dtype and N (B, H, Tq) fp32, as blockwise.forward."""
+def forward(q, k, v, p: float, scale: float, causal: bool, mask, out_dtype=None):
+    """out (B, H, Tq, D) in `out_dtype` (default q's; the kernel accumulates in fp32) and N (B, H, Tq) fp32, as
+    blockwise.forward."""
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, dtype=out_dtype or q.dtype)
     norm = torch.empty(B, H, Tq, device=q.device, dtype=torch.float32)
     mask_t, ms, kind, floor = _mask_args(mask, B, H, Tq, Tk, q.device)
     cfg = _config(q)
@@ -264,15 +265,15 @@ def forward(q, k, v, p: float, scale: float, causal: bool, mask):
     return out, norm
 
 
-def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask):
-    """(dq, dk, dv) as blockwise.backward."""
+def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask, dq_dtype=None):
+    """(dq, dk, dv) as blockwise.backward: dq accumulates in fp32 and is stored in `dq_dtype` (else q's)."""
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     dout = dout.to(q.dtype).contiguous()
     norm = norm.float().contiguous()
     delta = (dout.float() * out.float()).sum(-1).contiguous()  # (B, H, Tq), same strides as norm
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = torch.empty_like(q, dtype=dq_dtype or q.dtype), torch.empty_like(k), torch.empty_like(v)
     mask_t, ms, kind, floor = _mask_args(mask, B, H, Tq, Tk, q.device)
     cfg = _config(q)
     common = dict(CAUSAL=causal, MASK_KIND=kind, P_KIND=_p_kind(p), **cfg)

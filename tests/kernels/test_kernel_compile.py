@@ -36,11 +36,18 @@ def _op_cases():
     q, k, v, mask, sink = _tensors()
     common = dict(scale=0.35, causal=True, softcap=None, dropout_p=0.0)
 
-    def args(q, sink, mask, seed, p, backend, **kw):
+    q_scale = (0.5 + torch.rand(1, 4, 20, generator=torch.Generator().manual_seed(3))).requires_grad_()
+
+    def args(q, sink, mask, seed, p, backend, q_scale=None, k=k, v=v, **kw):
         kw = {**common, **kw}
-        return (q, k, v, sink, mask, seed, p, kw["scale"], kw["causal"], backend, kw["softcap"], kw["dropout_p"])
+        return (q, k, v, sink, mask, seed, q_scale, p, kw["scale"], kw["causal"], backend, kw["softcap"],
+                kw["dropout_p"])
+    half = [x.detach().to(torch.bfloat16).requires_grad_() for x in (k, v)]
     return {
         "psoftmax-blockwise": args(q, None, None, None, 2.0, "blockwise"),
+        "ssmax-blockwise": args(q, None, mask, None, 1.0, "blockwise", q_scale),
+        "ssmax-fp32-q-bf16-kv-decode": args(q[:, :, -2:], None, None, None, 1.0, "decode",
+                                            q_scale[..., -2:].detach().requires_grad_(), *half),
         "psoftmax-decode-softcap": args(q[:, :, -3:], None, mask[:, :, -3:], None, 1.5, "decode", softcap=2.0),
         "ssmax-call-cpu_fused": args(q, None, mask, None, 1.0, "cpu_fused"),
         "softmax1-cpu_fused": args(q, sink, None, None, 1.0, "cpu_fused", causal=False),
@@ -56,13 +63,15 @@ def test_opcheck_attention(case):
     assert set(report.values()) == {"SUCCESS"}, report
 
 
+@pytest.mark.parametrize("q_scale", [None, "ssmax"])
 @pytest.mark.parametrize("backend", ["blockwise", "cpu_fused", "decode"])
-def test_opcheck_attention_backward(backend):
+def test_opcheck_attention_backward(backend, q_scale):
     q, k, v, mask, _ = (x.detach() if torch.is_tensor(x) else x for x in _tensors())
-    args = (q, k, v, None, mask, None, 1.0, 0.35, True, backend, None, 0.0)
+    q_scale = None if q_scale is None else 0.5 + torch.rand(2, 4, 20, generator=torch.Generator().manual_seed(3))
+    args = (q, k, v, None, mask, None, q_scale, 1.0, 0.35, True, backend, None, 0.0)
     out, norm = torch.ops.retrofit.attention(*args)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    bargs = (dout, q, k, v, out, norm, mask, None, 1.0, 0.35, True, backend, None, 0.0)
+    bargs = (dout, q, k, v, out, norm, mask, None, q_scale, 1.0, 0.35, True, backend, None, 0.0)
     report = torch.library.opcheck(torch.ops.retrofit.attention_backward.default, bargs)
     assert set(report.values()) == {"SUCCESS"}, report
 

@@ -148,6 +148,9 @@ NAMED_ELSEWHERE = {
     "retrofit/bench/attention.py": "names retrofit.kernels' attention functions (psoftmax_attention, ...), not norms",
     "retrofit/bench/gpu.py": "the kernels the attention benchmark runs (bench/attention.py's names), not norms",
     "retrofit/bench/parity.py": "the kernels' float64 reference, keyed by kernel (psoftmax at p = 1, 2, 3, ...)",
+    "retrofit/kernels/dispatch.py": "the CUDA backend order per kernel call (psoftmax_attention at p = 1 and p != 1, "
+                                    "ssmax_attention, softmax1_attention), keyed as bench/attention.py names them",
+    "retrofit/kernels/__init__.py": "each kernel function passes its dispatch key (dispatch.py's CUDA_ORDER)",
     "retrofit/commands/report.py": "results.json written before `control` was recorded: the control arm's name then",
     "retrofit/experiment/report.py": "the same: old results' control arm, by the name it had",
     "retrofit/serve/plan.py": "the vLLM plugin's table of what vLLM's own model code can run (served, or refused "

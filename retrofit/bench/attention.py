@@ -10,10 +10,11 @@ Causal self-attention, q/k/v (batch, heads, T, dim) from a fixed seed. Implement
 kernel, when Triton is importable), `ssmax` and `softmax1` (retrofit, default dispatch).
 
 Every (implementation, T) runs in a fresh child process: first a small warm-up (pages in code, compiles
-Triton), then peak memory of one forward and one forward+backward, then the timings: the best of
---repeats runs (on a shared machine the best run is the least disturbed), each alternating with an
-SDPA run on the same inputs. The "/ sdpa" time columns divide by that paired SDPA time, taken under
-the same load (the sdpa rows are SDPA's own children; the memory ratio uses them). Peak memory on
+Triton), then peak memory of one forward and one forward+backward, then the timings of --repeats runs,
+each alternating with an SDPA run on the same inputs: on CPU the best run (on a shared machine the best
+run is the least disturbed; host clock), on CUDA the median (CUDA events around each run, the device to
+itself). The "/ sdpa" time columns divide by that paired SDPA time, taken under the same conditions (the
+sdpa rows are SDPA's own children; the memory ratio uses them). Peak memory on
 CPU is the resident-set high-water mark above the level just before the call (retrofit.memory: Linux
 resets the mark through /proc/self/clear_refs; elsewhere the resident set is sampled); on CUDA it is
 the allocator's peak above what was allocated before. `naive` is skipped where its T x T tensors
@@ -115,6 +116,80 @@ def _added_mb(device: str, fn) -> float:
     return memory.added_mb
 
 
+def _runner(device: str):
+    """run(fn) -> seconds of one call: CUDA events around it on CUDA, the host clock (after a sync) elsewhere."""
+    import torch
+
+    if device != "cuda":
+        def host(fn):
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        return host
+
+    def events(fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+    return events
+
+
+def _timings(config: dict, impls: dict, qkv, grad, row: dict) -> None:
+    """row[fwd_ms], row[fwd_bwd_ms] (and their paired SDPA times): --repeats runs alternating SDPA and the
+    implementation on the same inputs; the best (CPU) or the median (CUDA) of them."""
+    import statistics
+
+    clock = _runner(config["device"])
+    pick = statistics.median if config["device"] == "cuda" else min
+    for name, run in [("fwd", _forward)] + ([] if config["forward_only"] else [("fwd_bwd", _forward_backward)]):
+        times = {key: [] for key in impls}
+        for _ in range(config["repeats"]):
+            for key, f in reversed(impls.items()):  # sdpa first, then the implementation
+                times[key].append(clock(lambda run=run, f=f: run(f, qkv, grad, config["device"])))
+            if sum(times["impl"]) > 60:  # slow configurations: fewer repeats
+                break
+        row[f"{name}_ms"] = round(pick(times["impl"]) * 1000, 3)
+        row[f"{name}_all_ms"] = [round(t * 1000, 3) for t in times["impl"]]
+        if "sdpa" in times:
+            row[f"{name}_sdpa_ms"] = round(pick(times["sdpa"]) * 1000, 3)  # the paired baseline
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _forward(fn, qkv, grad, device):
+    import torch
+
+    with torch.no_grad():
+        fn(*qkv)
+    _sync(device)
+
+
+def _forward_backward(fn, qkv, grad, device):
+    for x in qkv:
+        x.grad = None
+    fn(*qkv).backward(grad)
+    _sync(device)
+
+
+def _tensors(config: dict, length: int, seed: int = 0):
+    """q, k, v (requiring grad) and a grad_out of (batch, heads, length, dim), from a fixed seed."""
+    import torch
+
+    device, dtype = config["device"], getattr(torch, config["dtype"])
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (config["batch"], config["heads"], length, config["dim"])
+    qkv = [torch.randn(shape, generator=g, device=device, dtype=dtype).requires_grad_() for _ in range(3)]
+    return qkv, torch.randn(shape, generator=g, device=device, dtype=dtype)
+
+
 def measure(config: dict) -> dict:
     """Run one configuration in this process: warm up, peak memory, then timings. Returns the result row.
 
@@ -122,59 +197,26 @@ def measure(config: dict) -> dict:
     to SDPA compares runs made under the same load: on a shared machine, separate processes minutes
     apart can differ by 2x for the same kernel.
     """
-    import torch
+    from ..memory import PeakMemory
 
     device, T = config["device"], config["seq"]
-    dtype = getattr(torch, config["dtype"])
     impls = {"impl": _function(config["impl"], config["p"], config["heads"], device)}
     if config["impl"] != "sdpa":
         impls["sdpa"] = _function("sdpa", config["p"], config["heads"], device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    def tensors(length, seed=0):
-        g = torch.Generator(device=device).manual_seed(seed)
-        shape = (config["batch"], config["heads"], length, config["dim"])
-        qkv = [torch.randn(shape, generator=g, device=device, dtype=dtype).requires_grad_() for _ in range(3)]
-        return qkv, torch.randn(shape, generator=g, device=device, dtype=dtype)
-
-    def forward(fn, qkv, grad):
-        with torch.no_grad():
-            fn(*qkv)
-        sync()
-
-    def forward_backward(fn, qkv, grad):
-        for x in qkv:
-            x.grad = None
-        fn(*qkv).backward(grad)
-        sync()
-
-    small, small_grad = tensors(min(T, 256))
+    small, small_grad = _tensors(config, min(T, 256))
     for fn in impls.values():
-        forward_backward(fn, small, small_grad)  # warm-up: code paged in, kernels compiled
-    qkv, grad = tensors(T)
+        _forward_backward(fn, small, small_grad, device)  # warm-up: code paged in, kernels compiled
+    qkv, grad = _tensors(config, T)
     if device == "cuda":  # compiled kernels specialize on the shape (FlexAttention): compile before measuring
         for fn in impls.values():
-            forward_backward(fn, qkv, grad)
+            _forward_backward(fn, qkv, grad, device)
     fn = impls["impl"]
-    from ..memory import PeakMemory
-
-    row = dict(config, memory_kind=PeakMemory(device).method,
-               fwd_peak_mb=round(_added_mb(device, lambda: forward(fn, qkv, grad)), 1))
+    row = dict(config, memory_kind=PeakMemory(device).method, timing="median, CUDA events" if device == "cuda"
+               else "best, host clock", fwd_peak_mb=round(_added_mb(device, lambda: _forward(fn, qkv, grad, device)),
+                                                           1))
     if not config["forward_only"]:
-        row["fwd_bwd_peak_mb"] = round(_added_mb(device, lambda: forward_backward(fn, qkv, grad)), 1)
-    for name, run in [("fwd", forward)] + ([] if config["forward_only"] else [("fwd_bwd", forward_backward)]):
-        times = {key: [] for key in impls}
-        for _ in range(config["repeats"]):
-            for key, f in reversed(impls.items()):  # sdpa first, then the implementation
-                start = time.perf_counter()
-                run(f, qkv, grad)
-                times[key].append(time.perf_counter() - start)
-            if sum(times["impl"]) > 60:  # slow configurations: fewer repeats
-                break
-        row[f"{name}_ms"] = round(min(times["impl"]) * 1000, 2)
-        row[f"{name}_all_ms"] = [round(t * 1000, 2) for t in times["impl"]]
-        if "sdpa" in times:
-            row[f"{name}_sdpa_ms"] = round(min(times["sdpa"]) * 1000, 2)  # the paired baseline
+        row["fwd_bwd_peak_mb"] = round(_added_mb(device, lambda: _forward_backward(fn, qkv, grad, device)), 1)
+    _timings(config, impls, qkv, grad, row)
     return row
 
 

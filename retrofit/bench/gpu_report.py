@@ -10,6 +10,10 @@ def _g(x) -> str:
     return "" if x is None else f"{x:.2g}"
 
 
+def _count(n) -> str:
+    return "none" if not n else f"{n:,}"
+
+
 def _ratio(x, base) -> str:
     return f"{x / base:.2f}x" if x is not None and base else ""
 
@@ -51,9 +55,14 @@ def _attention(part: dict) -> list[str]:
                       r.get("fwd_bwd_peak_mb"), _ratio(r.get("fwd_bwd_peak_mb"), base.get("fwd_bwd_peak_mb")), note])
     header = ["implementation", "T", "B", "fwd ms", "fwd / sdpa", "fwd+bwd ms", "fwd+bwd / sdpa", "peak MB fwd+bwd",
               "peak / sdpa", "note"]
-    return [f"Causal, {part['dtype']}, H x D from the first row, p = {part['p']:g} for p-softmax; SDPA backend: "
-            f"{part['sdpa_backend']}; times are the best of the repeats, each paired with an SDPA run.", "",
-            markdown_table(header, table)]
+    timing = next((r["timing"] for r in rows if "timing" in r), "the best of the repeats")
+    lines = [f"Causal, {part['dtype']}, H x D from the first row, p = {part['p']:g} for p-softmax; SDPA backend: "
+             f"{part['sdpa_backend']}; times: {timing} of the repeats, each paired with an SDPA run.", "",
+             markdown_table(header, table)]
+    if part.get("dispatch"):
+        lines += ["", "retrofit.kernels dispatches these calls (bf16, causal, no mask) to: "
+                  + ", ".join(f"{key} -> {backend}" for key, backend in part["dispatch"].items()) + "."]
+    return lines
 
 
 def _finetune(part: dict) -> list[str]:
@@ -80,6 +89,18 @@ def _long(part: dict) -> list[str]:
             f"gradient checkpointing, loss {part['loss']}, {part['data']}.", "", markdown_table(header, table)]
 
 
+def _longest(part: dict) -> list[str]:
+    table = [[r["seq_len"], r["norm"], r.get("peak_memory_mb"), r.get("predicted_mb"), r.get("predicted_over_measured"),
+              r.get("step_s"), r.get("loss_finite"), r.get("error") or r.get("skipped") or ""] for r in part["runs"]]
+    header = ["T", "norm", "peak MB", "planner MB", "planner / peak", "step s", "loss finite", "note"]
+    trained = ", ".join(f"{arm} {_count(T)}" for arm, T in part["longest_trained"].items())
+    return [f"{part['model']} ({part['model_type']}), {part['precision']}, batch 1, {part['steps']} steps, gradient "
+            f"checkpointing, {part['data']}; planner: `retrofit train --dry-run --plan-for {part['plan_for']}` on "
+            f"the same recipe. Longest trained: {trained}. The planner's longest fitting length: "
+            f"{_count(part['planner_longest'])} here, {_count(part['planner_longest_80'])} on 80 GiB.", "",
+            markdown_table(header, table)]
+
+
 def _sequence(part: dict) -> list[str]:
     one, many = part["one_process"], part["processes"]
     table = [[1, one["peak_mb"], one["tokens_per_s"]], [part["sequence_parallel"], max(r["peak_mb"] for r in many),
@@ -91,8 +112,11 @@ def _sequence(part: dict) -> list[str]:
 
 KEYS = {"attention": ("sdpa_backend", "dtype"), "finetune": ("model", "model_type", "precision", "steps", "batch",
                                                              "seq_len", "data"),
-        "long": ("model", "model_type", "precision", "steps", "loss", "data")}
-SECTIONS = {"parity": _parity, "attention": _attention, "finetune": _finetune, "long": _long, "sequence": _sequence}
+        "long": ("model", "model_type", "precision", "steps", "loss", "data"),
+        "longest": ("model", "model_type", "precision", "steps", "data", "plan_for", "planner_longest",
+                    "planner_longest_80")}
+SECTIONS = {"parity": _parity, "attention": _attention, "finetune": _finetune, "long": _long, "longest": _longest,
+            "sequence": _sequence}
 
 
 def markdown(report: dict) -> str:

@@ -75,6 +75,19 @@ def random_model(source: str):
     return model_from_config(model_type, seed=0, **sizes)
 
 
+def bench_recipe(model_config: dict, arm: str, device: str, batch: int, seq_len: int, steps: int, out: str,
+                 **knobs) -> dict:
+    """The recipe (as a dict) the GPU parts train `arm` with: bf16, AdamW at 1e-5, no saving. model_config is
+    {"model_type": ...} for training a model handed over in code, the whole config for `retrofit train --dry-run`'s
+    planner (retrofit/train/plan.py), which then predicts this very run."""
+    return {"name": f"bench-gpu-{arm}", "model": {"config": model_config, "tokenizer": "unused"},
+            "data": {"task": "lm", "seq_len": seq_len, "files": ["unused"]},
+            "train": {"steps": steps, "batch_size": batch, "micro_batch_size": batch, "lr": 1e-5,
+                      "warmup_steps": min(5, steps), "precision": "bf16", "log_every": 1 if steps < 10 else 10,
+                      "progress": False, "cpu": device == "cpu", **knobs},
+            "output": {"dir": out, "save_every": 0}}
+
+
 def finetune_arm(base, arm: str, args, sizes, batch=None, seq_len=None, steps=None, **knobs) -> dict:
     """`steps` bf16 optimizer steps of a copy of `base`, patched with `arm`: tokens/s, losses, peak memory.
     knobs: more train.* settings (the long part's gradient checkpointing)."""
@@ -91,19 +104,12 @@ def finetune_arm(base, arm: str, args, sizes, batch=None, seq_len=None, steps=No
     if arm != "unpatched":
         patch(model, arm, **get_norm(arm).example_options)
     batch, seq_len, steps = batch or sizes["batch"], seq_len or sizes["seq_len"], steps or args.steps
-    log_every = 1 if steps < 10 else 10
     vocab = model.get_input_embeddings().weight.shape[0]
     rows = torch.randint(0, vocab, (batch * steps, seq_len), generator=torch.Generator().manual_seed(0))
     stamps = []
     with tempfile.TemporaryDirectory() as workdir:
-        recipe = recipe_from_dict({
-            "name": f"bench-gpu-{arm}", "model": {"config": {"model_type": model.config.model_type},
-                                                  "tokenizer": "unused"},
-            "data": {"task": "lm", "seq_len": seq_len, "files": ["unused"]},
-            "train": {"steps": steps, "batch_size": batch, "micro_batch_size": batch, "lr": 1e-5,
-                      "warmup_steps": min(5, steps), "precision": "bf16", "log_every": log_every, "progress": False,
-                      "cpu": args.device == "cpu", **knobs},
-            "output": {"dir": str(Path(workdir) / "run"), "save_every": 0}})
+        recipe = recipe_from_dict(bench_recipe({"model_type": model.config.model_type}, arm, args.device, batch,
+                                               seq_len, steps, str(Path(workdir) / "run"), **knobs))
         with PeakMemory(args.device) as memory:
             result = train(recipe, model=model, data=RandomTokens(rows), callbacks=[
                 lambda event, step, info: stamps.append((step, time.perf_counter())) if event == "step" else None])

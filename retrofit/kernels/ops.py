@@ -13,9 +13,11 @@ almost to nothing, so bf16 roundings that the other gradients shrug off show in 
 docs/results/gpu-h100/). Two of them are avoidable: the backward asks its backend for dq' in fp32 (`dq_dtype`;
 autograd outside the op would round it to q's bf16), and the backends that accumulate in fp32 (WIDE_OUT) return
 out in fp32, so the backward's delta = rowsum(dO * out) is not taken from a rounded out (the larger of the two:
-0.015 -> 0.003 on the CPU, bf16, bool mask). SSMax's out is cast to the compute dtype after the op. `seed` (a 0-d int64 tensor, or None without dropout) seeds the
-dropout mask. Both ops have fake (meta) implementations and the forward a registered autograd formula:
-Dynamo traces through them with no graph break (`fullgraph=True`), and `torch.library.opcheck` checks them.
+0.015 -> 0.003 on the CPU, bf16, bool mask). SSMax's out is cast to the compute dtype after the op.
+
+`seed` (a 0-d int64 tensor, or None without dropout) seeds the dropout mask. Both ops have fake (meta)
+implementations and the forward a registered autograd formula: Dynamo traces through them with no graph break
+(`fullgraph=True`), and `torch.library.opcheck` checks them.
 
 `attention` below is what retrofit.kernels calls: the op whenever a gradient may be needed or Dynamo is
 tracing, otherwise the implementation directly (a decode step under no_grad skips the op's dispatch,

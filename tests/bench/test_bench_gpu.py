@@ -61,7 +61,8 @@ def test_bench_gpu_tiny_on_cpu_end_to_end(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     env = report["environment"]
     assert env["device"] == "cpu" and env["torch"] == torch.__version__ and "triton" in env and env["name"]
-    assert report["wall_s"] > 0 and list(report["parts"]) == ["parity", "attention", "finetune", "long", "sequence"]
+    assert report["wall_s"] > 0 and list(report["parts"]) == ["parity", "attention", "finetune", "long", "longest",
+                                                               "sequence"]
     sequence = report["parts"].pop("sequence")  # multi-GPU only: one line saying why it did not run
     assert sequence["status"] == "skipped" and sequence["reason"] == "sequence parallelism needs 2+ GPUs, this " \
         "machine has 0" and "skipped: sequence parallelism needs 2+ GPUs" in (out / "report.md").read_text()
@@ -79,10 +80,14 @@ def test_bench_gpu_tiny_on_cpu_end_to_end(tmp_path, capsys):
     assert {r["skipped"] for r in check["checks"] if "skipped" in r} == {
         "the fused CPU kernel computes softmax only (p = 1)"}
 
-    rows = report["parts"]["attention"]["results"]
+    attention = report["parts"]["attention"]
+    rows = attention["results"]
     assert [(r["impl"], r["seq"]) for r in rows] == [(i, t) for t in gpu.TINY["seqs"] for i in gpu.TINY["impls"]]
     for r in rows:
         assert "error" not in r and r["dtype"] == "bfloat16" and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
+        assert r["timing"] == "best, host clock" and len(r["fwd_all_ms"]) == gpu.TINY["repeats"]
+    assert attention["dispatch"] == {"softmax": "cpu_fused", "psoftmax": "blockwise", "ssmax": "cpu_fused",
+                                     "softmax1": "cpu_fused"}  # what retrofit.kernels picks here, per kernel call
 
     tune = report["parts"]["finetune"]
     assert [r["norm"] for r in tune["runs"]] == ["unpatched", *patched_norms()] and tune["steps"] == 2
@@ -97,7 +102,17 @@ def test_bench_gpu_tiny_on_cpu_end_to_end(tmp_path, capsys):
         assert "error" not in r and r["tokens_per_step"] == r["seq_len"] and r["loss_finite"]
         assert r["steps"] == gpu.TINY["long_steps"] and r["peak_memory_mb"] > 0
 
+    longest = report["parts"]["longest"]  # every arm at every length (tiny: nothing runs out of memory)
+    lengths = [gpu.TINY["long_start"] * 2 ** i for i in range(2)]
+    assert [(r["seq_len"], r["norm"]) for r in longest["runs"]] == [(t, a) for t in lengths for a in gpu.arms()]
+    for r in longest["runs"]:
+        assert "error" not in r and r["steps"] == 2 and r["loss_finite"] and r["peak_memory_mb"] > 0
+        assert r["predicted_over_measured"] == round(r["predicted_mb"] / r["peak_memory_mb"], 3)
+    assert longest["longest_trained"] == {arm: lengths[-1] for arm in gpu.arms()}
+    assert longest["planner_longest_80"] >= longest["planner_longest"] or longest["plan_for"] == "cpu"
+
     markdown = (out / "report.md").read_text()
+    assert "## longest" in markdown and "planner / peak" in markdown and "dispatches these calls" in markdown
     assert "## parity" in markdown and "## attention" in markdown and "## finetune" in markdown
     assert "## long" in markdown and "gradient checkpointing" in markdown
     assert f"{check['passed']} passed, 0 failed" in markdown

@@ -505,8 +505,9 @@ def test_force_backend_stays_in_its_thread():
 @pytest.mark.parametrize("case", ["causal", "bool-mask", "chunk"])
 def test_ssmax_gradient_of_s_in_bf16_is_not_taken_from_rounded_values(backend, case):
     """d s_h = sum_i log n_i q_i . dq'_i nearly cancels, so it shows every rounding the other gradients shrug off:
-    from a bf16-rounded dq' and a delta taken from the bf16-rounded out it was 0.013-0.018 relative here (0.045 on an
-    H100's Triton kernel); with dq' and out kept in fp32 through the op it is what the rounded inputs allow (<= 0.006)."""
+    from a bf16-rounded dq' and a delta taken from the bf16-rounded out it was 0.013-0.018 relative here (0.045 on
+    an H100's Triton kernel); with dq' and out kept in fp32 through the op it is what the rounded inputs allow
+    (<= 0.006)."""
     from retrofit.bench import parity
 
     row = parity.check("ssmax", "bfloat16", case, backend, "cpu", parity.SIZES["full"])

@@ -179,13 +179,13 @@ def _forward_backward(fn, qkv, grad, device):
     _sync(device)
 
 
-def _tensors(config: dict, length: int, seed: int = 0):
+def _tensors(config: dict, length: int, batch: int | None = None, seed: int = 0):
     """q, k, v (requiring grad) and a grad_out of (batch, heads, length, dim), from a fixed seed."""
     import torch
 
     device, dtype = config["device"], getattr(torch, config["dtype"])
     g = torch.Generator(device=device).manual_seed(seed)
-    shape = (config["batch"], config["heads"], length, config["dim"])
+    shape = (batch or config["batch"], config["heads"], length, config["dim"])
     qkv = [torch.randn(shape, generator=g, device=device, dtype=dtype).requires_grad_() for _ in range(3)]
     return qkv, torch.randn(shape, generator=g, device=device, dtype=dtype)
 
@@ -203,7 +203,7 @@ def measure(config: dict) -> dict:
     impls = {"impl": _function(config["impl"], config["p"], config["heads"], device)}
     if config["impl"] != "sdpa":
         impls["sdpa"] = _function("sdpa", config["p"], config["heads"], device)
-    small, small_grad = _tensors(config, min(T, 256))
+    small, small_grad = _tensors(config, min(T, 256), batch=1)  # one shape at every T: FlexAttention compiles once
     for fn in impls.values():
         _forward_backward(fn, small, small_grad, device)  # warm-up: code paged in, kernels compiled
     qkv, grad = _tensors(config, T)

@@ -13,16 +13,16 @@ R=/tmp/run1 && mkdir -p $R
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,temperature.gpu --format=csv > $R/smi.txt
 python3 -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__,
 transformers.__version__, torch.cuda.get_device_name(0))" | tee $R/versions.txt
-timeout 170 python3 docs/results/gpu-h200-round4/efficient_repro.py > $R/efficient_repro.txt 2>&1 &
+timeout 140 python3 docs/results/gpu-h200-round4/efficient_repro.py > $R/efficient_repro.txt 2>&1 &
 for b in flex cuda_efficient decode,blockwise triton,dispatch; do
-  timeout 175 python3 -m retrofit bench gpu --parts parity --backends $b --budgets parity=140 \
+  timeout 140 python3 -m retrofit bench gpu --parts parity --backends $b --budgets parity=110 \
     --out $R/parity-${b/,/-} > $R/parity-${b/,/-}.log 2>&1 &
 done
 wait
 echo "phase 1 (repro + parity) done at $(( $(date +%s) - t0 )) s"
 cat $R/efficient_repro.txt
 grep -h "passed, " $R/parity-*/report.md | cut -c1-200
-timeout 320 python3 -m retrofit bench gpu --parts attention --budgets attention=220 --out $R/attention \
+timeout 290 python3 -m retrofit bench gpu --parts attention --budgets attention=200 --out $R/attention \
   > $R/attention.log 2>&1
 echo "attention rc=$? at $(( $(date +%s) - t0 )) s"
 for f in /tmp/tmp*/part.json; do [ -f "$f" ] && cp "$f" $R/partial-$(basename $(dirname $f)).json; done

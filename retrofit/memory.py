@@ -205,6 +205,18 @@ def _layer_floats(config) -> int:
     return 12 * hidden + 3 * kv + 4 * inner + heads
 
 
+def _loss_bytes(config, act: int) -> int:
+    """Bytes per token the loss moment holds beside the residual stream: the final norm's output (the head's input,
+    fp32) and its autocast copy (act; none in fp32), the gradient of the final hidden accumulating over the loss's
+    chunks (fp32), RoPE's cos and sin (fp32, head_dim each) and the token ids, labels and positions (int64). Measured
+    on the CPU's live tensors, bf16 autocast, SmolLM2's widths: 7.3 KiB a token beside the residual stream; this
+    gives 6.3."""
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0) or 1
+    head_dim = int(getattr(config, "head_dim", 0) or 0) or hidden // heads
+    return (8 + (act % 4)) * hidden + 8 * head_dim + 24
+
+
 def plan_training(config, params: int, *, tokens: int, rows: int = 1, precision: str = "fp32",
                   checkpointing: bool = False, chunk_tokens: int = 1024, trainable: int | None = None,
                   process_bytes: int | None = None) -> dict:
@@ -222,16 +234,24 @@ def plan_training(config, params: int, *, tokens: int, rows: int = 1, precision:
       `chunk_tokens` positions, 0 = the whole batch: train.loss_chunk_tokens; plus the bf16 head output);
     - layers: the backward's end, holding every gradient ("gradients", fp32) and, under gradient checkpointing, the
       first layer recomputed ("recompute": _layer_floats per token; its gradients fit in what its backward frees
-      as it goes: measured on a tiny model whose peak is this moment, 2 x overshot by 24%).
+      as it goes: measured on a tiny model whose peak is this moment, 2 x overshot by 24%); and under gradient
+      checkpointing its start too: the last layer recomputed beside every other layer's saved input, the gradient
+      of its output and the head's gradient (the peak from a few thousand tokens on: width 256, 8 layers, bf16,
+      16K tokens measured 0.82 of the peak without it).
     Tensors freed in between go back to the OS on the CPU (return_freed_memory; without it glibc kept +2 GiB
-    resident for SmolLM2-135M at 8K)."""
+    resident for SmolLM2-135M at 8K). The residual stream (each layer's input, what gradient checkpointing keeps, and
+    the final hidden) is fp32 whatever the precision: the master weights are fp32, so under bf16/fp16 autocast only
+    the matrix products' outputs are half precision (planning it in bf16 predicted 0.68 of an H100's measured peak
+    for SmolLM2-135M at 32K tokens, docs/results/gpu-h100/run2)."""
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     act = 2 if precision in ("bf16", "fp16") else 4
     trainable = params if trainable is None else trainable
     per_layer = _layer_floats(config) * act
-    saved = (layers + 1) * hidden * act if checkpointing else layers * per_layer + hidden * act
+    residual = 4  # fp32: see the docstring
+    saved = (layers + 1) * hidden * residual if checkpointing else layers * per_layer + hidden * residual
+    saved += _loss_bytes(config, act)
     chunk = tokens if not chunk_tokens else min(tokens, max(1, chunk_tokens // rows) * rows)
     cpu = process_bytes is None
     parts = {"process": rss_bytes() if cpu else process_bytes, "runtime": CPU_RUNTIME_BYTES if cpu else 0,
@@ -241,7 +261,12 @@ def plan_training(config, params: int, *, tokens: int, rows: int = 1, precision:
              "gradients": trainable * 4, "recompute": tokens * per_layer if checkpointing else 0}
     held = parts["process"] + parts["runtime"] + parts["weights"] + parts["optimizer"]
     loss = parts["activations"] + parts["head_gradient"] + parts["logits"]
-    parts["total"] = held + max(loss, parts["gradients"] + parts["recompute"])
+    layers_end = parts["gradients"] + parts["recompute"]
+    # under checkpointing, the backward's first layer: its recompute beside every other layer's saved input, the
+    # gradient of its output (fp32) and the head's gradient; past a few thousand tokens this is the step's peak
+    layers_start = (tokens * layers * hidden * residual + parts["recompute"] + tokens * hidden * 4
+                    + parts["head_gradient"]) if checkpointing else 0
+    parts["total"] = held + max(loss, layers_end, layers_start)
     return parts
 
 

@@ -43,15 +43,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true", help="--memory: in every loop")
     parser.add_argument("--activation-offload", action="store_true", help="--memory: retrofit's save_on_cpu knob")
     parser.add_argument("--loss-chunk-tokens", type=int, default=1024, help="--memory: retrofit's loss chunk")
-    parser.add_argument("--random-init", action="store_true", help="--sequence-parallel: build --model's architecture "
-                        "from its config with random weights (seed 0); --model may be a folder of config.json only")
+    parser.add_argument("--random-init", action="store_true", help="--sequence-parallel and --memory: build --model's "
+                        "architecture from its config with random weights (seed 0); --model may be a folder of "
+                        "config.json only")
 
 
 def _spec(args, loop: str, length: int) -> dict:
     return {"loop": loop, "seq_len": length, "model": args.model, "model_type": args.model_type, "batch": args.batch,
             "steps": args.steps or 2, "precision": args.precision, "cpu": args.cpu, "threads": args.threads,
             "gradient_checkpointing": args.gradient_checkpointing, "activation_offload": args.activation_offload,
-            "loss_chunk_tokens": args.loss_chunk_tokens, "norm": args.norm}
+            "loss_chunk_tokens": args.loss_chunk_tokens, "norm": args.norm, "random_init": args.random_init}
 
 
 def _run_child(spec: dict) -> dict:

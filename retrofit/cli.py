@@ -20,7 +20,7 @@ import os
 import re
 import sys
 
-from .errors import RetrofitError
+from .errors import RetrofitError, one_line
 from .version import DISTRIBUTION, FOREIGN_MARKER, INSTALL, VERSION
 
 # command -> (module providing add_arguments/run, one-line help). Modules are imported lazily so that
@@ -86,7 +86,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and still exit code 2)."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see `{self.prog} --help`)\n")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except RetrofitError as err:
-        print(f"retrofit {args.command}: error: {err}", file=sys.stderr)
+        print(f"retrofit {args.command}: error: {err}", file=sys.stderr)  # one line (its control characters escaped)
         return 2
     except KeyboardInterrupt:
         print("retrofit: interrupted", file=sys.stderr)
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         line = one_line_error(err)
         if line is None:
             raise  # a bug in retrofit: keep the traceback
-        print(f"retrofit {args.command}: error: {line}", file=sys.stderr)
+        print(f"retrofit {args.command}: error: {one_line(line)}", file=sys.stderr)  # a file name may hold a newline
         return 2
 
 

@@ -1,6 +1,7 @@
 """The one exception type a user can hit: its message is a single line saying what was wrong and what to do.
 
-The CLI prints it without a traceback and exits with code 2 (bad input). Text files are read here too
+The CLI prints it without a traceback and exits with code 2 (bad input); one_line escapes what would break the line.
+Text files are read here too
 (read_utf8, check_utf8): one rule for every verb, UTF-8 or an error naming the file and the first bad byte.
 """
 
@@ -8,11 +9,37 @@ import codecs
 import difflib
 import os
 import reprlib
+import unicodedata
 from pathlib import Path
+
+# Unicode's line and paragraph separators and the bidirectional overrides (which reorder what a terminal shows)
+# count as control characters here, beside the C0/C1 controls (category Cc).
+_BIDI = {"\u202a", "\u202b", "\u202c", "\u202d", "\u202e", "\u2066", "\u2067", "\u2068", "\u2069"}
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _is_control(ch: str) -> bool:
+    return unicodedata.category(ch) in ("Cc", "Zl", "Zp") or ch in _BIDI
+
+
+def one_line(value) -> str:
+    """str(value) with every control character written as an escape (\\n, \\x1b, \\u2028): one line, and a
+    terminal shows it as it is. Idempotent: an escape holds no control character."""
+    text = str(value)
+    if not any(map(_is_control, text)):
+        return text
+    return "".join(_NAMED.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+                   if _is_control(ch) else ch for ch in text)
 
 
 class RetrofitError(ValueError):
-    """Bad input: an unknown norm, an impossible option, a model we cannot patch, a missing file."""
+    """Bad input: an unknown norm, an impossible option, a model we cannot patch, a missing file.
+
+    Its message is one line whatever it echoes: a control character in a value it quotes (a newline in a path) is
+    shown escaped (one_line)."""
+
+    def __init__(self, message="", *args):
+        super().__init__(one_line(message), *args)
 
 
 def closest(word: str, choices) -> str:

@@ -227,7 +227,8 @@ def build_bounds_inputs(root: Path, w: dict) -> None:
     Path(w["json_deep"]).write_text("[" * 100_000 + "]" * 100_000)
 
 
-# (id, argv with {placeholders}, regex the one line must match). {out} is a fresh path that must not exist after.
+# (id, argv with {placeholders} (a string, or a list of arguments), regex the one line must match). {out} is a fresh
+# path that must not exist after.
 CASES = [
     # ---- patch: models
     ("patch-missing", "patch {missing} --norm avnorm", r"no such file or folder: .*no-such-thing"),
@@ -583,6 +584,11 @@ CASES = [
     ("train-out-copied-results", "train {recipe} --out {notes}", r"--out .*/notes holds files retrofit did not write"),
     ("adopt-a-file", "adopt {afile}", r"afile is not a folder; adopt takes a folder retrofit wrote$"),
     ("adopt-missing", "adopt {missing}", r"no-such-thing is missing"),
+    # issue 51 (tracebacks): a control character in an echoed value is escaped, the error stays one line
+    ("eval-path-newline", ["eval", "{missing}\nsecond", "--data", "{text}", "--lengths", "8", "--out", "{out}"],
+     r"no such file or folder: .*no-such-thing\\nsecond$"),
+    ("eval-flag-escape-sequence", ["eval", "{model}", "--data", "{text}", "--lengths", "8", "--bogus\x1b[2J"],
+     r"unrecognized arguments: --bogus\\x1b\[2J"),
 ]
 SIZE_CASES = ["eval-lengths-range-huge", "eval-export-length-huge", "eval-samples-huge", "eval-export-samples-huge",
               "eval-trials-huge", "eval-rope-1e308", "tokenizer-vocab-2-64", "eval-variants-aliases",
@@ -590,7 +596,11 @@ SIZE_CASES = ["eval-lengths-range-huge", "eval-export-length-huge", "eval-sample
               "diagnose-queries-huge"]
 
 
-def argv(template: str, world: dict, out: Path) -> list[str]:
+def argv(template: str | list, world: dict, out: Path) -> list[str]:
+    """The command line of a case: a string splits on whitespace; a list is one argument per item (an argument that
+    holds a space or a newline)."""
+    if isinstance(template, list):
+        return [item.format(**world, out=out) for item in template]
     return template.format(**world, out=out).split()
 
 

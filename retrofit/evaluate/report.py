@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from ..escape import md_code, md_inline, md_text
 from .compare import comparison_references
 from .report_tables import (  # noqa: F401  (re-exported: experiment reports and the CLI import them from here)
     APPROX_LEGEND,
@@ -278,19 +279,25 @@ def results_markdown(results: dict, plots=()) -> str:
     """The human-readable report: what was evaluated, then each table, then the plots."""
     settings, data = results.get("settings", {}), results.get("data", {})
     lines = ["# Length extrapolation", "",
-             f"Data: {', '.join(data.get('files') or ['given tokens'])} ({sum(data.get('documents') or [])} tokens). "
-             f"Training length: {results.get('train_len') or 'not given'}. "
-             f"Max tokens per length: {settings.get('max_tokens') or 'all'}. "
-             + (f"Max windows per length: {settings['max_windows']}. " if settings.get("max_windows") else "")
-             + f"Window: {settings.get('window', 'L tokens')}.",
+             f"Data: {md_inline(', '.join(data.get('files') or ['given tokens']))} "
+             f"({sum(data.get('documents') or [])} tokens). "
+             f"Training length: {md_inline(results.get('train_len') or 'not given')}. "
+             f"Max tokens per length: {md_inline(settings.get('max_tokens') or 'all')}. "
+             + (f"Max windows per length: {md_inline(settings['max_windows'])}. " if settings.get("max_windows")
+                else "")
+             + f"Window: {md_inline(settings.get('window', 'L tokens'))}.",
              ""]
     for m in results["models"]:
-        lines.append(f"- **{m['name']}**: {m['model_type']}, {m.get('dtype', '?')}, "
-                     f"source `{m.get('source') or 'in memory'}`, "
-                     f"patch {json.dumps(m.get('retrofit'))}, learned positions {m.get('max_learned_positions')}, "
-                     f"max_position_embeddings {m.get('max_position_embeddings')}, "
-                     f"RoPE extension {m.get('rope', 'none')}, original positions {model_limit(m)}"
-                     + (f", patched for this evaluation {json.dumps(m['eval_patch'])}" if m.get("eval_patch") else ""))
+        # every value here is what results.json says (`retrofit report` re-renders it): shown as text
+        lines.append(f"- **{md_text(m['name'])}**: {md_inline(m['model_type'])}, {md_inline(m.get('dtype', '?'))}, "
+                     f"source {md_code(m.get('source') or 'in memory')}, "
+                     f"patch {md_inline(json.dumps(m.get('retrofit')))}, "
+                     f"learned positions {md_inline(m.get('max_learned_positions'))}, "
+                     f"max_position_embeddings {md_inline(m.get('max_position_embeddings'))}, "
+                     f"RoPE extension {md_inline(m.get('rope', 'none'))}, original positions "
+                     f"{md_inline(model_limit(m))}"
+                     + (f", patched for this evaluation {md_inline(json.dumps(m['eval_patch']))}"
+                        if m.get("eval_patch") else ""))
     lines += _interval_lines(results)
     lm = [("Loss by context length", loss_table_markdown(results)),
           *_comparison_section(results),
@@ -314,8 +321,9 @@ def _interval_lines(results: dict) -> list[str]:
     method = results.get("settings", {}).get("intervals")
     if not method:
         return ["", "No intervals: these results do not keep the per-window values an interval is computed from "
-                    f"(written before retrofit reported intervals, schema {results.get('schema')}); n is shown."]
-    return ["", f"Intervals: 95%, {method}. The unit of a loss interval is the window (L + 1 tokens of one "
+                    f"(written before retrofit reported intervals, schema {md_inline(results.get('schema'))}); "
+                    "n is shown."]
+    return ["", f"Intervals: 95%, {md_inline(method)}. The unit of a loss interval is the window (L + 1 tokens of one "
                 "document); `± h` is half the interval's width."]
 
 
@@ -325,7 +333,8 @@ def _comparison_section(results: dict) -> list[tuple[str, str]]:
     for reference in comparison_references(results):
         table = comparison_table_markdown(results, reference)
         if table:
-            sections.append((f"Paired differences to {reference}", f"Mean loss minus {reference}'s on the same "
-                             f"windows, with the paired 95% interval (negative = lower loss than {reference})."
+            shown = md_inline(reference)
+            sections.append((f"Paired differences to {shown}", f"Mean loss minus {shown}'s on the same "
+                             f"windows, with the paired 95% interval (negative = lower loss than {shown})."
                              f"\n\n{table}\n\n{APPROX_LEGEND}"))
     return sections

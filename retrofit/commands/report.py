@@ -56,19 +56,19 @@ def run(args) -> int:
 
 
 def _read(path: Path) -> dict:
-    from ..evaluate.merge import read_results
+    from ..evaluate.merge import checked_results
     from ..evaluate.report import validate
+    from ..readers import expect, read_json
 
     if not path.is_file():
         raise RetrofitError(f"{path.parent} has no results.json: give a folder retrofit eval or experiment wrote")
-    try:
-        results = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as err:
-        raise RetrofitError(f"{path}: cannot read it as JSON ({str(err).splitlines()[0]})") from None
+    results = read_json(path)  # a mapping (a list, a 5,000-digit number: one line)
     if not str(results.get("schema", "")).startswith("retrofit.experiment/"):
-        return read_results(path)
+        return checked_results(results, str(path))
     try:
         validate(results["evaluation"])
+        for name, arm in expect(results["arms"], dict, "its arms").items():  # the report reads each arm's fields
+            expect(arm, dict, f"arm {name!r}")
     except (KeyError, RetrofitError) as err:
         raise RetrofitError(f"{path}: not a retrofit experiment results.json ({err})") from None
     return results

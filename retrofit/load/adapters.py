@@ -38,8 +38,9 @@ from torch import nn
 from transformers.utils import cached_file
 
 from ..atomic import atomic_folder
-from ..errors import RetrofitError
+from ..errors import RetrofitError, shown
 from ..patch import patch_from_record, patch_record
+from ..readers import expect, read_json
 from .checkpoint import checkpoint_or_plain, listed
 from .sources import hub_error, hub_reachable, source_kind
 from .validate import check_finite, check_record
@@ -139,14 +140,16 @@ def read_record(folder, **hub) -> dict:
     folder = Path(folder)
     if not (folder / ADAPTER_CONFIG).is_file():
         raise RetrofitError(f"{folder} has no {ADAPTER_CONFIG}: it is not a PEFT adapter folder")
+    config = read_json(folder / ADAPTER_CONFIG)  # a mapping, checked before anything reads a field of it
     if (folder / RECORD).is_file():
-        meta = json.loads((folder / RECORD).read_text())
-        if meta.get("format", FORMAT) > FORMAT:
-            raise RetrofitError(f"{folder} was written by a newer retrofit (format {meta['format']}); upgrade retrofit")
+        meta = read_json(folder / RECORD)
+        if not isinstance(meta.get("format", FORMAT), int) or meta.get("format", FORMAT) > FORMAT:
+            raise RetrofitError(f"{folder} was written by a newer retrofit (format {shown(meta['format'])}); "
+                                "upgrade retrofit")
+        expect(meta.get("patch"), dict, f"{folder / RECORD}: patch")
         return meta
-    config = json.loads((folder / ADAPTER_CONFIG).read_text())
     run_summary = folder.parent / "result.json"
-    patch = json.loads(run_summary.read_text()).get("retrofit") if run_summary.is_file() else None
+    patch = read_json(run_summary).get("retrofit") if run_summary.is_file() else None
     if not isinstance(patch, dict):
         base = config.get("base_model_name_or_path")
         patch = _base_record(base, config.get("revision"), hub)

@@ -16,6 +16,7 @@ FSDP2 also refuses 0-d parameters: every retrofit norm keeps its per-head parame
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 from torch import nn
@@ -82,6 +83,10 @@ def check_recipe(recipe, distributed_type: str) -> None:
     if distributed_type in ("FSDP", "DEEPSPEED"):
         raise RetrofitError(f"train.fsdp shards the model itself; accelerate already runs {distributed_type}: "
                             "set train.fsdp false or launch without accelerate's FSDP / DeepSpeed config")
+    if distributed_type == "NO" and "RANK" not in os.environ:  # torch's own words: "environment variable RANK expected"
+        raise RetrofitError("train.fsdp shards the model over several processes and needs a launcher: "
+                            "torchrun --nproc_per_node N -m retrofit train RECIPE (or accelerate launch "
+                            "--multi_gpu --num_processes N -m retrofit train RECIPE), or set train.fsdp false")
     if recipe.train.peft is not None and recipe.train.peft.save != "adapter":
         raise RetrofitError(f"train.fsdp with LoRA saves the adapter only (train.peft.save is "
                             f"{recipe.train.peft.save!r}): set train.peft.save: adapter; the run then loads with "

@@ -106,6 +106,7 @@ def build_world(root: Path) -> dict:
     build_round3_errors(root, w)
     build_damaged(root, w, model, root / "ckpt")
     build_bounds_inputs(root, w)
+    build_issue51_inputs(root, w)
     # round 3 (load): a folder whose auto_map names its own code; a patched checkpoint missing a base weight
     planted = copy("planted") / "config.json"
     planted.write_text(json.dumps({**json.loads(planted.read_text()), "auto_map": {"AutoConfig": "x.Config"}}))
@@ -225,6 +226,34 @@ def build_bounds_inputs(root: Path, w: dict) -> None:
     w["notes"] = str(notes)
     w["json_deep"] = str(root / "deep-tokens.json")
     Path(w["json_deep"]).write_text("[" * 100_000 + "]" * 100_000)
+
+
+def build_issue51_inputs(root: Path, w: dict) -> None:
+    """Inputs of the issue 51 cases: files of the wrong type or with 5,000-digit numbers in run and results folders,
+    a run whose recipe.yaml has a string for an int, an adapter whose config is a list, a folder whose marker is a
+    link into the user's file."""
+    def folder(name, files, source=None):
+        path = root / name
+        shutil.copytree(source, path) if source else path.mkdir()
+        for file, text in files.items():
+            (path / file).write_text(text)
+        w[name] = str(path)
+
+    digits = "1" * 5000
+    folder("results_list", {"results.json": "[1, 2]\n", ".retrofit-owned": "made by retrofit\n"})
+    folder("results_digits", {"results.json": '{"schema": "retrofit.eval/2", "train_len": ' + digits + "}\n",
+                              ".retrofit-owned": "made by retrofit\n"})
+    run = {"result.json": json.dumps({"steps": 1}), "recipe.yaml": "name: x\nmodel: {source: model}\n",
+           "log.jsonl": '{"step": 1, "loss": 3.0}\n'}
+    folder("run_result_list", {**run, "result.json": "[1]\n"}, root / "ckpt")
+    folder("run_result_digits", {**run, "result.json": '{"steps": ' + digits + "}\n"}, root / "ckpt")
+    folder("run_model_list", {**run, "recipe.yaml": "name: x\nmodel: [1, 2]\n"}, root / "ckpt")
+    from tests.cli.test_output_folders import counting_run  # a finished tiny counting run (two steps)
+    counting, _ = counting_run(root, "counting_run")
+    recipe = yaml.safe_load((counting / "recipe.yaml").read_text())
+    recipe["data"]["counting"] = {"alphabet": "many"}
+    folder("run_str_alphabet", {"recipe.yaml": yaml.safe_dump(recipe)}, counting)
+    folder("adapter_list", {"adapter_config.json": "[1]\n"})
 
 
 # (id, argv with {placeholders} (a string, or a list of arguments), regex the one line must match). {out} is a fresh
@@ -589,6 +618,32 @@ CASES = [
      r"no such file or folder: .*no-such-thing\\nsecond$"),
     ("eval-flag-escape-sequence", ["eval", "{model}", "--data", "{text}", "--lengths", "8", "--bogus\x1b[2J"],
      r"unrecognized arguments: --bogus\\x1b\[2J"),
+    # issue 51 (tracebacks): a file read from a folder has its type checked first, then its fields
+    ("report-results-a-list", "report {results_list}", r"results_list/results.json holds a list, not a mapping"),
+    ("info-result-a-list", "info {run_result_list}", r"run_result_list/result.json holds a list, not a mapping"),
+    ("info-recipe-model-a-list", "info {run_model_list}",
+     r"run_model_list/recipe.yaml: model must be a mapping \(source or config\), got \[1, 2\]$"),
+    ("info-adapter-config-a-list", "info {adapter_list}", r"adapter_list/adapter_config.json holds a list, not a"),
+    ("eval-run-recipe-string-alphabet", "eval {run_str_alphabet} --tasks counting --lengths 16 --out {out}",
+     r"run_str_alphabet/recipe.yaml: data.counting.alphabet must be an integer, got 'many'$"),
+    # issue 51 (tracebacks): numbers bounded before int() / float(), and finite
+    ("info-result-5000-digits", "info {run_result_digits}",
+     r"run_result_digits/result.json holds a number of 5,000 digits; .*at most 100"),
+    ("report-results-5000-digits", "report {results_digits}", r"results.json holds a number of 5,000 digits"),
+    ("train-override-5000-digits", "train {recipe} train.steps=" + "1" * 5000 + " --out {out}",
+     r"override train.steps holds a number of 5,000 digits"),
+    ("train-plan-for-1e400", "train {recipe} --dry-run --plan-for cuda:1e400",
+     r"--plan-for: the memory after ':' must be a finite number of GiB.*got '1e400'$"),
+    # issue 51 (tracebacks): the three left from round 4, and train.fsdp without a launcher
+    ("train-config-gpt2-width-not-divisible",
+     "train {recipe} model.source=null model.tokenizer={model} model.config.model_type=gpt2 model.config.n_embd=30 "
+     "model.config.n_head=4 --out {out}", r"model.config: n_head \(4\) must divide n_embd \(30\)$"),
+    ("train-config-kv-heads-not-dividing",
+     "train {recipe} model.source=null model.tokenizer={model} model.config.model_type=llama "
+     "model.config.hidden_size=32 model.config.num_attention_heads=4 model.config.num_key_value_heads=3 --out {out}",
+     r"model.config: num_key_value_heads \(3\) must divide num_attention_heads \(4\)$"),
+    ("train-fsdp-without-launcher", "train {recipe} train.fsdp=true --out {out}",
+     r"train.fsdp shards the model over several processes .*torchrun --nproc_per_node N"),
 ]
 SIZE_CASES = ["eval-lengths-range-huge", "eval-export-length-huge", "eval-samples-huge", "eval-export-samples-huge",
               "eval-trials-huge", "eval-rope-1e308", "tokenizer-vocab-2-64", "eval-variants-aliases",

@@ -10,8 +10,8 @@ import yaml
 
 from retrofit.errors import RetrofitError, shown
 from retrofit.experiment import driver as experiment
+from retrofit.readers import MAX_VALUES, load_yaml
 from retrofit.recipe import load_recipe, recipe_from_dict
-from retrofit.recipe.schema import MAX_VALUES, load_yaml
 from tests.train.test_checkpoints import counting_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

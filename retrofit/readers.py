@@ -47,6 +47,10 @@ class _TooLarge(Exception):
     """A bound was crossed (message, line); load_yaml turns it into a one-line RetrofitError."""
 
 
+class _Twice(Exception):
+    """A mapping holds one key twice (key, line); load_yaml turns it into a one-line RetrofitError."""
+
+
 class _BoundedLoader(yaml.SafeLoader):
     """SafeLoader whose composer refuses to nest deeper than MAX_DEPTH (PyYAML composes recursively: a file
     nested 1000 deep is a RecursionError otherwise) and whose integers have at most MAX_DIGITS digits."""
@@ -63,6 +67,8 @@ class _BoundedLoader(yaml.SafeLoader):
             node = super().compose_node(parent, index)
         finally:
             self.depth -= 1
+        if isinstance(node, yaml.MappingNode):  # as written: merges (<<: *base) are applied later, when constructed
+            _once_each(node)
         return node
 
     def construct_yaml_int(self, node):
@@ -73,6 +79,17 @@ class _BoundedLoader(yaml.SafeLoader):
 
 
 _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+
+
+def _once_each(node: yaml.MappingNode) -> None:
+    """PyYAML keeps the last of two equal keys (`kind: rms` then `kind: layer` is kind=layer, silently): a key
+    written twice in one mapping is refused. A merge (`<<: *base`) may still be overridden by the keys beside it."""
+    seen = set()
+    for key, _ in node.value:
+        if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+            if key.value in seen:
+                raise _Twice(key.value, key.start_mark.line + 1)
+            seen.add(key.value)
 
 
 def _expanded(node, depth: int, seen: dict) -> tuple[int, int]:
@@ -113,6 +130,9 @@ def load_yaml(text: str, what: str, kind: str = "a recipe is a few levels of sec
     except _TooLarge as err:
         message, line = err.args
         raise RetrofitError(f"{what} {message} (line {line}); {kind}, write it out plainly") from None
+    except _Twice as err:
+        key, line = err.args
+        raise RetrofitError(f"{what}: {key[:60]} is given twice (line {line}); give it once") from None
     finally:
         loader.dispose()
 

@@ -644,6 +644,9 @@ CASES = [
      r"model.config: num_key_value_heads \(3\) must divide num_attention_heads \(4\)$"),
     ("train-fsdp-without-launcher", "train {recipe} train.fsdp=true --out {out}",
      r"train.fsdp shards the model over several processes .*torchrun --nproc_per_node N"),
+    # issue 51 (swapped): a --patch key given twice is refused, not the last one taken
+    ("eval-patch-key-twice", "eval {model} --data {text} --lengths 8 --patch avnorm:kind=rms,kind=layer --out {out}",
+     r"--patch 'avnorm:kind=rms,kind=layer': kind is given twice \('rms', then 'layer'\); give it once$"),
 ]
 SIZE_CASES = ["eval-lengths-range-huge", "eval-export-length-huge", "eval-samples-huge", "eval-export-samples-huge",
               "eval-trials-huge", "eval-rope-1e308", "tokenizer-vocab-2-64", "eval-variants-aliases",

@@ -13,10 +13,11 @@ retrofit judges numbers; `retrofit eval --merge` puts several evaluations side b
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
-from ..atomic import atomic_write_text, check_output, make_output
+from ..atomic import atomic_write_text, check_output, folder_lock, output_folder
 from ..errors import RetrofitError
 
 
@@ -41,17 +42,21 @@ def run(args) -> int:
                                 "--reference NAME --out NEW")
         results = loaded[0][1]
         judged = rejudge(results.get("evaluation", results), args.reference)  # an unknown name: one line, nothing made
-        write_report(judged, make_output(args.out, "--out"))
+        with output_folder(args.out, "--out") as out:
+            write_report(judged, out)
         print(f"report: {args.out} (against {args.reference})")
         return 0
     for path, _ in loaded:  # rewritten in place only where retrofit owns the folder (its marker), all checked first
-        check_output(path.parent, "report DIR")
-    for path, results in loaded:
-        if results.get("schema", "").startswith("retrofit.experiment/"):
-            _experiment(path.parent, results)
-        else:
-            write_report(rejudge(results), path.parent)
-        print(f"report: {path.parent} judged again")
+        check_output(path.parent, "report DIR")  # ... and holds no link out of it
+    with contextlib.ExitStack() as locks:  # every folder's lock, before any is rewritten: a run writing it refuses us
+        for path, _ in loaded:
+            locks.enter_context(folder_lock(path.parent))
+        for path, results in loaded:
+            if results.get("schema", "").startswith("retrofit.experiment/"):
+                _experiment(path.parent, results)
+            else:
+                write_report(rejudge(results), path.parent)
+            print(f"report: {path.parent} judged again")
     return 0
 
 

@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_write_text, atomic_writer
 from ..errors import RetrofitError
 from ..escape import md_code, md_inline, md_text
 from .compare import comparison_references
@@ -142,6 +142,13 @@ def _figure(n_axes=1, width=6.0, height=4.0):
     return fig, axes[:n_axes]
 
 
+def save_png(fig, path, dpi: int = 120) -> Path:
+    """The figure as a PNG at `path`, written atomically (never through a link below a folder retrofit owns)."""
+    with atomic_writer(path, binary=True) as f:
+        fig.savefig(f, format="png", dpi=dpi)
+    return Path(path)
+
+
 def _tokens_label(x: float) -> str:
     """1024 -> '1K', 65536 -> '64K', 16 -> '16'."""
     return f"{x / 1024:g}K" if x >= 1024 else f"{x:g}"
@@ -172,8 +179,7 @@ def line_plot(series: dict, path, **kwargs) -> Path:
     """One axis of lines (see draw_lines), saved as a PNG."""
     fig, (ax,) = _figure()
     draw_lines(ax, series, **kwargs)
-    fig.savefig(path, dpi=120)
-    return Path(path)
+    return save_png(fig, path)
 
 
 def length_marks(results: dict) -> list[tuple[int, str]]:
@@ -211,8 +217,7 @@ def plot_loss_by_position(results: dict, path) -> Path:
                   for r in m["lengths"]}
         draw_lines(ax, series, xlabel="position in window (tokens of context)", ylabel="loss",
                    title=model_label(m), marks=length_marks(results))
-    fig.savefig(path, dpi=120)
-    return Path(path)
+    return save_png(fig, path)
 
 
 def plot_passkey(results: dict, path) -> Path:
@@ -231,8 +236,7 @@ def plot_passkey(results: dict, path) -> Path:
         ax.set_ylabel("passkey depth")
         ax.set_title(model_label(m))
         fig.colorbar(image, ax=ax, label="accuracy")
-    fig.savefig(path, dpi=120)
-    return Path(path)
+    return save_png(fig, path)
 
 
 def plot_counting(results: dict, path) -> Path:
@@ -245,8 +249,7 @@ def plot_counting(results: dict, path) -> Path:
         draw_lines(ax, series, xlabel="sequence length", ylabel=metric.upper(), title=f"Counting {metric.upper()}",
                    marks=length_marks(results))
         ax.set_yscale("log")
-    fig.savefig(path, dpi=120)
-    return Path(path)
+    return save_png(fig, path)
 
 
 # ---- everything at once -------------------------------------------------------------------------------------

@@ -254,6 +254,8 @@ def build_issue51_inputs(root: Path, w: dict) -> None:
     recipe["data"]["counting"] = {"alphabet": "many"}
     folder("run_str_alphabet", {"recipe.yaml": yaml.safe_dump(recipe)}, counting)
     folder("adapter_list", {"adapter_config.json": "[1]\n"})
+    folder("marker_link", {"notes.md": "my notes\n"})
+    os.symlink(w["afile"], root / "marker_link" / ".retrofit-owned")
 
 
 # (id, argv with {placeholders} (a string, or a list of arguments), regex the one line must match). {out} is a fresh
@@ -644,9 +646,11 @@ CASES = [
      r"model.config: num_key_value_heads \(3\) must divide num_attention_heads \(4\)$"),
     ("train-fsdp-without-launcher", "train {recipe} train.fsdp=true --out {out}",
      r"train.fsdp shards the model over several processes .*torchrun --nproc_per_node N"),
-    # issue 51 (swapped): a --patch key given twice is refused, not the last one taken
+    # issue 51 (swapped): a --patch key given twice; (links) adopt never writes through a marker that is a link
     ("eval-patch-key-twice", "eval {model} --data {text} --lengths 8 --patch avnorm:kind=rms,kind=layer --out {out}",
      r"--patch 'avnorm:kind=rms,kind=layer': kind is given twice \('rms', then 'layer'\); give it once$"),
+    ("adopt-marker-is-a-link", "adopt {marker_link}",
+     r"marker_link/.retrofit-owned is a symbolic link; .*never writes through a link"),
 ]
 SIZE_CASES = ["eval-lengths-range-huge", "eval-export-length-huge", "eval-samples-huge", "eval-export-samples-huge",
               "eval-trials-huge", "eval-rope-1e308", "tokenizer-vocab-2-64", "eval-variants-aliases",

@@ -256,6 +256,27 @@ def build_issue51_inputs(root: Path, w: dict) -> None:
     folder("adapter_list", {"adapter_config.json": "[1]\n"})
     folder("marker_link", {"notes.md": "my notes\n"})
     os.symlink(w["afile"], root / "marker_link" / ".retrofit-owned")
+    build_planted_run(root, w)
+
+
+def build_planted_run(root: Path, w: dict) -> None:
+    """An unfinished run (two steps, a checkpoint after the first, result.json gone) whose checkpoint's RNG file is
+    a pickle that would write W/ran if unpickled, its manifest signed again as whoever planted it would."""
+    import torch
+
+    from retrofit.recipe import recipe_from_dict
+    from retrofit.train import checkpoint, train
+    from tests.train.test_resume_state import Canary
+
+    run = root / "run_planted"
+    raw = yaml.safe_load(Path(w["recipe"]).read_text())
+    raw["train"]["steps"], raw["output"] = 2, {"dir": str(run), "save_every": 1}
+    train(recipe_from_dict(raw))
+    (run / "result.json").unlink()
+    step = run / checkpoint.FOLDER / "step-0000001"
+    torch.save(Canary(root / "ran"), step / "random_states_0.pkl")
+    checkpoint.write_manifest(step)
+    w["run_planted"] = str(run)
 
 
 # (id, argv with {placeholders} (a string, or a list of arguments), regex the one line must match). {out} is a fresh
@@ -649,6 +670,10 @@ CASES = [
     # issue 51 (swapped): a --patch key given twice; (links) adopt never writes through a marker that is a link
     ("eval-patch-key-twice", "eval {model} --data {text} --lengths 8 --patch avnorm:kind=rms,kind=layer --out {out}",
      r"--patch 'avnorm:kind=rms,kind=layer': kind is given twice \('rms', then 'layer'\); give it once$"),
+    # issue 51 (code on resume): a planted pickle in a run's checkpoint is refused as data, never run
+    ("train-resume-planted-pickle", "train {run_planted}/recipe.yaml --resume {run_planted}",
+     r"step-0000001/random_states_0.pkl is not data retrofit can read as training state \(Unsupported global: "
+     r"GLOBAL exec was not an allowed global by default\); it was not written by retrofit"),
     ("adopt-marker-is-a-link", "adopt {marker_link}",
      r"marker_link/.retrofit-owned is a symbolic link; .*never writes through a link"),
 ]
@@ -667,8 +692,10 @@ def argv(template: str | list, world: dict, out: Path) -> list[str]:
 
 
 def snapshot(root: Path) -> dict:
-    """Every path under root with its size and modification time: what a failed command must not change."""
-    return {str(p): (p.is_dir(), p.lstat().st_size if not p.is_dir() else 0, p.lstat().st_mtime_ns)
+    """Every path under root with its size and modification time: what a failed command must not change. A run's
+    .lock holds the pid of whoever took it last (a resume refused after taking it rewrites it): its time is left out."""
+    return {str(p): (p.is_dir(), p.lstat().st_size if not p.is_dir() else 0,
+                     None if p.name == ".lock" else p.lstat().st_mtime_ns)
             for p in sorted(root.rglob("*"))}
 
 

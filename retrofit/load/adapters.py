@@ -231,7 +231,27 @@ def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise RetrofitError(f"could not load the adapter in {source}: "
                             f"{str(err).strip().splitlines()[0][:200]}") from None
+    check_adapter_tensors(model, folder)
     return model if is_trainable else model.eval()
+
+
+def check_adapter_tensors(model, folder: Path) -> None:
+    """The adapter file holds exactly the tensors the PEFT model built from its config has (get_peft_model_state_dict:
+    what save_pretrained writes). PEFT loads a missing one at its initial value (lora_B: zeros, no adapter there)
+    and drops an extra one, without a word: either is refused in one line."""
+    from peft import get_peft_model_state_dict
+
+    weights = Path(folder) / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        return  # another format (adapter_model.bin): PEFT names what it cannot load
+    with safe_open(str(weights), "pt") as f:
+        saved = set(f.keys())
+    expected = set(get_peft_model_state_dict(model).keys())
+    problems = [f"{what} {listed(k.removeprefix('base_model.model.') for k in keys)}"
+                for what, keys in (("missing", expected - saved), ("unexpected", saved - expected)) if keys]
+    if problems:
+        raise RetrofitError(f"{weights} is damaged or belongs to another model: LoRA tensors {'; '.join(problems)}; "
+                            "save the adapter again (loading it would leave those weights at their initial values)")
 
 
 def _same_patch(a: dict, b: dict) -> bool:

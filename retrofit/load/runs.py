@@ -41,7 +41,7 @@ from ..readers import read_json
 from ..recipe import PatchSection, Recipe, load_recipe
 from ..rope import normalize_rope
 from ..selection import parse_selection
-from .adapters import ADAPTER_CONFIG, is_adapter, load_adapter
+from .adapters import ADAPTER_CONFIG, check_adapter_tensors, is_adapter, load_adapter
 from .checkpoint import checkpoint_or_plain
 from .models import load_tokenizer, model_from_config, training_dtype
 from .sources import HUB_ARGS, check_model_files, location, refuse_remote_code, source_kind
@@ -265,4 +265,6 @@ def _load_adapter_run(run: Path) -> nn.Module:
     apply_patch(base, recipe.patch)  # the calibrated / trained patch parameters come back from the adapter
     from peft import PeftModel  # imported here: most runs have no adapter, and PEFT's import costs ~1 s
 
-    return PeftModel.from_pretrained(language_model(base), str(run / ADAPTER_DIR))
+    model = PeftModel.from_pretrained(language_model(base), str(run / ADAPTER_DIR))
+    check_adapter_tensors(model, run / ADAPTER_DIR)
+    return model

@@ -7,7 +7,9 @@ Text files are read here too
 
 import codecs
 import difflib
+import errno
 import os
+import re
 import reprlib
 import unicodedata
 from pathlib import Path
@@ -66,6 +68,38 @@ def shown(value, limit: int = 80) -> str:
     """repr(value) cut to at most `limit` characters (with '...'): how an error message echoes a user's value."""
     text = _SHORT.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---- a write that failed for want of room: one rule for every writer ------------------------------------------------
+
+# errno -> what the write ran into
+WRITE_LIMITS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+                errno.EFBIG: "a file reached the size limit (File too large: `ulimit -f`, or the largest file the file "
+                             "system takes)"}
+# What writers say without an errno: torch's zip writer ("PytorchStreamWriter failed writing file data/0: file write
+# failed", then "unexpected pos 141824 vs 141716" when it checks its position after a short write), safetensors'
+# serializer ("Error while serializing: I/O error: File too large (os error 27)").
+_WRITER = re.compile(r"PytorchStreamWriter failed writing|file write failed|unexpected pos \d+ vs \d+", re.I)
+_OS_ERROR = re.compile(r"serializ.*\(os error (\d+)\)", re.I | re.S)
+
+
+def write_failure(err: BaseException) -> str | None:
+    """What a failed write ran into ('the disk is full', 'a file reached the size limit ...'), read from the error or
+    any it was raised while handling; None when `err` is not a write that failed for want of room."""
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, OSError) and err.errno in WRITE_LIMITS:
+            return WRITE_LIMITS[err.errno]
+        text = str(err)
+        found = _OS_ERROR.search(text)
+        if found and int(found.group(1)) in WRITE_LIMITS:
+            return WRITE_LIMITS[int(found.group(1))]
+        if "No space left on device" in text:
+            return WRITE_LIMITS[errno.ENOSPC]
+        if isinstance(err, RuntimeError) and _WRITER.search(text):
+            return "the disk is full or a file reached the size limit"
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
 
 
 def check_token_ids(largest: int, rows: int, tokens: str, model: str) -> None:

@@ -22,17 +22,15 @@ read that way is a one-line refusal naming it: never code run, never a silent fr
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
 import random
-import re
 import time
 from pathlib import Path
 
 from ..atomic import MARKER, atomic_write_text, owned_folder, remove_owned
-from ..errors import RetrofitError
+from ..errors import RetrofitError, write_failure
 from ..readers import expect, read_json
 from . import fsdp
 
@@ -100,33 +98,23 @@ def save_checkpoint(accelerator, run_dir, step: int, data_state: dict, recipe_fl
     return final
 
 
-# What a full disk looks like from inside torch.save: its zip writer's RuntimeError, e.g. "[enforce fail at
-# inline_container.cc:...] . PytorchStreamWriter failed writing file data/0: file write failed" (no errno in it).
-_WRITE_FAILED = re.compile(r"PytorchStreamWriter failed writing|file write failed|No space left on device", re.I)
-
-
-def disk_full(err: BaseException) -> bool:
-    """Whether `err` is a write that failed for want of space (ENOSPC, a used-up quota, torch's writer failing)."""
-    if isinstance(err, OSError):
-        return err.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(err, RuntimeError) and bool(_WRITE_FAILED.search(str(err)))
-
-
 @contextlib.contextmanager
 def _disk_full_is_one_line(accelerator, tmp: Path, run_dir, step: int):
-    """A full disk while writing checkpoint `step`: the half-written .tmp- folder is removed (its space given
-    back; nothing loads it anyway) and the error is one line saying so. The checkpoints before it are untouched,
-    so the run resumes from the newest of them once there is space."""
+    """A write that failed for want of room while writing checkpoint `step` (a full disk, a used-up quota, a file
+    past the size limit: errors.write_failure): the half-written .tmp- folder is removed (its space given back;
+    nothing loads it anyway) and the error is one line saying so. The checkpoints before it are untouched, so the run
+    resumes from the newest of them once there is room."""
     try:
         yield
     except (OSError, RuntimeError) as err:
-        if not disk_full(err):
+        reason = write_failure(err)
+        if reason is None:
             raise
         if accelerator.is_main_process:
             remove_owned(tmp, tmp.parent)
         detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
-        raise RetrofitError(f"the disk is full: checkpoint step {step} could not be written in {Path(run_dir)} "
-                            f"({detail}); free some space, then continue with `retrofit train RECIPE --resume "
+        raise RetrofitError(f"{reason}: checkpoint step {step} could not be written in {Path(run_dir)} "
+                            f"({detail}); make room, then continue with `retrofit train RECIPE --resume "
                             f"{Path(run_dir)}` (it resumes from the last complete checkpoint)") from None
 
 

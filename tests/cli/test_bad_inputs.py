@@ -776,6 +776,9 @@ def test_an_internal_bug_keeps_its_traceback(monkeypatch, world):
     (PermissionError(13, "Permission denied", "/x/y"), r"Permission denied: /x/y; check its permissions"),
     (OSError(28, "No space left on device", "/x"), r"No space left on device: /x; the disk is full"),
     (OSError(30, "Read-only file system", "/x"), r"read-only: choose another --out"),
+    (OSError(27, "File too large", "/x"), r"File too large: /x; a file reached the size limit: raise `ulimit -f`"),
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 141824 vs 141716"),
+     r"a write failed: the disk is full or a file reached the size limit \(\[enforce fail"),
     (IsADirectoryError(21, "Is a directory", "/x"), r"Is a directory: /x; give a file"),
     (RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: you tried to "
                   "allocate 68719476736 bytes"), r"out of memory .*lower the length or batch"),

@@ -35,6 +35,7 @@ from ..evaluate.compare import with_comparisons
 from ..evaluate.report import write_report
 from ..load import load, load_config, training_dtype
 from ..positions import learned_position_limit
+from ..readers import read_json
 from ..recipe import (
     ArmSection,
     ExperimentSection,
@@ -127,7 +128,7 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
         print(f"[experiment] arm {arm.name}: its settings changed ({change}); training it again")
     elif _finished(arm_dir) and recovery_file.is_file():
         print(f"[experiment] arm {arm.name}: finished, skipping")
-        return {int(k): v for k, v in json.loads(recovery_file.read_text()).items()}
+        return {int(k): v for k, v in read_json(recovery_file).items()}
     what = f"from {base}" if base else "from scratch"
     rope = f" + rope {describe_rope(arm.patch.rope)}" if arm.patch.rope is not None else ""
     print(f"[experiment] arm {arm.name}: {arm.patch.norm or 'unpatched'}{rope}, {exp.finetune_steps} steps {what} "
@@ -191,7 +192,7 @@ def recovery_points(run_dir: Path) -> dict[int, dict]:
 def final_train_loss(run_dir: Path) -> float | None:
     """The run's training loss over its last log window (result.json final_loss), or None (failed, not run)."""
     result = run_dir / "result.json"
-    return json.loads(result.read_text()).get("final_loss") if result.is_file() else None
+    return read_json(result).get("final_loss") if result.is_file() else None
 
 
 def learned_limit(source: str) -> int | None:
@@ -239,7 +240,7 @@ def _previous_evaluation(path: Path, recipe: Recipe, exp: ExperimentSection) -> 
     Each model entry carries `evaluated_at` (entries written without it date from the file)."""
     if not path.is_file():
         return None
-    previous = json.loads(path.read_text())
+    previous = read_json(path)
     same = (previous.get("data", {}).get("files") == [str(p) for p in exp.eval_data or []]
             and previous.get("settings", {}).get("max_tokens") == exp.eval_max_tokens
             and previous.get("train_len") == (exp.train_len or recipe.data.seq_len)
@@ -307,7 +308,7 @@ def _recorded_times(out: Path) -> dict:
     """Stage wall times recorded when the stages ran (DIR/wall_time.json, else an earlier results.json)."""
     for path, key in ((out / "wall_time.json", None), (out / "results.json", "wall_time_s")):
         if path.is_file():
-            data = json.loads(path.read_text())
+            data = read_json(path)
             return (data.get(key) if key else data) or {}
     return {}
 

@@ -644,6 +644,8 @@ CASES = [
     # issue 51 (tracebacks): a file read from a folder has its type checked first, then its fields
     ("report-results-a-list", "report {results_list}", r"results_list/results.json holds a list, not a mapping"),
     ("info-result-a-list", "info {run_result_list}", r"run_result_list/result.json holds a list, not a mapping"),
+    ("push-result-a-list", "push {run_result_list} --repo me/x --dry-run {out}",
+     r"run_result_list/result.json holds a list, not a mapping"),
     ("info-recipe-model-a-list", "info {run_model_list}",
      r"run_model_list/recipe.yaml: model must be a mapping \(source or config\), got \[1, 2\]$"),
     ("info-adapter-config-a-list", "info {adapter_list}", r"adapter_list/adapter_config.json holds a list, not a"),

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_write_text, output_folder, owned_folder, remove_owned
+from ..atomic import atomic_write_text, check_output, output_folder, owned_folder, remove_owned
 from ..errors import RetrofitError, shown
 from ..evaluate import EvalSpec, evaluate_models
 from ..evaluate.compare import with_comparisons
@@ -353,14 +353,14 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
         raise RetrofitError("this recipe has no experiment section (arms, base_steps, finetune_steps); "
                             "use `retrofit train` for a single run")
     reference = load_reference(exp.reference, [a.name for a in exp.arms]) if exp.reference else None
-    # new, empty or made by retrofit (a re-run resumes it), and locked: one experiment writes a folder at a time
-    with output_folder(out_dir, "--out") as out:
+    out = check_output(out_dir, "--out")  # new, empty or made by retrofit (a re-run resumes it)
+    check_base(recipe, exp, out)  # before anything in it is touched, its lock included
+    with output_folder(out, "--out") as out:  # locked: one experiment writes a folder at a time
         return _run_stages(recipe, exp, reference, out, progress)
 
 
 def _run_stages(recipe, exp, reference, out: Path, progress: bool) -> dict:
     """run_experiment's stages, while the experiment folder is locked: base, arms, evaluation, report."""
-    check_base(recipe, exp, out)
     save_recipe(recipe, out / "recipe.yaml")
     clock, failures, recovery = _Clock(out), {}, {}
     start = time.perf_counter()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..errors import RetrofitError, shown
+from ..errors import RetrofitError, one_line, shown
 from ..norms import get_norm, make_options
 from ..norms.base import AttentionShape
 from ..readers import read_json, read_yaml
@@ -170,7 +170,7 @@ def describe(facts: dict) -> str:
         if dataclasses.is_dataclass(value):
             value = dataclasses.asdict(value)
         shown = json.dumps(value, default=str) if isinstance(value, (dict, list)) else "-" if value is None else value
-        lines.append(f"{key + ':':<24} {shown}")
+        lines.append(f"{key + ':':<24} {one_line(shown)}")  # what a folder's files say: one line each
     return "\n".join(lines)
 
 

@@ -139,3 +139,15 @@ def test_report_takes_the_folder_lock(evaluated_run, tmp_path, run_cli):
     after = checksums(folder)
     assert {k: v for k, v in after.items() if k != atomic.LOCK} == {k: v for k, v in before.items() if k != atomic.LOCK}
     assert run_cli(["report", str(folder)])[0] == 0  # released: the report goes ahead
+
+
+def test_adopt_lists_each_name_on_one_line(tmp_path, run_cli):
+    """A file name holding a newline or a terminal escape is listed escaped: one line per entry, nothing acted on."""
+    old = tmp_path / "old-run"
+    old.mkdir()
+    for name in ("log.jsonl", "notes\nfake entry", "\x1b[2Jcleared"):
+        (old / name).write_text("x")
+    code, _, out = run_cli(["adopt", str(old)])
+    assert code == 0 and "\x1b" not in out
+    entries = [line for line in out.splitlines() if line.startswith("  ")]
+    assert entries == ["  \\x1b[2Jcleared  (1 bytes)", "  log.jsonl  (1 bytes)", "  notes\\nfake entry  (1 bytes)"]

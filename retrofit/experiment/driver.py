@@ -20,13 +20,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
-import platform
 import time
 import traceback
 from pathlib import Path
-
-import torch
 
 from ..atomic import atomic_write_text, check_output, output_folder, owned_folder, remove_owned
 from ..errors import RetrofitError, shown
@@ -52,7 +48,7 @@ from ..rope import describe_rope
 from ..train import read_log, train
 from .labels import trained_patch
 from .reference import load_reference
-from .report import write_experiment_report
+from .report import hardware, write_experiment_report
 
 DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo.yaml"
 
@@ -334,14 +330,6 @@ def _one_line(err: Exception) -> str:
     if not isinstance(err, RetrofitError):
         text = f"{type(err).__name__}: {text}" if text else type(err).__name__
     return text[:300]
-
-
-def hardware() -> dict:
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
 
 
 def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict:

@@ -7,7 +7,11 @@ and plots of retrofit.evaluate.report; the per-length evaluation report sits bes
 from __future__ import annotations
 
 import json
+import os
+import platform
 from pathlib import Path
+
+import torch
 
 from ..atomic import atomic_write_text
 from ..escape import md_code, md_inline
@@ -16,6 +20,15 @@ from ..evaluate.intervals import plus_minus
 from ..evaluate.report import APPROX_LEGEND, comparison_table_markdown, line_plot, markdown_table, seed_sections
 from ..recipe import seeded_name
 from .reference import direction_markdown
+
+
+def hardware() -> dict:
+    """The machine a stage ran on, as the report's Hardware line shows it."""
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
 
 
 def _metric(evaluation: dict) -> tuple[str, str]:

@@ -240,11 +240,7 @@ def read_state_file(path: Path):
         with torch.serialization.safe_globals(_numpy_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 -- whatever torch raises on it: not a file it can read as data
-        text = " ".join(str(err).split()) or type(err).__name__
-        reason = text.split("WeightsUnpickler error: ", 1)[-1].split(". ", 1)[0][:160]
-        raise RetrofitError(f"{path} is not data retrofit can read as training state ({reason}); it was not written "
-                            "by retrofit: restore the run folder, or start the run again in another output.dir") \
-            from None
+        raise fsdp.not_data(path, err) from None
 
 
 def check_state_files(folder: Path, process_index: int) -> dict:

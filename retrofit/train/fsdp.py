@@ -168,16 +168,20 @@ def load_shards(folder, model: nn.Module, optimizer) -> None:
     try:
         dcp.load(states, storage_reader=reader, planner=planner)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 -- dcp gathers each process's error into one
-        raise RetrofitError(f"{folder / SHARDS} is not data retrofit can read as training state ({_reason(err)}); "
-                            "it was not written by retrofit: restore the run folder, or start the run again in "
-                            "another output.dir") from None
+        raise not_data(folder / SHARDS, err) from None
     set_model_state_dict(model, states["model"], options=_options())
     set_optimizer_state_dict(model, _torch_optimizer(optimizer), states["optim"], options=_options())
 
 
-def _reason(err: BaseException) -> str:
-    """What went wrong, in a few words on one line: the first process's own error out of dcp's CheckpointException
-    (a traceback per process), the allow-list's words out of torch's weights-only message."""
+def not_data(path, err: BaseException) -> RetrofitError:
+    """The one-line refusal of resume state that cannot be read as data (a planted pickle, a damaged file)."""
+    return RetrofitError(f"{path} is not data retrofit can read as training state ({failure_reason(err)}); it was not "
+                         "written by retrofit: restore the run folder, or start the run again in another output.dir")
+
+
+def failure_reason(err: BaseException) -> str:
+    """Why a file could not be read as data, in a few words on one line: the first process's own error out of dcp's
+    CheckpointException (a traceback per process), the allow-list's words out of torch's weights-only message."""
     failures = getattr(err, "failures", None)
     if failures:
         first = next(iter(failures.values()))

@@ -22,6 +22,7 @@ from .errors import RetrofitError, shown
 
 _ITEM = re.compile(r"^(?:(\d+)|(\d+)-(\d*)|(\d+)-(\d+):(\d+)|:(\d+))$")
 SYNTAX = "N, A-B, A-, A-B:STEP or :STEP, joined by ',' or '+', e.g. 16-29 or 0,3 or :4"
+MAX_DIGITS = 100  # as retrofit.readers bounds a file's numbers
 
 
 def _items(spec) -> list:
@@ -42,8 +43,9 @@ def _expand(item, count: int | None, what: str) -> range | list[int]:
     if isinstance(item, int) and not isinstance(item, bool):
         return [item]
     longest = max(map(len, re.findall(r"\d+", item)), default=0) if isinstance(item, str) else 0
-    if longest > 9:  # bounded before int(): 4,301 digits raise inside it, and no model has a billion layers
-        raise RetrofitError(f"{what}: {shown(item, 40)} holds a number of {longest:,} digits; an index has at most 9")
+    if longest > MAX_DIGITS:  # bounded before int(): 4,301 digits raise inside it (0-99999999999 is fine: never listed)
+        raise RetrofitError(f"{what}: {shown(item, 40)} holds a number of {longest:,} digits; a selection's numbers "
+                            f"have at most {MAX_DIGITS}")
     match = _ITEM.match(item) if isinstance(item, str) else None
     if match is None:
         raise RetrofitError(f"{what}: cannot read {item!r}; write {SYNTAX}")

@@ -658,7 +658,7 @@ CASES = [
     ("train-override-5000-digits", "train {recipe} train.steps=" + "1" * 5000 + " --out {out}",
      r"override train.steps holds a number of 5,000 digits"),
     ("patch-layers-5000-digits", "patch {model} --norm ssmax --layers " + "1" * 5000 + " --out {out}",
-     r"--layers: '1111.* holds a number of 5,000 digits; an index has at most 9$"),
+     r"--layers: '1111.* holds a number of 5,000 digits; a selection's numbers have at most 100$"),
     ("train-plan-for-1e400", "train {recipe} --dry-run --plan-for cuda:1e400",
      r"--plan-for: the memory after ':' must be a finite number of GiB.*got '1e400'$"),
     # issue 51 (tracebacks): the three left from round 4, and train.fsdp without a launcher

@@ -21,14 +21,22 @@ returns is the one every check, writer and printed hint uses.
 A crash or an error inside the block leaves nothing behind: no half-written model to load silently.
 Files come out with the mode the umask gives (not mkstemp's 0600) and are fsynced, with their folder,
 around the rename, so a power cut cannot leave an empty file under the final name.
+
+Nothing written inside a folder retrofit owns leaves it through a symbolic link (a downloaded run folder may hold
+one: eval/ -> the user's results): a folder a verb writes into holds no link (check_output), the marker and the
+lock are opened without following one (O_NOFOLLOW, the marker created exclusively), and atomic_writer opens every
+folder below the owned root without following one, so a link swapped in later is refused too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import os
+import secrets
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -62,9 +70,43 @@ def fsync_dir(path) -> None:
 def owned_folder(path) -> Path:
     """Create `path` (absent or empty) holding the marker that lets remove_owned delete it later."""
     path = Path(path)
+    if path.is_symlink():
+        raise _link_error(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / MARKER).write_text("created by retrofit; safe for retrofit to delete\n")
+    write_marker(path, "created by retrofit; safe for retrofit to delete\n")
     return path
+
+
+def _link_error(path: Path) -> RetrofitError:
+    return RetrofitError(f"{path} is a symbolic link; retrofit never writes through a link inside a folder it writes "
+                         "(move the link away, or give another folder)")
+
+
+def write_marker(folder: Path, text: str) -> None:
+    """MARKER in `folder`, created exclusively and never through a link: an existing marker file is kept; a link in
+    its place (even one pointing nowhere) is refused, its target untouched."""
+    try:
+        fd = os.open(folder / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except FileExistsError:
+        if not _made_by_retrofit(folder):
+            raise _link_error(folder / MARKER) from None
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def check_no_links(folder: Path, what: str, most: int = 200_000) -> None:
+    """No symbolic link anywhere inside `folder` (a folder retrofit is about to write into), looked at without
+    following any: the first one found is a one-line RetrofitError naming it. `most` entries at most are looked at
+    (a run folder holds some hundred)."""
+    seen = 0
+    for top, folders, files in os.walk(folder):  # os.walk never descends into a linked folder; it lists it
+        for name in folders + files:
+            seen += 1
+            if os.path.islink(os.path.join(top, name)):
+                raise RetrofitError(f"{what} {folder}: {_link_error(Path(top) / name)}")
+        if seen > most:
+            return
 
 
 def owns(path, inside) -> bool:
@@ -110,14 +152,17 @@ def adopt(path) -> tuple[Path, list[tuple[str, int]]]:
                                            else "missing") + "; adopt takes a folder retrofit wrote")
     if out.resolve() in (Path("/"), Path.home().resolve()):
         raise RetrofitError(f"{out} is / or the home folder: retrofit never adopts it")
+    if (out / MARKER).is_symlink():
+        raise _link_error(out / MARKER)
     if _made_by_retrofit(out):
         raise RetrofitError(f"{out} is retrofit's already (it has {MARKER}); nothing to adopt")
     listing = []
     for p in sorted(out.iterdir())[:1000]:
         listing.append((p.name + ("/" if p.is_dir() and not p.is_symlink() else ""),
                         p.lstat().st_size if not p.is_dir() else 0))
-    (out / MARKER).write_text("adopted by its user (retrofit adopt): retrofit writes here (and deletes only what it "
-                              "made)\n")
+    with folder_lock(out):  # a verb that rewrites a folder holds its lock
+        write_marker(out, "adopted by its user (retrofit adopt): retrofit writes here (and deletes only what it "
+                          "made)\n")
     return out, listing
 
 
@@ -139,6 +184,7 @@ def check_output(path, what: str = "--out", *, empty: bool = False) -> Path:
         raise RetrofitError(f"{what} {out} holds files retrofit did not write (it has no {MARKER}); choose a new "
                             "or empty folder: retrofit never writes into a folder of yours (a run from an older "
                             f"retrofit: `retrofit adopt {out}` first)")
+    check_no_links(out, what)  # a copied or downloaded run may hold eval/ -> the user's folder
     return out
 
 
@@ -146,8 +192,7 @@ def make_output(path, what: str = "--out") -> Path:
     """check_output, then create the folder (and its parents) and mark it as retrofit's; returns its path."""
     out = check_output(path, what)
     out.mkdir(parents=True, exist_ok=True)
-    if not (out / MARKER).is_file():
-        (out / MARKER).write_text("made by retrofit: retrofit writes here (and deletes only what it made)\n")
+    write_marker(out, "made by retrofit: retrofit writes here (and deletes only what it made)\n")
     return out
 
 
@@ -244,23 +289,66 @@ def atomic_write_text(path, text: str) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_writer(path):
-    """A text file open for writing in pieces (a large file never held whole), renamed to `path` when the block
-    ends without an error; otherwise removed. Readers see the old file or the new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+def atomic_writer(path, binary: bool = False):
+    """A file open for writing in pieces (a large file never held whole; binary=True for a figure:
+    fig.savefig(f, format="png")), renamed to `path` when the block ends without an error; otherwise removed.
+    Readers see the old file or the new one. Below a folder retrofit owns, no link is followed (_folder_fd)."""
+    path = Path(os.path.abspath(path))
+    with _folder_fd(path.parent) as folder:
+        tmp = f".{path.name}.{secrets.token_hex(4)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o666, dir_fd=folder)  # 0o666 less the umask: as readable as any other file
+        try:
+            with os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path.name, src_dir_fd=folder, dst_dir_fd=folder)  # the final name: replaced, not followed
+            os.fsync(folder)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=folder)
+            raise
+
+
+def _owned_root(folder: Path) -> Path | None:
+    """The nearest folder at or above `folder` that is retrofit's: a real folder (not a link) holding MARKER."""
+    for candidate in (folder, *folder.parents):
+        try:
+            if stat.S_ISDIR(os.lstat(candidate).st_mode) and _made_by_retrofit(candidate):
+                return candidate
+        except OSError:
+            continue  # not made yet
+    return None
+
+
+@contextlib.contextmanager
+def _folder_fd(folder: Path):
+    """An open descriptor of `folder`, made where missing. Below the owned root it is in, each folder is made and
+    opened by name relative to the one above it, never following a link (O_NOFOLLOW): what was checked is what is
+    written into. Outside any owned folder (a benchmark's --out file): the folder as given."""
+    root = _owned_root(folder)
+    if root is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    else:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        for i, part in enumerate(folder.relative_to(root).parts):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, dir_fd=fd)
+            try:
+                below = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as err:
+                os.close(fd)
+                if err.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _link_error(root.joinpath(*folder.relative_to(root).parts[: i + 1])) from None
+                raise
+            os.close(fd)
+            fd = below
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a result file is as readable as any other
-        with os.fdopen(fd, "w") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        yield fd
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -274,7 +362,13 @@ def folder_lock(folder, enabled: bool = True):
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK
-    f = open(path, "a+")  # noqa: SIM115 -- held open across the yield: closing it releases the lock
+    try:  # never through a link: it would truncate the file it points at and write a pid into it
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise _link_error(path) from None
+        raise
+    f = os.fdopen(fd, "r+")  # held open across the yield: closing it releases the lock
     try:
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -58,6 +58,29 @@ def check_bytes(need: int, what: str, lower: str, device="cpu") -> None:
                             f"available; lower {lower}")
 
 
+def key_name(config, key: str) -> str:
+    """The name config.json uses for a canonical attribute (GPT-2: num_attention_heads -> n_head)."""
+    return getattr(config, "attribute_map", {}).get(key, key)
+
+
+def check_heads(config, where: str) -> None:
+    """The head counts of a model config agree with its width: the heads divide hidden_size (when no head_dim says
+    otherwise) and the key/value heads divide the heads. A folder's config.json and a recipe's model.config are both
+    checked here, before a module is built (GPT-2 raises deep in its attention; Llama builds and fails in the first
+    forward, after the run folder was made)."""
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    width = getattr(config, "hidden_size", None)
+    if _positive(heads) and _positive(width) and getattr(config, "head_dim", None) is None and width % heads:
+        raise RetrofitError(f"{where}: {key_name(config, 'num_attention_heads')} ({heads}) must divide "
+                            f"{key_name(config, 'hidden_size')} ({width})")
+    if _positive(heads) and _positive(kv_heads) and heads % kv_heads:
+        raise RetrofitError(f"{where}: num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _count(config, *names) -> int:
     """The first of `names` the config holds as a positive int (a wrong type is the config check's to report)."""
     for name in names:

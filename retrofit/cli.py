@@ -20,7 +20,7 @@ import os
 import re
 import sys
 
-from .errors import RetrofitError
+from .errors import RetrofitError, one_line, write_failure
 from .version import DISTRIBUTION, FOREIGN_MARKER, INSTALL, VERSION
 
 # command -> (module providing add_arguments/run, one-line help). Modules are imported lazily so that
@@ -51,6 +51,7 @@ WHAT_TO_DO = {
     errno.ENOSPC: "the disk is full: free some space or choose another --out",
     errno.EDQUOT: "the disk quota is used up: free some space or choose another --out",
     errno.EROFS: "that file system is read-only: choose another --out",
+    errno.EFBIG: "a file reached the size limit: raise `ulimit -f`, or choose another --out",
     errno.ENOENT: "check the path",
     errno.EEXIST: "choose another path or remove it",
 }
@@ -66,6 +67,11 @@ def one_line_error(err: BaseException) -> str | None:
         first = (str(err).strip().splitlines() or [name])[0][:200]
         return (f"out of memory ({first}); lower the length or batch (--lengths, --batch-tokens, data.seq_len, "
                 "train.micro_batch_size) or use a machine with more memory")
+    failed = None if isinstance(err, OSError) else write_failure(err)  # an OSError says it itself (below)
+    if failed is not None:  # before the readers' words: a writer that ran out of room is not a damaged file
+        first = (str(err).strip().splitlines() or [name])[0][:160]
+        return (f"a write failed: {failed} ({first}); make room (free space, raise `ulimit -f`) or choose "
+                "another --out")
     if name == "SafetensorError":
         return f"a .safetensors file is damaged ({str(err).strip()[:160]}); re-download or re-save the model"
     if isinstance(err, UnicodeDecodeError):
@@ -86,7 +92,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and still exit code 2)."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see `{self.prog} --help`)\n")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except RetrofitError as err:
-        print(f"retrofit {args.command}: error: {err}", file=sys.stderr)
+        print(f"retrofit {args.command}: error: {err}", file=sys.stderr)  # one line (its control characters escaped)
         return 2
     except KeyboardInterrupt:
         print("retrofit: interrupted", file=sys.stderr)
@@ -146,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         line = one_line_error(err)
         if line is None:
             raise  # a bug in retrofit: keep the traceback
-        print(f"retrofit {args.command}: error: {line}", file=sys.stderr)
+        print(f"retrofit {args.command}: error: {one_line(line)}", file=sys.stderr)  # a file name may hold a newline
         return 2
 
 

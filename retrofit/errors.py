@@ -1,18 +1,47 @@
 """The one exception type a user can hit: its message is a single line saying what was wrong and what to do.
 
-The CLI prints it without a traceback and exits with code 2 (bad input). Text files are read here too
+The CLI prints it without a traceback and exits with code 2 (bad input); one_line escapes what would break the line.
+Text files are read here too
 (read_utf8, check_utf8): one rule for every verb, UTF-8 or an error naming the file and the first bad byte.
 """
 
 import codecs
 import difflib
+import errno
 import os
+import re
 import reprlib
+import unicodedata
 from pathlib import Path
+
+# Unicode's line and paragraph separators and the bidirectional overrides (which reorder what a terminal shows)
+# count as control characters here, beside the C0/C1 controls (category Cc).
+_BIDI = {"\u202a", "\u202b", "\u202c", "\u202d", "\u202e", "\u2066", "\u2067", "\u2068", "\u2069"}
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _is_control(ch: str) -> bool:
+    return unicodedata.category(ch) in ("Cc", "Zl", "Zp") or ch in _BIDI
+
+
+def one_line(value) -> str:
+    """str(value) with every control character written as an escape (\\n, \\x1b, \\u2028): one line, and a
+    terminal shows it as it is. Idempotent: an escape holds no control character."""
+    text = str(value)
+    if not any(map(_is_control, text)):
+        return text
+    return "".join(_NAMED.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+                   if _is_control(ch) else ch for ch in text)
 
 
 class RetrofitError(ValueError):
-    """Bad input: an unknown norm, an impossible option, a model we cannot patch, a missing file."""
+    """Bad input: an unknown norm, an impossible option, a model we cannot patch, a missing file.
+
+    Its message is one line whatever it echoes: a control character in a value it quotes (a newline in a path) is
+    shown escaped (one_line)."""
+
+    def __init__(self, message="", *args):
+        super().__init__(one_line(message), *args)
 
 
 def closest(word: str, choices) -> str:
@@ -39,6 +68,38 @@ def shown(value, limit: int = 80) -> str:
     """repr(value) cut to at most `limit` characters (with '...'): how an error message echoes a user's value."""
     text = _SHORT.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---- a write that failed for want of room: one rule for every writer ------------------------------------------------
+
+# errno -> what the write ran into
+WRITE_LIMITS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+                errno.EFBIG: "a file reached the size limit (File too large: `ulimit -f`, or the largest file the file "
+                             "system takes)"}
+# What writers say without an errno: torch's zip writer ("PytorchStreamWriter failed writing file data/0: file write
+# failed", then "unexpected pos 141824 vs 141716" when it checks its position after a short write), safetensors'
+# serializer ("Error while serializing: I/O error: File too large (os error 27)").
+_WRITER = re.compile(r"PytorchStreamWriter failed writing|file write failed|unexpected pos \d+ vs \d+", re.I)
+_OS_ERROR = re.compile(r"serializ.*\(os error (\d+)\)", re.I | re.S)
+
+
+def write_failure(err: BaseException) -> str | None:
+    """What a failed write ran into ('the disk is full', 'a file reached the size limit ...'), read from the error or
+    any it was raised while handling; None when `err` is not a write that failed for want of room."""
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, OSError) and err.errno in WRITE_LIMITS:
+            return WRITE_LIMITS[err.errno]
+        text = str(err)
+        found = _OS_ERROR.search(text)
+        if found and int(found.group(1)) in WRITE_LIMITS:
+            return WRITE_LIMITS[int(found.group(1))]
+        if "No space left on device" in text:
+            return WRITE_LIMITS[errno.ENOSPC]
+        if isinstance(err, RuntimeError) and _WRITER.search(text):
+            return "the disk is full or a file reached the size limit"
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
 
 
 def check_token_ids(largest: int, rows: int, tokens: str, model: str) -> None:

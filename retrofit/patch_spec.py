@@ -155,9 +155,14 @@ def parse_flat(text: str, what: str = "--patch") -> dict:
     flat: dict = {"norm": name.strip()}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
-        if not eq or not key.strip():
+        key = key.strip()
+        if not eq or not key:
             raise RetrofitError(f"{what} {shown(text, 40)}: options are key=value, e.g. avnorm:kind=layer")
-        flat[key.strip()] = _value(value.strip(), key.strip(), text, what)
+        value = _value(value.strip(), key, text, what)
+        if key in flat:  # either could be meant: the last one was taken, silently
+            raise RetrofitError(f"{what} {shown(text, 40)}: {key} is given twice ({shown(flat[key])}, then "
+                                f"{shown(value)}); give it once")
+        flat[key] = value
     return flat
 
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import re
 
-from .errors import RetrofitError
+from .errors import RetrofitError, shown
 
 _ITEM = re.compile(r"^(?:(\d+)|(\d+)-(\d*)|(\d+)-(\d+):(\d+)|:(\d+))$")
 SYNTAX = "N, A-B, A-, A-B:STEP or :STEP, joined by ',' or '+', e.g. 16-29 or 0,3 or :4"
+MAX_DIGITS = 100  # as retrofit.readers bounds a file's numbers
 
 
 def _items(spec) -> list:
@@ -41,6 +42,10 @@ def _expand(item, count: int | None, what: str) -> range | list[int]:
     """One item as indices; count None (the syntax only): open ends stop at their start, nothing is expanded."""
     if isinstance(item, int) and not isinstance(item, bool):
         return [item]
+    longest = max(map(len, re.findall(r"\d+", item)), default=0) if isinstance(item, str) else 0
+    if longest > MAX_DIGITS:  # bounded before int(): 4,301 digits raise inside it (0-99999999999 is fine: never listed)
+        raise RetrofitError(f"{what}: {shown(item, 40)} holds a number of {longest:,} digits; a selection's numbers "
+                            f"have at most {MAX_DIGITS}")
     match = _ITEM.match(item) if isinstance(item, str) else None
     if match is None:
         raise RetrofitError(f"{what}: cannot read {item!r}; write {SYNTAX}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from ..atomic import MARKER, adopt
+from ..errors import one_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     folder, listing = adopt(args.folder)
     print(f"{folder} holds {len(listing)}{'+' if len(listing) == 1000 else ''} entries:")
-    for name, size in listing:
-        print(f"  {name}" + (f"  ({size:,} bytes)" if not name.endswith("/") else ""))
+    for name, size in listing:  # a file's name may hold a newline or an escape sequence: shown escaped
+        print(f"  {one_line(name)}" + (f"  ({size:,} bytes)" if not name.endswith("/") else ""))
     print(f"wrote {folder / MARKER}: retrofit may now write into {folder} (resume, rewrite its results) and delete "
           f"what it made there; remove {MARKER} to take it back")
     return 0

@@ -13,10 +13,11 @@ retrofit judges numbers; `retrofit eval --merge` puts several evaluations side b
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
-from ..atomic import atomic_write_text, check_output, make_output
+from ..atomic import atomic_write_text, check_output, folder_lock, output_folder
 from ..errors import RetrofitError
 
 
@@ -41,34 +42,38 @@ def run(args) -> int:
                                 "--reference NAME --out NEW")
         results = loaded[0][1]
         judged = rejudge(results.get("evaluation", results), args.reference)  # an unknown name: one line, nothing made
-        write_report(judged, make_output(args.out, "--out"))
+        with output_folder(args.out, "--out") as out:
+            write_report(judged, out)
         print(f"report: {args.out} (against {args.reference})")
         return 0
     for path, _ in loaded:  # rewritten in place only where retrofit owns the folder (its marker), all checked first
-        check_output(path.parent, "report DIR")
-    for path, results in loaded:
-        if results.get("schema", "").startswith("retrofit.experiment/"):
-            _experiment(path.parent, results)
-        else:
-            write_report(rejudge(results), path.parent)
-        print(f"report: {path.parent} judged again")
+        check_output(path.parent, "report DIR")  # ... and holds no link out of it
+    with contextlib.ExitStack() as locks:  # every folder's lock, before any is rewritten: a run writing it refuses us
+        for path, _ in loaded:
+            locks.enter_context(folder_lock(path.parent))
+        for path, results in loaded:
+            if results.get("schema", "").startswith("retrofit.experiment/"):
+                _experiment(path.parent, results)
+            else:
+                write_report(rejudge(results), path.parent)
+            print(f"report: {path.parent} judged again")
     return 0
 
 
 def _read(path: Path) -> dict:
-    from ..evaluate.merge import read_results
+    from ..evaluate.merge import checked_results
     from ..evaluate.report import validate
+    from ..readers import expect, read_json
 
     if not path.is_file():
         raise RetrofitError(f"{path.parent} has no results.json: give a folder retrofit eval or experiment wrote")
-    try:
-        results = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as err:
-        raise RetrofitError(f"{path}: cannot read it as JSON ({str(err).splitlines()[0]})") from None
+    results = read_json(path)  # a mapping (a list, a 5,000-digit number: one line)
     if not str(results.get("schema", "")).startswith("retrofit.experiment/"):
-        return read_results(path)
+        return checked_results(results, str(path))
     try:
         validate(results["evaluation"])
+        for name, arm in expect(results["arms"], dict, "its arms").items():  # the report reads each arm's fields
+            expect(arm, dict, f"arm {name!r}")
     except (KeyError, RetrofitError) as err:
         raise RetrofitError(f"{path}: not a retrofit experiment results.json ({err})") from None
     return results

@@ -48,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
     # a run folder may exist (made by retrofit): training resumes or refuses it; `~` expanded here, once
     args.out = check_out(args.out, "--out", empty=False)
     args.resume = check_out(args.resume, "--resume", empty=False)
-    if args.out or args.resume:
-        overrides.append(f"output.dir={args.out or args.resume}")
     recipe = load_recipe(args.recipe, overrides)
-    if not args.out and recipe.output.dir:  # the recipe's own (or overridden) output.dir, `~` expanded here
+    if args.out or args.resume:  # the folder as typed: never handed to the YAML override parser ("run #2", null)
+        recipe.output.dir = args.out or args.resume
+    elif recipe.output.dir:  # the recipe's own (or overridden) output.dir, `~` expanded here
         recipe.output.dir = check_out(recipe.output.dir, "output.dir", empty=False)
     if args.dry_run:
         from ..train.plan import describe, plan_recipe

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_write_text, atomic_writer
 from .markdown import PAPER, markdown
 
 
@@ -46,9 +46,11 @@ def _plt():
     return plt
 
 
-def _save(plt, fig, path):
+def _save(plt, fig, path, dpi: int = 120):
+    """Written atomically: never through a link below the --out folder (retrofit.atomic.atomic_writer)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_writer(path, binary=True) as f:
+        fig.savefig(f, format="png", dpi=dpi)
     plt.close(fig)
 
 
@@ -194,9 +196,7 @@ def plot_heads(r, path):
         ax.set(xlabel="head", ylabel="layer", title=title)
         fig.colorbar(im, ax=ax)
     fig.suptitle(f"{r['label']}: per head at L = {L}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, dpi=110)
 
 
 def write_report(results: list[dict], out: Path, header: dict) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from ..escape import md_code, md_inline, md_text
+
 PAPER = {"critical_fraction": 0.06, "plateau": (0.70, 0.85)}  # the paper's GPT-2 numbers
 
 
@@ -20,8 +22,10 @@ def _ratio(a, b):
 
 
 def _table(head, rows):
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return lines + ["| " + " | ".join(_fmt(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
+    """A markdown table; text cells escaped (a label from diagnose.json is text: retrofit.escape.md_inline)."""
+    lines = ["| " + " | ".join(map(md_inline, head)) + " |", "|" + "---|" * len(head)]
+    return lines + ["| " + " | ".join(_fmt(c) if not isinstance(c, str) else md_inline(c) for c in row) + " |"
+                    for row in rows]
 
 
 def markdown(results: list[dict], header: dict, figures: dict) -> str:
@@ -33,13 +37,14 @@ def markdown(results: list[dict], header: dict, figures: dict) -> str:
 
 
 def _intro(results, header):
-    md = ["# retrofit diagnose", "", f"`{header.get('command', 'retrofit diagnose')}`", "",
-          f"Data: `{header.get('data')}` ({header.get('tokens', '?')} tokens), {header.get('windows')} windows; "
+    md = ["# retrofit diagnose", "", md_code(header.get("command", "retrofit diagnose")), "",
+          f"Data: {md_code(header.get('data'))} ({md_inline(header.get('tokens', '?'))} tokens), "
+          f"{md_inline(header.get('windows'))} windows; "
           f"per length L the last {results[0]['queries'][str(results[0]['lengths'][-1])]} query rows before L. "
           "x_i of the paper = the head's value vectors (Theorem 2: scaled to the unit sphere). "
           "Numbers are medians across all (layer, head) pairs unless said otherwise.", ""]
     md += _table(["model", "source", "norm", "layers x heads", "how the measures read for this norm"],
-                 [[r["label"], f"`{r.get('source', '')}`", r.get("norm") or "none (softmax)",
+                 [[r["label"], r.get("source", ""), r.get("norm") or "none (softmax)",
                    f"{r['layers']} x {r['heads']}", r["generalization"]] for r in results])
     return md
 
@@ -136,7 +141,7 @@ def _distance(results, figures):
     md += [""]
     for r in results:
         d = r["summary"]["distance"]
-        md += [f"**{r['label']}** — true d̃ / printed E / E_0 / fixed-set bound, N = {d['n']}: " + "; ".join(
+        md += [f"**{md_text(r['label'])}** — true d̃ / printed E / E_0 / fixed-set bound, N = {d['n']}: " + "; ".join(
             f"L={L}: {_fmt(v['true'])} / {_fmt(v['expected_printed'])} / {_fmt(v['expected'])} / {_fmt(v['bound'])}"
             for L, v in d["by_length"].items()), "",
             f"L = {d['length']}: " + "; ".join(
@@ -153,7 +158,8 @@ def _separability(results, figures):
     for r in results:
         s = r["summary"]["separability"]
         sep = s["by_n"]
-        md += [f"**{r['label']}** — L = {s['length']}, plateau (median N_s/N over N ≥ 16): {_fmt(s['plateau'])}", ""]
+        md += [f"**{md_text(r['label'])}** — L = {s['length']}, plateau (median N_s/N over N ≥ 16): "
+               f"{_fmt(s['plateau'])}", ""]
         md += _table(["N", "median N_s/N", "q10–q90", "lower (mean)", "upper (mean)", "upper holds"],
                      [[N, v["ratio_quantiles"][2], f"{_fmt(v['ratio_quantiles'][0])}–{_fmt(v['ratio_quantiles'][4])}",
                        v["lower"], v["upper"], v["upper_holds"]] for N, v in sep.items()])

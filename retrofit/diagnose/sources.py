@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..atomic import atomic_write_text, check_output, make_output
+from ..atomic import atomic_write_text, check_output, output_folder
 from ..calibrate import calibrate
 from ..data.read import read_tokens
 from ..errors import RetrofitError, check_utf8
@@ -123,7 +123,12 @@ def diagnose_sources(sources: list[str], spec: DiagnoseSpec) -> Path:
                                                       shared_tokenizer)
         results += found
     results = json.loads(json.dumps(results))  # keys become strings, as in the file
-    out = make_output(out, "--out")
+    with output_folder(out, "--out") as out:  # one writer: the folder's lock for the writes below
+        _write(out, results, spec, plan, token_counts, started)
+    return out
+
+
+def _write(out: Path, results: list, spec, plan, token_counts: dict, started: float) -> None:
     header = {"command": f"retrofit diagnose {spec.command}", "data": str(spec.data),
               "tokens": ", ".join(f"{k}: {v}" for k, v in token_counts.items()), "windows": spec.windows,
               "lengths": plan.lengths, "seconds": round(time.time() - started, 1), "torch": torch.__version__,
@@ -132,7 +137,6 @@ def diagnose_sources(sources: list[str], spec: DiagnoseSpec) -> Path:
     write_report(results, out, header)
     print(f"wrote {out / 'report.md'}, {out / 'diagnose.json'} and the figures ({header['seconds']} s)",
           file=sys.stderr)
-    return out
 
 
 def dump_json(obj) -> str:

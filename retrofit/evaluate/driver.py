@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import yaml
 
 from ..calibrate import calibrate, text_rows
 from ..data.read import read_tokens
@@ -31,6 +30,8 @@ from ..patch import patch as patch_model
 from ..patch import patch_record
 from ..patch_spec import EVAL, PatchSpec
 from ..positions import position_limit
+from ..readers import expect, read_yaml
+from ..recipe import CountingOptions, build
 from ..rope import describe_rope, extend_rope
 from .compare import check_references, paired_comparisons
 from .engines import vllm_entry
@@ -284,10 +285,14 @@ def _language_model(model):
 def _run_alphabet(source) -> int:
     """The counting alphabet a run trained with (its recipe.yaml), else data/tasks.py's default of 8."""
     recipe = Path(str(source)) / "recipe.yaml"
-    if isinstance(source, (str, Path)) and recipe.is_file():
-        return int(((yaml.safe_load(recipe.read_text()) or {}).get("data", {}).get("counting") or {})
-                   .get("alphabet", 8))
-    return 8
+    if not isinstance(source, (str, Path)) or not recipe.is_file():
+        return 8
+    data = expect(read_yaml(recipe).get("data") or {}, dict, f"{recipe}: data")
+    try:  # typed as a recipe types it: "many" is refused, never int()-ed
+        counting = expect(data.get("counting") or {}, dict, "data.counting")
+        return build(CountingOptions, counting, "data.counting").alphabet
+    except RetrofitError as err:
+        raise RetrofitError(f"{recipe}: {err}") from None
 
 
 def _unique(names: list[str]) -> list[str]:

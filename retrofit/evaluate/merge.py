@@ -12,10 +12,9 @@ they are reported unpaired with the reason (retrofit.evaluate.compare).
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 from ..errors import RetrofitError
-from ..recipe import load_json
+from ..readers import read_json
 from .compare import judged
 from .report import validate
 
@@ -25,18 +24,17 @@ ROWS = ("lengths", "passkey", "counting", "ruler")  # a model's per-task row lis
 SAME_MODEL = ("source", "model_type", "tokenizer", "retrofit", "rope", "arm", "seed")
 
 
-def read_results(path) -> dict:
+def read_results(path, what: str = "--merge") -> dict:
     """A results.json retrofit eval (or an experiment's eval/) wrote, validated; a one-line error otherwise."""
-    try:
-        results = load_json(Path(path).read_text(encoding="utf-8"), f"--merge {path}")
-    except RetrofitError:
-        raise
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise RetrofitError(f"--merge {path}: cannot read it as JSON ({str(err).splitlines()[0]})") from None
+    return checked_results(read_json(path, what=what), f"{what} {path}".strip())
+
+
+def checked_results(results: dict, label: str) -> dict:
+    """`results` (a mapping read from `label`) when it is an eval results.json by its schema, else a one-line error."""
     try:
         validate(results)
     except RetrofitError as err:
-        raise RetrofitError(f"--merge {path}: not a retrofit eval results.json ({err})") from None
+        raise RetrofitError(f"{label}: not a retrofit eval results.json ({err})") from None
     return results
 
 

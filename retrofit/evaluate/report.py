@@ -16,8 +16,9 @@ import json
 import math
 from pathlib import Path
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_write_text, atomic_writer
 from ..errors import RetrofitError
+from ..escape import md_code, md_inline, md_text
 from .compare import comparison_references
 from .report_tables import (  # noqa: F401  (re-exported: experiment reports and the CLI import them from here)
     APPROX_LEGEND,
@@ -141,6 +142,13 @@ def _figure(n_axes=1, width=6.0, height=4.0):
     return fig, axes[:n_axes]
 
 
+def save_png(fig, path, dpi: int = 120) -> Path:
+    """The figure as a PNG at `path`, written atomically (never through a link below a folder retrofit owns)."""
+    with atomic_writer(path, binary=True) as f:
+        fig.savefig(f, format="png", dpi=dpi)
+    return Path(path)
+
+
 def _tokens_label(x: float) -> str:
     """1024 -> '1K', 65536 -> '64K', 16 -> '16'."""
     return f"{x / 1024:g}K" if x >= 1024 else f"{x:g}"
@@ -171,8 +179,7 @@ def line_plot(series: dict, path, **kwargs) -> Path:
     """One axis of lines (see draw_lines), saved as a PNG."""
     fig, (ax,) = _figure()
     draw_lines(ax, series, **kwargs)
-    fig.savefig(path, dpi=120)
-    return Path(path)
+    return save_png(fig, path)
 
 
 def length_marks(results: dict) -> list[tuple[int, str]]:
@@ -210,8 +217,7 @@ def plot_loss_by_position(results: dict, path) -> Path:
                   for r in m["lengths"]}
         draw_lines(ax, series, xlabel="position in window (tokens of context)", ylabel="loss",
                    title=model_label(m), marks=length_marks(results))
-    fig.savefig(path, dpi=120)
-    return Path(path)
+    return save_png(fig, path)
 
 
 def plot_passkey(results: dict, path) -> Path:
@@ -230,8 +236,7 @@ def plot_passkey(results: dict, path) -> Path:
         ax.set_ylabel("passkey depth")
         ax.set_title(model_label(m))
         fig.colorbar(image, ax=ax, label="accuracy")
-    fig.savefig(path, dpi=120)
-    return Path(path)
+    return save_png(fig, path)
 
 
 def plot_counting(results: dict, path) -> Path:
@@ -244,8 +249,7 @@ def plot_counting(results: dict, path) -> Path:
         draw_lines(ax, series, xlabel="sequence length", ylabel=metric.upper(), title=f"Counting {metric.upper()}",
                    marks=length_marks(results))
         ax.set_yscale("log")
-    fig.savefig(path, dpi=120)
-    return Path(path)
+    return save_png(fig, path)
 
 
 # ---- everything at once -------------------------------------------------------------------------------------
@@ -278,19 +282,25 @@ def results_markdown(results: dict, plots=()) -> str:
     """The human-readable report: what was evaluated, then each table, then the plots."""
     settings, data = results.get("settings", {}), results.get("data", {})
     lines = ["# Length extrapolation", "",
-             f"Data: {', '.join(data.get('files') or ['given tokens'])} ({sum(data.get('documents') or [])} tokens). "
-             f"Training length: {results.get('train_len') or 'not given'}. "
-             f"Max tokens per length: {settings.get('max_tokens') or 'all'}. "
-             + (f"Max windows per length: {settings['max_windows']}. " if settings.get("max_windows") else "")
-             + f"Window: {settings.get('window', 'L tokens')}.",
+             f"Data: {md_inline(', '.join(data.get('files') or ['given tokens']))} "
+             f"({sum(data.get('documents') or [])} tokens). "
+             f"Training length: {md_inline(results.get('train_len') or 'not given')}. "
+             f"Max tokens per length: {md_inline(settings.get('max_tokens') or 'all')}. "
+             + (f"Max windows per length: {md_inline(settings['max_windows'])}. " if settings.get("max_windows")
+                else "")
+             + f"Window: {md_inline(settings.get('window', 'L tokens'))}.",
              ""]
     for m in results["models"]:
-        lines.append(f"- **{m['name']}**: {m['model_type']}, {m.get('dtype', '?')}, "
-                     f"source `{m.get('source') or 'in memory'}`, "
-                     f"patch {json.dumps(m.get('retrofit'))}, learned positions {m.get('max_learned_positions')}, "
-                     f"max_position_embeddings {m.get('max_position_embeddings')}, "
-                     f"RoPE extension {m.get('rope', 'none')}, original positions {model_limit(m)}"
-                     + (f", patched for this evaluation {json.dumps(m['eval_patch'])}" if m.get("eval_patch") else ""))
+        # every value here is what results.json says (`retrofit report` re-renders it): shown as text
+        lines.append(f"- **{md_text(m['name'])}**: {md_inline(m['model_type'])}, {md_inline(m.get('dtype', '?'))}, "
+                     f"source {md_code(m.get('source') or 'in memory')}, "
+                     f"patch {md_inline(json.dumps(m.get('retrofit')))}, "
+                     f"learned positions {md_inline(m.get('max_learned_positions'))}, "
+                     f"max_position_embeddings {md_inline(m.get('max_position_embeddings'))}, "
+                     f"RoPE extension {md_inline(m.get('rope', 'none'))}, original positions "
+                     f"{md_inline(model_limit(m))}"
+                     + (f", patched for this evaluation {md_inline(json.dumps(m['eval_patch']))}"
+                        if m.get("eval_patch") else ""))
     lines += _interval_lines(results)
     lm = [("Loss by context length", loss_table_markdown(results)),
           *_comparison_section(results),
@@ -314,8 +324,9 @@ def _interval_lines(results: dict) -> list[str]:
     method = results.get("settings", {}).get("intervals")
     if not method:
         return ["", "No intervals: these results do not keep the per-window values an interval is computed from "
-                    f"(written before retrofit reported intervals, schema {results.get('schema')}); n is shown."]
-    return ["", f"Intervals: 95%, {method}. The unit of a loss interval is the window (L + 1 tokens of one "
+                    f"(written before retrofit reported intervals, schema {md_inline(results.get('schema'))}); "
+                    "n is shown."]
+    return ["", f"Intervals: 95%, {md_inline(method)}. The unit of a loss interval is the window (L + 1 tokens of one "
                 "document); `± h` is half the interval's width."]
 
 
@@ -325,7 +336,8 @@ def _comparison_section(results: dict) -> list[tuple[str, str]]:
     for reference in comparison_references(results):
         table = comparison_table_markdown(results, reference)
         if table:
-            sections.append((f"Paired differences to {reference}", f"Mean loss minus {reference}'s on the same "
-                             f"windows, with the paired 95% interval (negative = lower loss than {reference})."
+            shown = md_inline(reference)
+            sections.append((f"Paired differences to {shown}", f"Mean loss minus {shown}'s on the same "
+                             f"windows, with the paired 95% interval (negative = lower loss than {shown})."
                              f"\n\n{table}\n\n{APPROX_LEGEND}"))
     return sections

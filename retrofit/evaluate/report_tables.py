@@ -5,6 +5,7 @@ tidy rows of results.csv. retrofit.evaluate.report re-exports them.
 
 from __future__ import annotations
 
+from ..escape import md_inline
 from .intervals import bounds, covers_zero, plus_minus
 
 APPROX = "≈"
@@ -60,11 +61,12 @@ CSV_COLUMNS = ["model", "task", "metric", "length", "depth", "position_start", "
 
 
 def markdown_table(header: list, rows: list[list]) -> str:
-    """A GitHub markdown table; floats get 3 decimals (below 100) or none, None is blank."""
-    def cell(x):
+    """A GitHub markdown table; floats get 3 decimals (below 100) or none, None is blank, text is escaped
+    (retrofit.escape.md_inline)."""
+    def cell(x):  # a name from a results file is text: `|`, a newline or a tag would remake the table
         if isinstance(x, float):
             return f"{x:.3f}" if abs(x) < 100 else f"{x:.0f}"
-        return "" if x is None else str(x)
+        return "" if x is None else md_inline(x)
     lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in rows])
 
@@ -99,7 +101,8 @@ def loss_table_markdown(results: dict, metric: str = "loss") -> str:
     if any(r["beyond_max_positions"] for m in results["models"] for r in m.get("lengths", [])):
         extended = any(m.get("rope") not in (None, "none") for m in results["models"])
         table += ("\n\n† beyond the model's original positions (" + ", ".join(
-            f"{m['name']} {model_limit(m)}" for m in results["models"] if model_limit(m)) + "): RoPE evaluated "
+            f"{md_inline(m['name'])} {model_limit(m)}" for m in results["models"] if model_limit(m))
+                  + "): RoPE evaluated "
                   "anyway" + (", extended where [TYPE xFACTOR] names it." if extended else "."))
     return table
 
@@ -205,12 +208,12 @@ def seed_sections(results: dict) -> list[tuple[str, str]]:
                  "length) within a seed, then over seeds, with the 95% interval over seeds (n = seeds).\n\n"
                  + markdown_table(["arm"] + lengths, [[a] + [means.get((a, n)) for n in lengths] for a in arms]))]
     if summary["differences"]:
-        control = summary["control"]
+        control, shown = summary["control"], md_inline(summary["control"])  # a table's cells are escaped by it
         cells = {(r["arm"], r["length"]): difference_cell(r["difference"], r["ci95"], r["seeds"])
                  for r in summary["differences"]}
         others = list(dict.fromkeys(r["arm"] for r in summary["differences"]))
-        sections.append((f"Difference to {control} over seeds",
-                         f"Mean {metric} minus {control}'s, paired on the same units within each seed, then averaged "
+        sections.append((f"Difference to {shown} over seeds",
+                         f"Mean {metric} minus {shown}'s, paired on the same units within each seed, then averaged "
                          "over seeds with the 95% interval over seeds (n = seeds): the difference another training "
                          "seed would be expected to reproduce.\n\n"
                          + markdown_table([f"arm − {control}"] + lengths,

@@ -4,7 +4,9 @@ the niah tasks), a column per length, each cell `score [lo, hi] (n=6)`: the mean
 
 from __future__ import annotations
 
+from ..escape import md_inline
 from .intervals import bounds
+from .report_tables import markdown_table
 
 # the JSON Schema of one row, merged into report.RESULTS_SCHEMA's model properties (docs/results-schema.md)
 RULER_ROW = {"type": "object", "required": ["task", "length", "score", "samples", "scores"],
@@ -34,9 +36,8 @@ def ruler_tables(results: dict) -> list[tuple[str, str]]:
             cells = {r["length"]: _cell(r["score"], r.get("ci95"), r.get("samples")) for n, r in mine
                      if n == name and r.get("depth") == d}
             body.append([name] + ([f"{d:g}"] if depth else []) + [cells.get(n, "") for n in lengths])
-        table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-                          + ["| " + " | ".join(row) + " |" for row in body])
-        tables.append((f"RULER {task} (string_match_all: mean [95% interval] over samples)", table))
+        tables.append((f"RULER {md_inline(task)} (string_match_all: mean [95% interval] over samples)",
+                       markdown_table(header, body)))
     return tables
 
 

@@ -9,8 +9,8 @@ retrofit/commands/experiment.py. It only chains train, evaluate and report; it o
 evaluation logic.
 """
 
-from .driver import DEMO_RECIPE, hardware, run_arm, run_base, run_experiment
-from .report import summary_table, write_experiment_report
+from .driver import DEMO_RECIPE, run_arm, run_base, run_experiment
+from .report import hardware, summary_table, write_experiment_report
 
 __all__ = ["DEMO_RECIPE", "hardware", "run_arm", "run_base", "run_experiment", "summary_table",
            "write_experiment_report"]

@@ -20,21 +20,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
-import platform
 import time
 import traceback
 from pathlib import Path
 
-import torch
-
-from ..atomic import atomic_write_text, make_output, owned_folder, remove_owned
+from ..atomic import atomic_write_text, check_output, output_folder, owned_folder, remove_owned
 from ..errors import RetrofitError, shown
 from ..evaluate import EvalSpec, evaluate_models
 from ..evaluate.compare import with_comparisons
 from ..evaluate.report import write_report
 from ..load import load, load_config, training_dtype
 from ..positions import learned_position_limit
+from ..readers import read_json
 from ..recipe import (
     ArmSection,
     ExperimentSection,
@@ -51,7 +48,7 @@ from ..rope import describe_rope
 from ..train import read_log, train
 from .labels import trained_patch
 from .reference import load_reference
-from .report import write_experiment_report
+from .report import hardware, write_experiment_report
 
 DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo.yaml"
 
@@ -127,7 +124,7 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
         print(f"[experiment] arm {arm.name}: its settings changed ({change}); training it again")
     elif _finished(arm_dir) and recovery_file.is_file():
         print(f"[experiment] arm {arm.name}: finished, skipping")
-        return {int(k): v for k, v in json.loads(recovery_file.read_text()).items()}
+        return {int(k): v for k, v in read_json(recovery_file).items()}
     what = f"from {base}" if base else "from scratch"
     rope = f" + rope {describe_rope(arm.patch.rope)}" if arm.patch.rope is not None else ""
     print(f"[experiment] arm {arm.name}: {arm.patch.norm or 'unpatched'}{rope}, {exp.finetune_steps} steps {what} "
@@ -191,7 +188,7 @@ def recovery_points(run_dir: Path) -> dict[int, dict]:
 def final_train_loss(run_dir: Path) -> float | None:
     """The run's training loss over its last log window (result.json final_loss), or None (failed, not run)."""
     result = run_dir / "result.json"
-    return json.loads(result.read_text()).get("final_loss") if result.is_file() else None
+    return read_json(result).get("final_loss") if result.is_file() else None
 
 
 def learned_limit(source: str) -> int | None:
@@ -239,7 +236,7 @@ def _previous_evaluation(path: Path, recipe: Recipe, exp: ExperimentSection) -> 
     Each model entry carries `evaluated_at` (entries written without it date from the file)."""
     if not path.is_file():
         return None
-    previous = json.loads(path.read_text())
+    previous = read_json(path)
     same = (previous.get("data", {}).get("files") == [str(p) for p in exp.eval_data or []]
             and previous.get("settings", {}).get("max_tokens") == exp.eval_max_tokens
             and previous.get("train_len") == (exp.train_len or recipe.data.seq_len)
@@ -307,7 +304,7 @@ def _recorded_times(out: Path) -> dict:
     """Stage wall times recorded when the stages ran (DIR/wall_time.json, else an earlier results.json)."""
     for path, key in ((out / "wall_time.json", None), (out / "results.json", "wall_time_s")):
         if path.is_file():
-            data = json.loads(path.read_text())
+            data = read_json(path)
             return (data.get(key) if key else data) or {}
     return {}
 
@@ -335,14 +332,6 @@ def _one_line(err: Exception) -> str:
     return text[:300]
 
 
-def hardware() -> dict:
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
-
-
 def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict:
     """Run every stage that is not finished yet; returns the experiment results (also DIR/results.json)."""
     if not isinstance(recipe, Recipe):
@@ -352,8 +341,14 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
         raise RetrofitError("this recipe has no experiment section (arms, base_steps, finetune_steps); "
                             "use `retrofit train` for a single run")
     reference = load_reference(exp.reference, [a.name for a in exp.arms]) if exp.reference else None
-    out = make_output(out_dir, "--out")  # new, empty or made by retrofit (a re-run resumes it)
-    check_base(recipe, exp, out)
+    out = check_output(out_dir, "--out")  # new, empty or made by retrofit (a re-run resumes it)
+    check_base(recipe, exp, out)  # before anything in it is touched, its lock included
+    with output_folder(out, "--out") as out:  # locked: one experiment writes a folder at a time
+        return _run_stages(recipe, exp, reference, out, progress)
+
+
+def _run_stages(recipe, exp, reference, out: Path, progress: bool) -> dict:
+    """run_experiment's stages, while the experiment folder is locked: base, arms, evaluation, report."""
     save_recipe(recipe, out / "recipe.yaml")
     clock, failures, recovery = _Clock(out), {}, {}
     start = time.perf_counter()

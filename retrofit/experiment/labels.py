@@ -3,9 +3,9 @@ schedule, the rope it ran with, a selective patch's layers and heads), not only 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from ..readers import read_json
 from ..recipe import ArmSection
 from ..rope import normalize_rope
 
@@ -17,7 +17,7 @@ def trained_patch(arm_dir: Path, arm: ArmSection) -> dict:
     if not (config.is_file() and (arm_dir / "result.json").is_file()):
         found = arm.patch.options | {"norm": arm.patch.norm, "nope": arm.patch.nope, "rope": arm.patch.rope,
                                      "layers": arm.patch.layers, "heads": arm.patch.heads}
-    elif not isinstance(record := json.loads(config.read_text()).get("retrofit"), dict):
+    elif not isinstance(record := read_json(config).get("retrofit"), dict):
         return {"norm": None, "nope": False}  # an arm left unpatched
     else:
         found = dict(record.get("options") or {}) | {k: record.get(k) for k in ("norm", "layers", "heads")} | {

@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 
 from ..errors import RetrofitError
+from ..escape import md_code, md_inline, md_text
 from ..recipe import ReferenceSection
 
 
@@ -91,18 +92,20 @@ def direction_markdown(reference: dict, ours: dict[str, dict[int, float]], train
     """The report's section: one table per compared arm, and a count of agreeing lengths."""
     control = reference["control"]
     lines = ["## Against the published table", "",
-             f"Reference: `{reference['file']}`" + (f" — {reference['note']}" if reference["note"] else "") + ".",
+             f"Reference: {md_code(reference['file'])}"
+             + (f" — {md_inline(reference['note'])}" if reference["note"] else "") + ".",
              "Losses of different models on different data are not comparable, so only directions are: "
-             f"Δ = arm − {control['arm']} at the same length (reference: curve − `{control['key']}`); "
-             f"negative means the arm is better. |Δ| < {reference['tie']} counts as no difference.", ""]
+             f"Δ = arm − {md_inline(control['arm'])} at the same length (reference: curve − "
+             f"{md_code(control['key'])}); negative means the arm is better. |Δ| < {md_inline(reference['tie'])} "
+             "counts as no difference.", ""]
     for arm, rows in directions(reference, ours).items():
-        key = reference["arms"][arm]["key"]
+        arm, key = md_text(arm), md_code(reference["arms"][arm]["key"])  # results.json's words: text
         if not rows:
-            lines += [f"**{arm}** vs `{key}`: no length in common.", ""]
+            lines += [f"**{arm}** vs {key}: no length in common.", ""]
             continue
         agree = sum(r["agree"] for r in rows)
-        lines += [f"**{arm}** vs `{key}`: same direction at {agree} of {len(rows)} shared lengths.", "",
-                  f"| length | L / {train_len or '—'} (our trained) | Δ ours | Δ published | direction |",
+        lines += [f"**{arm}** vs {key}: same direction at {agree} of {len(rows)} shared lengths.", "",
+                  f"| length | L / {md_inline(train_len or '—')} (our trained) | Δ ours | Δ published | direction |",
                   "|---|---|---|---|---|"]
         for r in rows:
             times = f"{r['length'] / train_len:g}" if train_len else "—"

@@ -7,14 +7,28 @@ and plots of retrofit.evaluate.report; the per-length evaluation report sits bes
 from __future__ import annotations
 
 import json
+import os
+import platform
 from pathlib import Path
 
+import torch
+
 from ..atomic import atomic_write_text
+from ..escape import md_code, md_inline
 from ..evaluate.compare import comparison_references
 from ..evaluate.intervals import plus_minus
 from ..evaluate.report import APPROX_LEGEND, comparison_table_markdown, line_plot, markdown_table, seed_sections
 from ..recipe import seeded_name
 from .reference import direction_markdown
+
+
+def hardware() -> dict:
+    """The machine a stage ran on, as the report's Hardware line shows it."""
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
 
 
 def _metric(evaluation: dict) -> tuple[str, str]:
@@ -140,11 +154,11 @@ def design_sentence(results: dict) -> str:
     scratch = "Every arm trained from scratch (no shared base; arms under one seed start from one init)"
     start = scratch if _from_scratch(results) else "Base checkpoint, then every arm finetuned from it"
     seeds = results.get("seeds")
-    seeded = (f", once under each training seed {seeds} (runs paired by seed)" if seeds
+    seeded = (f", once under each training seed {md_inline(seeds)} (runs paired by seed)" if seeds
               else ", with the same seed unless an arm names its own (recipe.yaml)")
     rates = {n: a["settings"]["lr"] for n, a in results["arms"].items()
              if (a.get("settings") or {}).get("lr") is not None}
-    own = ", ".join(f"{n} {lr:g}" for n, lr in rates.items())
+    own = ", ".join(f"{md_inline(n)} {lr:g}" for n, lr in rates.items())
     lr = f"; arms with their own learning rate: {own} (the others: the recipe's)" if rates else ""
     return (f"{start}, for the same steps on the same data{seeded}{lr}. Then every run is evaluated at every "
             "length. Numbers are computed by this run, not copied.")
@@ -187,14 +201,15 @@ def write_experiment_report(results: dict, out) -> Path:
                                    ylabel=what, title=title).name)
     eval_plots = [p.name for p in sorted((out / "eval").glob("*.png"))]
     failed = {n: a["failed"] for n, a in results["arms"].items() if a.get("failed")}
-    lines = [f"# Experiment: {results['recipe']}", "",
+    # what results.json says is shown as text (`retrofit report DIR` rebuilds this file from it)
+    lines = [f"# Experiment: {md_inline(results['recipe'])}", "",
              design_sentence(results), "",
-             f"- Hardware: {json.dumps(results['hardware'])}",
-             f"- Wall time (s): {json.dumps(results['wall_time_s'])}, total "
+             f"- Hardware: {md_inline(json.dumps(results['hardware']))}",
+             f"- Wall time (s): {md_inline(json.dumps(results['wall_time_s']))}, total "
              f"{sum(v or 0 for v in results['wall_time_s'].values()) / 60:.1f} min (a stage a re-run skipped "
              "keeps the time recorded when it ran)",
-             f"- Base: `{results['base']}`",
-             f"- Failed or diverged arms: {json.dumps(failed) if failed else 'none'}", "",
+             f"- Base: {md_code(results['base'])}",
+             f"- Failed or diverged arms: {md_inline(json.dumps(failed)) if failed else 'none'}", "",
              f"## {label} by context length", "", "`*` marks the trained length; the last column is the "
              "longest length's value divided by the trained length's.", "", comparison_table(results), ""]
     lines += _paired_gap_lines(evaluation)
@@ -211,7 +226,7 @@ def write_experiment_report(results: dict, out) -> Path:
         during = "training (from scratch)" if _from_scratch(results) else "finetuning"
         lines += [f"## Recovery at {n} tokens: {label} during {during}", "", recovery_table(results, n), ""]
         if gaps:
-            lines += [f"Gap to the control arm `{results.get('control', 'softmax')}` at the same step "
+            lines += [f"Gap to the control arm {md_code(results.get('control', 'softmax'))} at the same step "
                       "(negative = better than the control):", "", gaps, ""]
         lines += [f"![recovery at {n}]({plot})", ""]
     if results.get("reference"):
@@ -249,7 +264,7 @@ def _paired_gap_lines(evaluation: dict) -> list[str]:
     for reference in comparison_references(evaluation):
         table = comparison_table_markdown(evaluation, reference)
         if table:
-            lines += [f"### Gap to `{reference}` by length (paired, same windows)", "",
-                      f"Mean loss minus `{reference}`'s on the same windows, with the 95% interval of the per-window "
-                      "differences (negative = better than it).", "", table, "", APPROX_LEGEND, ""]
+            lines += [f"### Gap to {md_code(reference)} by length (paired, same windows)", "",
+                      f"Mean loss minus {md_code(reference)}'s on the same windows, with the 95% interval of the "
+                      "per-window differences (negative = better than it).", "", table, "", APPROX_LEGEND, ""]
     return lines

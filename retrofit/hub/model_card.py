@@ -2,20 +2,22 @@
 it, how it was trained (recipe, loss curve) and how it extrapolates (the `retrofit eval` table).
 
 Built from the `info` dict that retrofit.hub.publish.stage gathers; no network, no files read here. Every text
-it embeds passes one of three escapes: _text (markdown text: one line, HTML and markdown characters escaped),
-_code (an inline code span fenced by more backticks than it holds) or _fence (a code block whose fence is longer
-than any run of backticks inside): a recipe `name:` with newlines, backticks or HTML stays text.
+it embeds passes one of three escapes (retrofit.escape): _text (markdown text: one line, HTML and markdown characters
+escaped), _code (an inline code span fenced by more backticks than it holds) or _fence (a code block whose fence is
+longer than any run of backticks inside): a recipe `name:` with newlines, backticks or HTML stays text.
 """
 
 from __future__ import annotations
 
 import html
 import json
-import re
 from urllib.parse import quote
 
 from huggingface_hub import ModelCardData
 
+from ..escape import md_code as _code
+from ..escape import md_fence as _fence
+from ..escape import md_text as _text
 from ..load.sources import is_hub_id
 from ..norms import get_norm
 from ..record import GUARD  # config.json's attn_implementation in every saved patched model: plain transformers refuses
@@ -23,26 +25,6 @@ from ..version import INSTALL
 
 NOPE_WHY = ("Positional information was removed (NoPE): lengths beyond those seen in training carry no "
             "out-of-distribution position signal.")
-
-
-def _text(value) -> str:
-    """`value` as markdown text on one line: HTML escaped (no tag renders), markdown's active characters escaped."""
-    one_line = html.escape(" ".join(str(value).split()), quote=False)
-    return re.sub(r"([\\`*_{}\[\]()#+!|~>])", r"\\\1", one_line)
-
-
-def _code(value) -> str:
-    """`value` as an inline code span on one line (HTML is literal there), safe in a table cell."""
-    one_line = " ".join(str(value).split()).replace("|", "\\|")
-    fence = "`" * (max(map(len, re.findall(r"`+", one_line)), default=0) + 1)
-    pad = " " if one_line.startswith("`") or one_line.endswith("`") else ""
-    return f"{fence}{pad}{one_line}{pad}{fence}"
-
-
-def _fence(text: str, language: str) -> list[str]:
-    """`text` as a fenced code block that nothing inside can close (the fence outgrows every backtick run)."""
-    fence = "`" * max(3, max(map(len, re.findall(r"`+", text)), default=0) + 1)
-    return [fence + language, text.rstrip(), fence]
 
 
 def model_card(info: dict) -> str:

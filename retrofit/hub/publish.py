@@ -50,6 +50,7 @@ from ..load.checkpoint import patch_tensors
 from ..load.runs import check_finished
 from ..load.sources import check_model_files, is_hub_id
 from ..norms import AttentionShape, get_norm, make_options
+from ..readers import read_json
 from ..recipe import load_yaml
 from ..train.runlog import read_log
 from .model_card import GUARD, model_card
@@ -92,7 +93,7 @@ def find_token() -> str:
 # ---- what SOURCE holds ----------------------------------------------------------------------------------------------
 
 def _json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path) if path.is_file() else {}  # a mapping, or one line naming the file
 
 
 def _locate(source) -> tuple[Path | None, Path | None, Path | None]:
@@ -328,7 +329,7 @@ def _stage_eval(eval_dir, candidates, out: Path) -> str | None:
     if found is None:
         return None
     text = (found / "results.md").read_text()
-    results = json.loads((found / "results.json").read_text()) if (found / "results.json").is_file() else {}
+    results = read_json(found / "results.json") if (found / "results.json").is_file() else {}
     local = local_paths(results) | {p for p in re.findall(r"`([^`\n]+)`", text) if is_local(p)}
 
     def public(value: str) -> str:

@@ -38,8 +38,9 @@ from torch import nn
 from transformers.utils import cached_file
 
 from ..atomic import atomic_folder
-from ..errors import RetrofitError
+from ..errors import RetrofitError, shown
 from ..patch import patch_from_record, patch_record
+from ..readers import expect, read_json
 from .checkpoint import checkpoint_or_plain, listed
 from .sources import hub_error, hub_reachable, source_kind
 from .validate import check_finite, check_record
@@ -139,14 +140,16 @@ def read_record(folder, **hub) -> dict:
     folder = Path(folder)
     if not (folder / ADAPTER_CONFIG).is_file():
         raise RetrofitError(f"{folder} has no {ADAPTER_CONFIG}: it is not a PEFT adapter folder")
+    config = read_json(folder / ADAPTER_CONFIG)  # a mapping, checked before anything reads a field of it
     if (folder / RECORD).is_file():
-        meta = json.loads((folder / RECORD).read_text())
-        if meta.get("format", FORMAT) > FORMAT:
-            raise RetrofitError(f"{folder} was written by a newer retrofit (format {meta['format']}); upgrade retrofit")
+        meta = read_json(folder / RECORD)
+        if not isinstance(meta.get("format", FORMAT), int) or meta.get("format", FORMAT) > FORMAT:
+            raise RetrofitError(f"{folder} was written by a newer retrofit (format {shown(meta['format'])}); "
+                                "upgrade retrofit")
+        expect(meta.get("patch"), dict, f"{folder / RECORD}: patch")
         return meta
-    config = json.loads((folder / ADAPTER_CONFIG).read_text())
     run_summary = folder.parent / "result.json"
-    patch = json.loads(run_summary.read_text()).get("retrofit") if run_summary.is_file() else None
+    patch = read_json(run_summary).get("retrofit") if run_summary.is_file() else None
     if not isinstance(patch, dict):
         base = config.get("base_model_name_or_path")
         patch = _base_record(base, config.get("revision"), hub)
@@ -228,7 +231,27 @@ def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise RetrofitError(f"could not load the adapter in {source}: "
                             f"{str(err).strip().splitlines()[0][:200]}") from None
+    check_adapter_tensors(model, folder)
     return model if is_trainable else model.eval()
+
+
+def check_adapter_tensors(model, folder: Path) -> None:
+    """The adapter file holds exactly the tensors the PEFT model built from its config has (get_peft_model_state_dict:
+    what save_pretrained writes). PEFT loads a missing one at its initial value (lora_B: zeros, no adapter there)
+    and drops an extra one, without a word: either is refused in one line."""
+    from peft import get_peft_model_state_dict
+
+    weights = Path(folder) / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        return  # another format (adapter_model.bin): PEFT names what it cannot load
+    with safe_open(str(weights), "pt") as f:
+        saved = set(f.keys())
+    expected = set(get_peft_model_state_dict(model).keys())
+    problems = [f"{what} {listed(k.removeprefix('base_model.model.') for k in keys)}"
+                for what, keys in (("missing", expected - saved), ("unexpected", saved - expected)) if keys]
+    if problems:
+        raise RetrofitError(f"{weights} is damaged or belongs to another model: LoRA tensors {'; '.join(problems)}; "
+                            "save the adapter again (loading it would leave those weights at their initial values)")
 
 
 def _same_patch(a: dict, b: dict) -> bool:

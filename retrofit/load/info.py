@@ -19,8 +19,10 @@ from pathlib import Path
 
 from torch import nn
 
+from ..errors import RetrofitError, one_line, shown
 from ..norms import get_norm, make_options
 from ..norms.base import AttentionShape
+from ..readers import read_json, read_yaml
 from ..record import describe_selection
 from ..rope import describe_rope
 from .adapters import ADAPTER_CONFIG, read_record
@@ -50,7 +52,7 @@ def info(model_or_path: str | os.PathLike | nn.Module) -> dict:
 
 def _path_info(source: str) -> dict:
     path = Path(os.path.expanduser(source))
-    run = json.loads((path / "result.json").read_text()) if (path / "result.json").is_file() else None
+    run = read_json(path / "result.json") if (path / "result.json").is_file() else None
     if path.is_dir() and (path / ADAPTER_CONFIG).is_file():
         return _adapter_info(source, path)
     if run is not None and not (path / "config.json").is_file() and (path / "adapter").is_dir():
@@ -71,15 +73,15 @@ def _recipe_base(path: Path) -> str | None:
     """A run's base: its recipe's model.source (or that it was built from a config); None elsewhere."""
     if not (path / "recipe.yaml").is_file():
         return None
-    import yaml
-
-    model = (yaml.safe_load((path / "recipe.yaml").read_text(encoding="utf-8")) or {}).get("model") or {}
+    model = read_yaml(path / "recipe.yaml").get("model") or {}
+    if not isinstance(model, dict):
+        raise RetrofitError(f"{path / 'recipe.yaml'}: model must be a mapping (source or config), got {shown(model)}")
     return model.get("source") or ("built from model.config" if model.get("config") else None)
 
 
 def _adapter_info(source: str, folder: Path) -> dict:
     meta = read_record(folder)
-    adapter = json.loads((folder / ADAPTER_CONFIG).read_text())
+    adapter = read_json(folder / ADAPTER_CONFIG)
     facts = {"kind": "adapter", "source": source, "base": meta.get("base_model"), **_record_facts(meta["patch"])}
     facts["adapter"] = {k: adapter.get(k) for k in ("peft_type", "r", "lora_alpha", "target_modules",
                                                      "modules_to_save")}
@@ -168,7 +170,7 @@ def describe(facts: dict) -> str:
         if dataclasses.is_dataclass(value):
             value = dataclasses.asdict(value)
         shown = json.dumps(value, default=str) if isinstance(value, (dict, list)) else "-" if value is None else value
-        lines.append(f"{key + ':':<24} {shown}")
+        lines.append(f"{key + ':':<24} {one_line(shown)}")  # what a folder's files say: one line each
     return "\n".join(lines)
 
 

@@ -37,10 +37,11 @@ from torch import nn
 
 from ..errors import RetrofitError
 from ..patch import attention_modules, is_patched, patch, patch_record, unpatch
+from ..readers import read_json
 from ..recipe import PatchSection, Recipe, load_recipe
 from ..rope import normalize_rope
 from ..selection import parse_selection
-from .adapters import ADAPTER_CONFIG, is_adapter, load_adapter
+from .adapters import ADAPTER_CONFIG, check_adapter_tensors, is_adapter, load_adapter
 from .checkpoint import checkpoint_or_plain
 from .models import load_tokenizer, model_from_config, training_dtype
 from .sources import HUB_ARGS, check_model_files, location, refuse_remote_code, source_kind
@@ -113,7 +114,7 @@ def _load_source(source, loading: dict, *, task_head: bool, adapter: bool, plain
         lm = _model_at(str(source), loading, plain=plain)
     if not task_head or not (run / TASK_FILE).is_file():
         return lm.eval()
-    task = json.loads((run / TASK_FILE).read_text())
+    task = read_json(run / TASK_FILE)
     if task.get("task") != "counting":
         raise RetrofitError(f"{run / TASK_FILE} names an unknown task {task.get('task')!r}")
     model = CountingModel(lm, first_token=bool(task.get("first_token")))
@@ -255,7 +256,7 @@ def save_model(model: nn.Module, run_dir, *, tokenizer=None, peft_save: str | No
 def _load_adapter_run(run: Path) -> nn.Module:
     if not (run / ADAPTER_DIR).is_dir() or not (run / "recipe.yaml").is_file():
         raise RetrofitError(f"{run} has no adapter/ and recipe.yaml to rebuild a LoRA run from")
-    summary = json.loads((run / "result.json").read_text()) if (run / "result.json").is_file() else {}
+    summary = read_json(run / "result.json") if (run / "result.json").is_file() else {}
     if summary.get("model_from_recipe") is False:
         raise RetrofitError(f"{run}'s base model was passed in code, not built from its recipe, so its adapter "
                             "cannot be rebuilt; load the merged model (train.peft.save: merged or both)")
@@ -264,4 +265,6 @@ def _load_adapter_run(run: Path) -> nn.Module:
     apply_patch(base, recipe.patch)  # the calibrated / trained patch parameters come back from the adapter
     from peft import PeftModel  # imported here: most runs have no adapter, and PEFT's import costs ~1 s
 
-    return PeftModel.from_pretrained(language_model(base), str(run / ADAPTER_DIR))
+    model = PeftModel.from_pretrained(language_model(base), str(run / ADAPTER_DIR))
+    check_adapter_tensors(model, run / ADAPTER_DIR)
+    return model

@@ -23,6 +23,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import logging as hf_logging
 
+from ..bounds import check_heads, key_name
 from ..errors import RetrofitError, shown
 from ..norms import available_norms, make_options
 from ..patch_spec import PatchSpec
@@ -45,11 +46,6 @@ STALE_BUFFERS = (".attn.masked_bias", ".attn.bias", ".rotary_emb.inv_freq")
 # before transformers reads it (its config classes divide by the head count: 0 heads is a ZeroDivisionError).
 RAW_SIZES = SIZES + ("n_embd", "n_layer", "n_head", "n_positions", "n_inner", "n_ctx")
 DTYPE_KEYS = ("dtype", "torch_dtype")
-
-
-def _key_name(config, key: str) -> str:
-    """The name config.json uses for a canonical attribute (GPT-2: num_attention_heads -> n_head)."""
-    return getattr(config, "attribute_map", {}).get(key, key)
 
 
 def _size_error(where: str, key: str, value) -> RetrofitError:
@@ -100,14 +96,8 @@ def check_config(config, where: str) -> None:
         if value is None:
             continue
         if not _is_size(value):
-            raise _size_error(where, _key_name(config, key), value)
-    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    width = getattr(config, "hidden_size", None)
-    if heads and width and getattr(config, "head_dim", None) is None and width % heads:
-        raise RetrofitError(f"{where}: {_key_name(config, 'num_attention_heads')} ({heads}) must divide "
-                            f"{_key_name(config, 'hidden_size')} ({width})")
-    if heads and kv_heads and heads % kv_heads:
-        raise RetrofitError(f"{where}: num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
+            raise _size_error(where, key_name(config, key), value)
+    check_heads(config, where)
     dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str) and dtype != "auto" and not _is_float_dtype(dtype):
         raise RetrofitError(f"{where}: dtype must be a torch floating-point type (float32, bfloat16, float16, ...), "

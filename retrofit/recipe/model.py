@@ -10,6 +10,7 @@ from typing import Literal
 
 from transformers import CONFIG_MAPPING
 
+from ..bounds import check_heads
 from ..errors import RetrofitError, closest, shown
 from .schema import need, setting
 
@@ -56,10 +57,11 @@ def _check_model_config(config: dict) -> None:
         need(key not in SIZE_KEYS or not isinstance(value, int) or isinstance(value, bool) or value >= 1,
              f"model.config.{key} must be >= 1, got {value}")
     try:  # the config class checks types itself (transformers 5: strict dataclasses): hidden_size: abc
-        cls(**{k: v for k, v in config.items() if k != "model_type"})
+        built = cls(**{k: v for k, v in config.items() if k != "model_type"})
     except Exception as err:  # noqa: BLE001 - whatever the config class raises is a bad model.config
         reason = (str(err).strip().splitlines() or [type(err).__name__])[-1].strip()[:160]
         raise RetrofitError(f"model.config is not a valid {model_type} config ({reason}); fix that value") from None
+    check_heads(built, "model.config")  # as a folder's config.json is checked: before any module or folder is made
 
 
 # model.config keys that are sizes or counts: each must be >= 1 (a negative one fails deep inside torch)

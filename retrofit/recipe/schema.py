@@ -8,8 +8,9 @@
 A "knob" elsewhere in retrofit is the one option of a norm that a recovery schedule moves (retrofit.recovery).
 
 Supported field types: bool, int, float, str, Any, dict, list[T], Literal[...], unions with None, and
-nested dataclasses. An unknown key names the closest valid one. YAML is read with load_yaml: bounded in depth
-and in what its aliases expand to, so a small file cannot make a billion values (or a RecursionError).
+nested dataclasses. An unknown key names the closest valid one. YAML is read with load_yaml (retrofit.readers):
+bounded in depth, in what its aliases expand to and in the digits of its numbers, so a small file cannot make a
+billion values (or a RecursionError, or a traceback from int()).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import Any, Literal
 
 import yaml
 
-from ..errors import RetrofitError, read_utf8, shown
+from ..errors import RetrofitError, shown
 from ..errors import closest as _closest
+from ..readers import MAX_FILE_BYTES, load_json, load_yaml, read_yaml_file  # noqa: F401  (re-exported)
 
 _MISSING = dataclasses.MISSING
 
@@ -38,99 +40,6 @@ def setting(default=_MISSING, doc: str = "", *, factory=None):
 def need(ok: bool, message: str) -> None:
     if not ok:
         raise RetrofitError(message)
-
-
-# ---- YAML, bounded ------------------------------------------------------------------------------------------------
-# A recipe is a few levels of sections and keys and at most some thousands of values. Aliases (*a) share one node
-# many times, so a 500-byte file can stand for 9**9 values ("billion laughs"): count values as if every alias
-# were written out and refuse beyond these bounds before anything is built from them.
-MAX_DEPTH = 32
-MAX_VALUES = 100_000
-MAX_FILE_BYTES = 16 << 20  # a YAML file a user hands in (recipes are some KB)
-
-
-class _TooLarge(Exception):
-    """A bound was crossed (message, line); load_yaml turns it into a one-line RetrofitError."""
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """SafeLoader whose composer refuses to nest deeper than MAX_DEPTH (PyYAML composes recursively: a file
-    nested 1000 deep is a RecursionError otherwise)."""
-
-    def __init__(self, stream):
-        super().__init__(stream)
-        self.depth = 0
-
-    def compose_node(self, parent, index):
-        self.depth += 1
-        try:
-            if self.depth > MAX_DEPTH:
-                raise _TooLarge(f"nests deeper than {MAX_DEPTH} levels", self.peek_event().start_mark.line + 1)
-            return super().compose_node(parent, index)
-        finally:
-            self.depth -= 1
-
-
-def _expanded(node, depth: int, seen: dict) -> tuple[int, int]:
-    """(values, height) of `node` with every alias written out; a cycle (&a [*a]) counts as too deep. `seen`
-    holds finished nodes by id, so shared nodes cost one visit and recursion stays within MAX_DEPTH."""
-    done = seen.get(id(node))
-    if done is None:
-        if depth > MAX_DEPTH:
-            raise _TooLarge(f"nests deeper than {MAX_DEPTH} levels (aliases written out)", node.start_mark.line + 1)
-        children = node.value if isinstance(node, yaml.SequenceNode) else \
-            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
-        values, height = 1, 0
-        for child in children:
-            count, tall = _expanded(child, depth + 1, seen)
-            values, height = values + count, max(height, tall)
-            if values > MAX_VALUES:
-                raise _TooLarge(f"expands to more than {MAX_VALUES:,} values through its aliases (*name)",
-                                node.start_mark.line + 1)
-        done = seen[id(node)] = (values, height + 1)
-    if depth + done[1] - 1 > MAX_DEPTH:
-        raise _TooLarge(f"nests deeper than {MAX_DEPTH} levels (aliases written out)", node.start_mark.line + 1)
-    return done
-
-
-def load_yaml(text: str, what: str, kind: str = "a recipe is a few levels of sections and keys"):
-    """yaml.safe_load, bounded: deeper than MAX_DEPTH or more than MAX_VALUES values once aliases are expanded
-    is a one-line RetrofitError naming `what` (the file or override) and the line. yaml.YAMLError passes through.
-    `kind` says what the text should look like (the end of the error)."""
-    loader = _BoundedLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _expanded(node, 1, {})
-        return loader.construct_document(node)
-    except _TooLarge as err:
-        message, line = err.args
-        raise RetrofitError(f"{what} {message} (line {line}); {kind}, write it out plainly") from None
-    finally:
-        loader.dispose()
-
-
-def read_yaml_file(path, what: str, kind: str):
-    """A YAML file a user hands in (a --variants list, a recipe): a regular file of at most MAX_FILE_BYTES, UTF-8,
-    read with load_yaml. Every error is one line naming `what` and the file."""
-    text = read_utf8(path, what, most=MAX_FILE_BYTES)
-    try:
-        return load_yaml(text, f"{what} {path}", kind)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise RetrofitError(f"{what} {path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
-
-
-def load_json(text, what: str):
-    """json.loads of a user's file, its nesting bounded: a file nested deeper than Python's recursion limit is a
-    one-line error naming `what`, not a RecursionError (JSON has no aliases: its size is its file's size)."""
-    import json
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise RetrofitError(f"{what} nests too deep to read; a file retrofit reads is a few levels deep") from None
 
 
 def _describe(tp) -> str:

@@ -98,10 +98,29 @@ def serve_plan(config, where: str = "this checkpoint") -> ServePlan | None:
             raise RetrofitError(f"{where}: rope {rope_type} is not served by vLLM: {why}; it serves "
                                 f"{', '.join(ROPE_TYPES[1:])}, else run it with retrofit.from_pretrained")
     layers, heads = record.get("layers"), record.get("heads")
+    _check_selection(layers, _get(config, "num_hidden_layers"), "layers", "layer", where)
+    _check_selection(heads, _get(config, "num_attention_heads"), "heads", "head", where)
     return ServePlan(norm=norm, options=dict(record.get("options") or {}),
                      layers=tuple(layers) if layers is not None else None,
                      heads=tuple(heads) if heads is not None else None,
                      nope=bool(record.get("nope")), original_positions=original)
+
+
+def _check_selection(chosen: list | None, count, key: str, unit: str, where: str) -> None:
+    """The recorded layer or head indices exist in the model, once each: vLLM would patch nothing at an index past
+    them (or patch another head), silently. check_record has made them a list of indices >= 0."""
+    if chosen is None:
+        return
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise RetrofitError(f"{where}: retrofit.{key} selects {unit}s but config.json has no {unit} count to check "
+                            "them against; save the checkpoint again")
+    past = [i for i in chosen if i >= count]
+    if past:
+        raise RetrofitError(f"{where}: retrofit.{key} selects {unit} {past[0]} but the model has {count} {unit}s "
+                            f"(0-{count - 1}); the record was not written for this model: save it again")
+    twice = sorted({i for i in chosen if chosen.count(i) > 1})
+    if twice:
+        raise RetrofitError(f"{where}: retrofit.{key} names {unit} {twice[0]} twice; save the checkpoint again")
 
 
 def _original_positions(config, rope: dict | None) -> int | None:

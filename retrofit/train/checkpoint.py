@@ -11,21 +11,27 @@ is atomic, so a kill at any moment leaves either the complete checkpoint or a `.
 nothing ever loads (and the next save deletes). Resume takes the newest `step-*` folder whose files
 match its manifest (a damaged one is named in one line and the one before it is used) and refuses one
 trained with a different recipe. Only folders holding the marker are ever deleted.
+
+Resume state is data, never code. The manifest catches damage, not intent: whoever crafts a run folder signs it
+again. So every pickled file accelerate wrote (optimizer.bin, random_states_N.pkl, ...) is read first by
+torch's weights-only unpickler with an allow-list (numpy's arrays for the RNG states) and its contents checked,
+and the RNG states are set by retrofit; the shards of train.fsdp go through fsdp.shard_reader. A file that cannot be
+read that way is a one-line refusal naming it: never code run, never a silent fresh start.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
-import re
+import random
 import time
 from pathlib import Path
 
 from ..atomic import MARKER, atomic_write_text, owned_folder, remove_owned
-from ..errors import RetrofitError
+from ..errors import RetrofitError, write_failure
+from ..readers import expect, read_json
 from . import fsdp
 
 FOLDER, PREFIX, TMP, MANIFEST = "checkpoints", "step-", ".tmp-", "manifest.json"
@@ -92,33 +98,23 @@ def save_checkpoint(accelerator, run_dir, step: int, data_state: dict, recipe_fl
     return final
 
 
-# What a full disk looks like from inside torch.save: its zip writer's RuntimeError, e.g. "[enforce fail at
-# inline_container.cc:...] . PytorchStreamWriter failed writing file data/0: file write failed" (no errno in it).
-_WRITE_FAILED = re.compile(r"PytorchStreamWriter failed writing|file write failed|No space left on device", re.I)
-
-
-def disk_full(err: BaseException) -> bool:
-    """Whether `err` is a write that failed for want of space (ENOSPC, a used-up quota, torch's writer failing)."""
-    if isinstance(err, OSError):
-        return err.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(err, RuntimeError) and bool(_WRITE_FAILED.search(str(err)))
-
-
 @contextlib.contextmanager
 def _disk_full_is_one_line(accelerator, tmp: Path, run_dir, step: int):
-    """A full disk while writing checkpoint `step`: the half-written .tmp- folder is removed (its space given
-    back; nothing loads it anyway) and the error is one line saying so. The checkpoints before it are untouched,
-    so the run resumes from the newest of them once there is space."""
+    """A write that failed for want of room while writing checkpoint `step` (a full disk, a used-up quota, a file
+    past the size limit: errors.write_failure): the half-written .tmp- folder is removed (its space given back;
+    nothing loads it anyway) and the error is one line saying so. The checkpoints before it are untouched, so the run
+    resumes from the newest of them once there is room."""
     try:
         yield
     except (OSError, RuntimeError) as err:
-        if not disk_full(err):
+        reason = write_failure(err)
+        if reason is None:
             raise
         if accelerator.is_main_process:
             remove_owned(tmp, tmp.parent)
         detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
-        raise RetrofitError(f"the disk is full: checkpoint step {step} could not be written in {Path(run_dir)} "
-                            f"({detail}); free some space, then continue with `retrofit train RECIPE --resume "
+        raise RetrofitError(f"{reason}: checkpoint step {step} could not be written in {Path(run_dir)} "
+                            f"({detail}); make room, then continue with `retrofit train RECIPE --resume "
                             f"{Path(run_dir)}` (it resumes from the last complete checkpoint)") from None
 
 
@@ -202,18 +198,93 @@ def check_same_recipe(saved: dict, current: dict, where) -> None:
 
 def load_checkpoint(accelerator, path: Path, recipe_flat: dict, sharded=None) -> dict:
     """Restore model, optimizer and RNG states into the prepared objects (sharded: as write_state); returns
-    meta.json."""
-    meta = json.loads((path / "meta.json").read_text())
-    check_same_recipe(meta["recipe"], recipe_flat, path)
-    if meta["processes"] != accelerator.num_processes:
-        raise RetrofitError(f"{path} was written by {meta['processes']} process(es), this run has "
+    meta.json. Every pickled file is checked as data before anything is restored (check_state_files)."""
+    meta = read_json(path / "meta.json")
+    check_same_recipe(expect(meta.get("recipe"), dict, f"{path / 'meta.json'}: recipe"), recipe_flat, path)
+    if meta.get("processes") != accelerator.num_processes:
+        raise RetrofitError(f"{path} was written by {meta.get('processes')} process(es), this run has "
                             f"{accelerator.num_processes}; resume with the same number of processes")
+    rng = check_state_files(path, accelerator.process_index)
     if sharded is None:
-        accelerator.load_state(str(path))
-        return meta
-    from accelerate.checkpointing import load_accelerator_state
-    fsdp.load_shards(path, *sharded)
-    restored = load_accelerator_state(str(path), [], [], [], [], accelerator.process_index, accelerator.scaler)
-    for key, value in restored.items():  # what load_state sets too (its step counter)
-        setattr(accelerator, key, value)
+        accelerator.load_state(str(path), load_kwargs={"weights_only": True})
+    else:
+        from accelerate.checkpointing import load_accelerator_state
+        fsdp.load_shards(path, *sharded)
+        restored = load_accelerator_state(str(path), [], [], [], [], accelerator.process_index, accelerator.scaler,
+                                          load_kwargs={"weights_only": True})
+        for key, value in restored.items():  # what load_state sets too (its step counter)
+            setattr(accelerator, key, value)
+    restore_rng(rng)  # accelerate sets them inside a try/except that only logs "Could not load random states"
     return meta
+
+
+# ---- accelerate's pickled files, read as data -----------------------------------------------------------------------
+
+RNG = "random_states_{}.pkl"
+
+
+def _numpy_globals() -> list:
+    """What numpy's RNG state pickles as (accelerate saves np.random.get_state()): arrays of uint32, nothing else."""
+    import codecs
+
+    import numpy as np
+    return [np.zeros(1).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32)), codecs.encode]
+
+
+def read_state_file(path: Path):
+    """A file accelerate pickled (torch.save), read by torch's weights-only unpickler: tensors, numbers, strings,
+    containers and numpy's arrays; anything else (a class, a function: code) is a one-line RetrofitError naming the
+    file. mmap: the tensors' bytes are not read, only the structure."""
+    import torch
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # noqa: BLE001 -- whatever torch raises on it: not a file it can read as data
+        raise fsdp.not_data(path, err) from None
+
+
+def check_state_files(folder: Path, process_index: int) -> dict:
+    """Every pickled file of checkpoint `folder` read as data (read_state_file), before anything is restored; returns
+    this process's RNG states, each checked by setting it on a scratch generator."""
+    for path in sorted(p for p in folder.iterdir() if p.suffix in (".bin", ".pkl", ".pt")):
+        read_state_file(path)
+    path = folder / RNG.format(process_index)
+    if not path.is_file():
+        raise RetrofitError(f"{folder} holds no {path.name}: its RNG states are missing; restore the run folder")
+    states = expect(read_state_file(path), dict, str(path))
+    for key, what, check in _RNG_CHECKS:
+        if key not in states:
+            raise RetrofitError(f"{path} holds no {key}: it is not the RNG state accelerate saves; restore the run "
+                                "folder")
+        try:
+            check(states[key])
+        except (TypeError, ValueError, RuntimeError, OverflowError) as err:
+            raise RetrofitError(f"{path}: {key} is not {what} ({' '.join(str(err).split())[:80]}); restore the run "
+                                "folder") from None
+    return states
+
+
+def _torch_state(value) -> None:
+    import torch
+    torch.Generator().set_state(value)
+
+
+def _numpy_state(value) -> None:
+    import numpy as np
+    np.random.RandomState().set_state(value)
+
+
+_RNG_CHECKS = (("random_state", "a Python random state", lambda v: random.Random().setstate(v)),
+               ("numpy_random_seed", "a numpy random state", _numpy_state),
+               ("torch_manual_seed", "a torch random state", _torch_state))
+
+
+def restore_rng(states: dict) -> None:
+    """Set Python's, numpy's and torch's generators (and CUDA's, when saved and present) from checked states."""
+    import numpy as np
+    import torch
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])

@@ -16,6 +16,7 @@ FSDP2 also refuses 0-d parameters: every retrofit norm keeps its per-head parame
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 from torch import nn
@@ -82,6 +83,10 @@ def check_recipe(recipe, distributed_type: str) -> None:
     if distributed_type in ("FSDP", "DEEPSPEED"):
         raise RetrofitError(f"train.fsdp shards the model itself; accelerate already runs {distributed_type}: "
                             "set train.fsdp false or launch without accelerate's FSDP / DeepSpeed config")
+    if distributed_type == "NO" and "RANK" not in os.environ:  # torch's own words: "environment variable RANK expected"
+        raise RetrofitError("train.fsdp shards the model over several processes and needs a launcher: "
+                            "torchrun --nproc_per_node N -m retrofit train RECIPE (or accelerate launch "
+                            "--multi_gpu --num_processes N -m retrofit train RECIPE), or set train.fsdp false")
     if recipe.train.peft is not None and recipe.train.peft.save != "adapter":
         raise RetrofitError(f"train.fsdp with LoRA saves the adapter only (train.peft.save is "
                             f"{recipe.train.peft.save!r}): set train.peft.save: adapter; the run then loads with "
@@ -150,13 +155,93 @@ def save_shards(folder, model: nn.Module, optimizer) -> None:
 
 
 def load_shards(folder, model: nn.Module, optimizer) -> None:
-    """The inverse of save_shards, in place, on the same number of processes (a collective)."""
+    """The inverse of save_shards, in place, on the same number of processes (a collective). Read as data only
+    (shard_reader): a planted pickle in the folder is refused, never run."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
     if not (folder / SHARDS).is_dir():
         raise RetrofitError(f"{folder} holds no {SHARDS}/ shards: it was not written under train.fsdp; resume "
                             "with the recipe it was trained with")
     states = _states(model, optimizer)
-    dcp.load(states, checkpoint_id=str(folder / SHARDS))
+    reader, planner = shard_reader(folder / SHARDS)
+    try:
+        dcp.load(states, storage_reader=reader, planner=planner)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 -- dcp gathers each process's error into one
+        raise not_data(folder / SHARDS, err) from None
     set_model_state_dict(model, states["model"], options=_options())
     set_optimizer_state_dict(model, _torch_optimizer(optimizer), states["optim"], options=_options())
+
+
+def not_data(path, err: BaseException) -> RetrofitError:
+    """The one-line refusal of resume state that cannot be read as data (a planted pickle, a damaged file)."""
+    return RetrofitError(f"{path} is not data retrofit can read as training state ({failure_reason(err)}); it was not "
+                         "written by retrofit: restore the run folder, or start the run again in another output.dir")
+
+
+def failure_reason(err: BaseException) -> str:
+    """Why a file could not be read as data, in a few words on one line: the first process's own error out of dcp's
+    CheckpointException (a traceback per process), the allow-list's words out of torch's weights-only message."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    text = " ".join(str(err).split()) or type(err).__name__
+    for start, end in (("WeightsUnpickler error: ", ". "), ("metadata read failed: ", ";")):
+        if start in text:
+            text = text.split(start, 1)[1].split(end, 1)[0]
+    return text[:160] + ("..." if len(text) > 160 else "")
+
+
+# torch.distributed.checkpoint reads .metadata with pickle.load and each non-tensor value (AdamW's lr, betas) with
+# torch.load(weights_only=False): code planted in either runs. What retrofit lets them hold: the classes of the
+# metadata torch writes (checked on torch 2.13) and, for values, what torch's weights-only unpickler takes.
+METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization",
+                                                                                     "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+}
+
+
+def shard_reader(path):
+    """(storage reader, load planner) for dcp.load that read `path` as data only: .metadata through an allow-list
+    unpickler (METADATA_GLOBALS and torch's dtypes), every non-tensor value through torch.load(weights_only=True);
+    tensors are torch's own weights-only loads already."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class MetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                         torch.dtype)):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f".metadata names {module}.{name}, which is not checkpoint metadata")
+
+    class DataOnlyReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs) -> Metadata:
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:  # as torch's
+                metadata = MetadataUnpickler(f).load()
+            if not isinstance(metadata, Metadata):
+                raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not checkpoint metadata")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class DataOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            loaded = torch.load(value, weights_only=True)  # numbers, strings, tuples, lists: never an object's code
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return DataOnlyReader(path), DataOnlyPlanner()

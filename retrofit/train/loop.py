@@ -38,6 +38,7 @@ from ..data import build_data
 from ..errors import RetrofitError
 from ..load import apply_patch, language_model, load_base, recipe_tokenizer, save_model
 from ..memory import return_freed_memory
+from ..readers import read_json
 from ..recipe import Recipe, flat, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, knob_values, record_knob
 from . import build, checkpoint, fsdp
@@ -148,7 +149,7 @@ def _finished(recipe: Recipe, acc, run_dir: Path) -> bool:
     if (run_dir / "recipe.yaml").is_file():
         checkpoint.check_same_recipe(flat(load_recipe(run_dir / "recipe.yaml")), flat(recipe), run_dir)
     done = run_dir / "result.json"
-    if done.is_file() and json.loads(done.read_text()).get("steps") == recipe.train.steps:
+    if done.is_file() and read_json(done).get("steps") == recipe.train.steps:
         acc.print(f"{run_dir} already finished {recipe.train.steps} steps; nothing to do")
         return True
     return False

@@ -12,12 +12,15 @@ measured peak. Also: the longest data.seq_len that fits at this micro-batch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import RetrofitError
 from ..memory import count_parameters, plan_training
 
 GIB = 2 ** 30
+MOST_GIB = 1 << 20  # a petabyte-class machine; a planned device beyond it is a typo
 
 
 def recipe_config(recipe):
@@ -42,9 +45,13 @@ def parse_plan_for(text: str | None) -> tuple[str, int | None]:
     if kind not in ("cpu", "cuda"):
         raise RetrofitError(f"--plan-for must be cpu[:GiB] or cuda[:GiB], got {text!r}")
     try:
-        return kind, int(float(size) * GIB) if size else None
+        gib = float(size) if size else None
     except ValueError:
-        raise RetrofitError(f"--plan-for: the memory after ':' must be a number of GiB, got {size!r}") from None
+        gib = math.nan
+    if gib is not None and not (math.isfinite(gib) and 0 < gib <= MOST_GIB):  # 1e400 is inf: int() of it raised
+        raise RetrofitError(f"--plan-for: the memory after ':' must be a finite number of GiB, at most {MOST_GIB:,} "
+                            f"(cpu:24, cuda:80), got {size!r}")
+    return kind, int(gib * GIB) if gib is not None else None
 
 
 def device_bytes(kind: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from retrofit.cli import main  # noqa: E402
+from retrofit.errors import one_line  # noqa: E402
 from retrofit.memory import PeakMemory  # noqa: E402
 from tests.cli.test_bad_inputs import CASES, argv, build_world  # noqa: E402
 
@@ -41,7 +43,8 @@ def main_table() -> None:
         print("| case | input | exit | first line printed | peak MB added |\n|---|---|---|---|---|")
         for i, (case_id, template, _) in enumerate(CASES):
             code, line, added_mb = run_case(template, world, Path(tmp) / f"out{i}")
-            shown = template.replace("{{", "{").replace("}}", "}")
+            shown = one_line(shlex.join(template) if isinstance(template, list) else template).replace(
+                "{{", "{").replace("}}", "}")
             line = line.replace(str(Path(tmp) / f"out{i}"), "OUT").replace(world["root"], "W")
             print(f"| {case_id} | `{shown}` | {code} | {line.replace('|', '/')} | {added_mb:.0f} |")
 

@@ -106,6 +106,7 @@ def build_world(root: Path) -> dict:
     build_round3_errors(root, w)
     build_damaged(root, w, model, root / "ckpt")
     build_bounds_inputs(root, w)
+    build_issue51_inputs(root, w)
     # round 3 (load): a folder whose auto_map names its own code; a patched checkpoint missing a base weight
     planted = copy("planted") / "config.json"
     planted.write_text(json.dumps({**json.loads(planted.read_text()), "auto_map": {"AutoConfig": "x.Config"}}))
@@ -227,7 +228,59 @@ def build_bounds_inputs(root: Path, w: dict) -> None:
     Path(w["json_deep"]).write_text("[" * 100_000 + "]" * 100_000)
 
 
-# (id, argv with {placeholders}, regex the one line must match). {out} is a fresh path that must not exist after.
+def build_issue51_inputs(root: Path, w: dict) -> None:
+    """Inputs of the issue 51 cases: files of the wrong type or with 5,000-digit numbers in run and results folders,
+    a run whose recipe.yaml has a string for an int, an adapter whose config is a list, a folder whose marker is a
+    link into the user's file."""
+    def folder(name, files, source=None):
+        path = root / name
+        shutil.copytree(source, path) if source else path.mkdir()
+        for file, text in files.items():
+            (path / file).write_text(text)
+        w[name] = str(path)
+
+    digits = "1" * 5000
+    folder("results_list", {"results.json": "[1, 2]\n", ".retrofit-owned": "made by retrofit\n"})
+    folder("results_digits", {"results.json": '{"schema": "retrofit.eval/2", "train_len": ' + digits + "}\n",
+                              ".retrofit-owned": "made by retrofit\n"})
+    run = {"result.json": json.dumps({"steps": 1}), "recipe.yaml": "name: x\nmodel: {source: model}\n",
+           "log.jsonl": '{"step": 1, "loss": 3.0}\n'}
+    folder("run_result_list", {**run, "result.json": "[1]\n"}, root / "ckpt")
+    folder("run_result_digits", {**run, "result.json": '{"steps": ' + digits + "}\n"}, root / "ckpt")
+    folder("run_model_list", {**run, "recipe.yaml": "name: x\nmodel: [1, 2]\n"}, root / "ckpt")
+    from tests.cli.test_output_folders import counting_run  # a finished tiny counting run (two steps)
+    counting, _ = counting_run(root, "counting_run")
+    recipe = yaml.safe_load((counting / "recipe.yaml").read_text())
+    recipe["data"]["counting"] = {"alphabet": "many"}
+    folder("run_str_alphabet", {"recipe.yaml": yaml.safe_dump(recipe)}, counting)
+    folder("adapter_list", {"adapter_config.json": "[1]\n"})
+    folder("marker_link", {"notes.md": "my notes\n"})
+    os.symlink(w["afile"], root / "marker_link" / ".retrofit-owned")
+    build_planted_run(root, w)
+
+
+def build_planted_run(root: Path, w: dict) -> None:
+    """An unfinished run (two steps, a checkpoint after the first, result.json gone) whose checkpoint's RNG file is
+    a pickle that would write W/ran if unpickled, its manifest signed again as whoever planted it would."""
+    import torch
+
+    from retrofit.recipe import recipe_from_dict
+    from retrofit.train import checkpoint, train
+    from tests.train.test_resume_state import Canary
+
+    run = root / "run_planted"
+    raw = yaml.safe_load(Path(w["recipe"]).read_text())
+    raw["train"]["steps"], raw["output"] = 2, {"dir": str(run), "save_every": 1}
+    train(recipe_from_dict(raw))
+    (run / "result.json").unlink()
+    step = run / checkpoint.FOLDER / "step-0000001"
+    torch.save(Canary(root / "ran"), step / "random_states_0.pkl")
+    checkpoint.write_manifest(step)
+    w["run_planted"] = str(run)
+
+
+# (id, argv with {placeholders} (a string, or a list of arguments), regex the one line must match). {out} is a fresh
+# path that must not exist after.
 CASES = [
     # ---- patch: models
     ("patch-missing", "patch {missing} --norm avnorm", r"no such file or folder: .*no-such-thing"),
@@ -583,6 +636,50 @@ CASES = [
     ("train-out-copied-results", "train {recipe} --out {notes}", r"--out .*/notes holds files retrofit did not write"),
     ("adopt-a-file", "adopt {afile}", r"afile is not a folder; adopt takes a folder retrofit wrote$"),
     ("adopt-missing", "adopt {missing}", r"no-such-thing is missing"),
+    # issue 51 (tracebacks): a control character in an echoed value is escaped, the error stays one line
+    ("eval-path-newline", ["eval", "{missing}\nsecond", "--data", "{text}", "--lengths", "8", "--out", "{out}"],
+     r"no such file or folder: .*no-such-thing\\nsecond$"),
+    ("eval-flag-escape-sequence", ["eval", "{model}", "--data", "{text}", "--lengths", "8", "--bogus\x1b[2J"],
+     r"unrecognized arguments: --bogus\\x1b\[2J"),
+    # issue 51 (tracebacks): a file read from a folder has its type checked first, then its fields
+    ("report-results-a-list", "report {results_list}", r"results_list/results.json holds a list, not a mapping"),
+    ("info-result-a-list", "info {run_result_list}", r"run_result_list/result.json holds a list, not a mapping"),
+    ("push-result-a-list", "push {run_result_list} --repo me/x --dry-run {out}",
+     r"run_result_list/result.json holds a list, not a mapping"),
+    ("info-recipe-model-a-list", "info {run_model_list}",
+     r"run_model_list/recipe.yaml: model must be a mapping \(source or config\), got \[1, 2\]$"),
+    ("info-adapter-config-a-list", "info {adapter_list}", r"adapter_list/adapter_config.json holds a list, not a"),
+    ("eval-run-recipe-string-alphabet", "eval {run_str_alphabet} --tasks counting --lengths 16 --out {out}",
+     r"run_str_alphabet/recipe.yaml: data.counting.alphabet must be an integer, got 'many'$"),
+    # issue 51 (tracebacks): numbers bounded before int() / float(), and finite
+    ("info-result-5000-digits", "info {run_result_digits}",
+     r"run_result_digits/result.json holds a number of 5,000 digits; .*at most 100"),
+    ("report-results-5000-digits", "report {results_digits}", r"results.json holds a number of 5,000 digits"),
+    ("train-override-5000-digits", "train {recipe} train.steps=" + "1" * 5000 + " --out {out}",
+     r"override train.steps holds a number of 5,000 digits"),
+    ("patch-layers-5000-digits", "patch {model} --norm ssmax --layers " + "1" * 5000 + " --out {out}",
+     r"--layers: '1111.* holds a number of 5,000 digits; a selection's numbers have at most 100$"),
+    ("train-plan-for-1e400", "train {recipe} --dry-run --plan-for cuda:1e400",
+     r"--plan-for: the memory after ':' must be a finite number of GiB.*got '1e400'$"),
+    # issue 51 (tracebacks): the three left from round 4, and train.fsdp without a launcher
+    ("train-config-gpt2-width-not-divisible",
+     "train {recipe} model.source=null model.tokenizer={model} model.config.model_type=gpt2 model.config.n_embd=30 "
+     "model.config.n_head=4 --out {out}", r"model.config: n_head \(4\) must divide n_embd \(30\)$"),
+    ("train-config-kv-heads-not-dividing",
+     "train {recipe} model.source=null model.tokenizer={model} model.config.model_type=llama "
+     "model.config.hidden_size=32 model.config.num_attention_heads=4 model.config.num_key_value_heads=3 --out {out}",
+     r"model.config: num_key_value_heads \(3\) must divide num_attention_heads \(4\)$"),
+    ("train-fsdp-without-launcher", "train {recipe} train.fsdp=true --out {out}",
+     r"train.fsdp shards the model over several processes .*torchrun --nproc_per_node N"),
+    # issue 51 (swapped): a --patch key given twice; (links) adopt never writes through a marker that is a link
+    ("eval-patch-key-twice", "eval {model} --data {text} --lengths 8 --patch avnorm:kind=rms,kind=layer --out {out}",
+     r"--patch 'avnorm:kind=rms,kind=layer': kind is given twice \('rms', then 'layer'\); give it once$"),
+    # issue 51 (code on resume): a planted pickle in a run's checkpoint is refused as data, never run
+    ("train-resume-planted-pickle", "train {run_planted}/recipe.yaml --resume {run_planted}",
+     r"step-0000001/random_states_0.pkl is not data retrofit can read as training state \(Unsupported global: "
+     r"GLOBAL exec was not an allowed global by default\); it was not written by retrofit"),
+    ("adopt-marker-is-a-link", "adopt {marker_link}",
+     r"marker_link/.retrofit-owned is a symbolic link; .*never writes through a link"),
 ]
 SIZE_CASES = ["eval-lengths-range-huge", "eval-export-length-huge", "eval-samples-huge", "eval-export-samples-huge",
               "eval-trials-huge", "eval-rope-1e308", "tokenizer-vocab-2-64", "eval-variants-aliases",
@@ -590,13 +687,19 @@ SIZE_CASES = ["eval-lengths-range-huge", "eval-export-length-huge", "eval-sample
               "diagnose-queries-huge"]
 
 
-def argv(template: str, world: dict, out: Path) -> list[str]:
+def argv(template: str | list, world: dict, out: Path) -> list[str]:
+    """The command line of a case: a string splits on whitespace; a list is one argument per item (an argument that
+    holds a space or a newline)."""
+    if isinstance(template, list):
+        return [item.format(**world, out=out) for item in template]
     return template.format(**world, out=out).split()
 
 
 def snapshot(root: Path) -> dict:
-    """Every path under root with its size and modification time: what a failed command must not change."""
-    return {str(p): (p.is_dir(), p.lstat().st_size if not p.is_dir() else 0, p.lstat().st_mtime_ns)
+    """Every path under root with its size and modification time: what a failed command must not change. A run's
+    .lock holds the pid of whoever took it last (a resume refused after taking it rewrites it): its time is left out."""
+    return {str(p): (p.is_dir(), p.lstat().st_size if not p.is_dir() else 0,
+                     None if p.name == ".lock" else p.lstat().st_mtime_ns)
             for p in sorted(root.rglob("*"))}
 
 
@@ -677,6 +780,9 @@ def test_an_internal_bug_keeps_its_traceback(monkeypatch, world):
     (PermissionError(13, "Permission denied", "/x/y"), r"Permission denied: /x/y; check its permissions"),
     (OSError(28, "No space left on device", "/x"), r"No space left on device: /x; the disk is full"),
     (OSError(30, "Read-only file system", "/x"), r"read-only: choose another --out"),
+    (OSError(27, "File too large", "/x"), r"File too large: /x; a file reached the size limit: raise `ulimit -f`"),
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 141824 vs 141716"),
+     r"a write failed: the disk is full or a file reached the size limit \(\[enforce fail"),
     (IsADirectoryError(21, "Is a directory", "/x"), r"Is a directory: /x; give a file"),
     (RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: you tried to "
                   "allocate 68719476736 bytes"), r"out of memory .*lower the length or batch"),

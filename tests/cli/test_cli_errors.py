@@ -4,6 +4,9 @@ own for two cases, main() in this process for the rest); `retrofit patch` saves 
 
 from __future__ import annotations
 
+import contextlib
+import resource
+import signal
 import subprocess
 import sys
 
@@ -72,3 +75,44 @@ def test_cli_norms_lists_every_norm():
     assert run.returncode == 0
     for name in retrofit.available_norms():
         assert name in run.stdout
+
+
+@contextlib.contextmanager
+def file_size_limit(most: int):
+    """Files of this process may grow to `most` bytes (RLIMIT_FSIZE, as `ulimit -f` sets it); past it a write fails
+    with EFBIG (SIGXFSZ ignored, as a shell's ulimit leaves a process that handles it)."""
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (most, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.mark.parametrize("verb", ["patch", "train"])
+def test_a_write_past_the_file_size_limit_is_one_line_saying_it_was_a_write(verb, world, tmp_path, capsys):
+    """A write that hit the file-size limit (EFBIG) was 'a .safetensors file is damaged ... re-download' (patch: the
+    safetensors writer) or torch's 'unexpected pos 141824 vs 141716' traceback (a checkpoint's optimizer.bin).
+    Handled like a full disk: one line that says a write failed and why, nothing half-written left (train: the run
+    resumes from its last complete checkpoint)."""
+    from retrofit.train import checkpoint
+
+    out = tmp_path / "out"
+    # the tiny model's weights are ~100 KB: patch's save passes 60 KB, train's first checkpoint (the weights, then
+    # the optimizer's two moments) passes 150 KB
+    argv, most = ((["patch", world["model"], "--norm", "ssmax", "--out", str(out)], 60_000) if verb == "patch" else
+                  (["train", world["recipe"], "train.steps=2", "output.save_every=1", "--out", str(out)], 150_000))
+    with file_size_limit(most):
+        done = _cli_in_process(argv, capsys)
+    lines = [line for line in done.stderr.splitlines() if line.strip() and "Writing model shards" not in line]
+    assert done.returncode == 2 and "Traceback" not in done.stderr and len(lines) == 1, done.stderr
+    said = "a write failed: a file reached the size limit" if verb == "patch" else "could not be written"
+    assert "a file reached the size limit" in lines[0] and said in lines[0], lines[0]
+    assert "damaged" not in lines[0] and "re-download" not in lines[0], lines[0]
+    if verb == "patch":
+        assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    else:
+        assert "could not be written" in lines[0] and f"--resume {out}" in lines[0]
+        assert not list((out / checkpoint.FOLDER).glob(".tmp-*"))  # its space given back

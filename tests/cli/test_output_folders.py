@@ -117,6 +117,21 @@ def test_a_retrofit_made_run_resumes_and_an_empty_folder_is_taken(tmp_path, run_
     assert code == 0 and (empty / "result.json").is_file() and (empty / atomic.MARKER).is_file(), lines
 
 
+@pytest.mark.parametrize("name", ["run #2", "null", "yes", "007"])
+def test_out_and_resume_name_the_folder_as_typed_never_read_as_yaml(name, tmp_path, monkeypatch, run_cli):
+    """`--out "run #2"` trained into `run` and `--out null` into the recipe's own output.dir: both flags were handed
+    back to the YAML override parser (`#` starts a comment; null, yes and 007 are not text there). The folder is the
+    one named, and --resume finds it by the same name."""
+    monkeypatch.chdir(tmp_path)
+    _, recipe = counting_run(tmp_path, "default")  # the recipe's own output.dir: tmp_path/default, trained once
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, lines, _ = run_cli(["train", "default.yaml", "--out", name])
+    assert code == 0 and (tmp_path / name / "result.json").is_file(), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, name])  # nothing else was made
+    code, lines, out = run_cli(["train", "default.yaml", "--resume", name])
+    assert code == 0 and f"{name} already finished 2 steps" in out, lines
+
+
 def test_a_run_from_before_the_marker_resumes_once_its_user_adopts_it(tmp_path, run_cli):
     """Only the marker makes a folder retrofit's (issue 36): a run an older retrofit wrote is refused, however
     retrofit-like its log.jsonl, until `retrofit adopt RUN` lists it and marks it."""

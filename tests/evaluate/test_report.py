@@ -143,3 +143,34 @@ def test_length_plots_mark_the_training_length_and_a_shared_position_limit():
     results["lengths"] = [16, 32, 64]  # the limit is the last length: nothing beyond it to mark
     results["train_len"] = None
     assert length_marks(results) == []
+
+
+# ---- what a results file says is shown as text, never rendered as markup -----------------------------------------
+
+HOSTILE = "<img src=x onerror=alert(1)>\n# Owned | cell"  # a model name as a results.json may hold it
+
+
+def _cells(line: str) -> int:
+    return len(re.split(r"(?<!\\)\|", line))
+
+
+def assert_renders_as_text(text: str) -> None:
+    """No HTML tag, no heading made of a value, and every table row with its header's number of cells."""
+    assert "<img" not in text and "<b>" not in text and "<i>" not in text, text
+    assert not re.search(r"^#+ (Owned|h)\b", text, re.M), text
+    for block in re.findall(r"(?:^\|.*\n)+", text, re.M):
+        assert len({_cells(line) for line in block.splitlines()}) == 1, block
+
+
+def test_names_from_a_results_file_render_as_text_in_results_md(tmp_path):
+    """A model's name, source and data files from results.json: escaped in results.md (`retrofit report DIR`
+    rewrites it from whatever results.json says), kept as they are in results.json."""
+    results = fake_results()
+    results["models"][1]["name"] = HOSTILE
+    results["models"][1]["source"] = "runs/x`\n## h"
+    results["data"]["files"] = ["<b>book</b>.txt"]
+    write_report(results, tmp_path)
+    text = (tmp_path / "results.md").read_text()
+    assert_renders_as_text(text)
+    assert "&lt;img src=x onerror=alert(1)&gt;" in text  # shown, as text
+    assert json.loads((tmp_path / "results.json").read_text())["models"][1]["name"] == HOSTILE

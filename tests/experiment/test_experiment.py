@@ -218,3 +218,20 @@ def test_experiment_without_section_is_refused(tmp_path):
 def test_bad_experiment_section(override, match):
     with pytest.raises(RetrofitError, match=match):
         load_recipe(experiment.DEMO_RECIPE, [override])
+
+
+def test_names_in_experiment_results_render_as_text(tmp_path):
+    """report.md is rebuilt from results.json by `retrofit report DIR`: the recipe's, arms' and models' names, the
+    base and the failure messages it holds are shown as text (no heading, no tag, no extra table cell)."""
+    from retrofit.experiment.report import write_experiment_report
+    from tests.evaluate.test_report import HOSTILE, assert_renders_as_text, fake_results
+
+    evaluation = fake_results()
+    evaluation["models"][1]["name"] = HOSTILE
+    arm = {"patch": {"norm": "<i>avnorm</i>"}, "settings": {"lr": 0.001}, "failed": "<img src=y>\n# Owned",
+           "train_loss": None, "recovery": None}
+    results = {"schema": "retrofit.experiment/1", "recipe": "<b>r</b>\n# Owned", "hardware": {"cpu": "<b>x</b>"},
+               "wall_time_s": {"base": 1.0}, "base": "runs/`b`\n# Owned", "arms": {HOSTILE: arm},
+               "control": "<b>c</b>", "seeds": None, "evaluation": evaluation, "reference": None}
+    (tmp_path / "eval").mkdir()
+    assert_renders_as_text(write_experiment_report(results, tmp_path).read_text())

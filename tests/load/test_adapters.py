@@ -129,3 +129,26 @@ def test_adapter_only_save_keeps_the_psoftmax_gain(tmp_path):
     assert kept.keys() == gains.keys() and all(torch.equal(kept[n], gains[n]) for n in gains)
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("change", ["missing", "unexpected"])
+def test_an_adapter_lacking_or_adding_a_lora_tensor_is_refused(change, tmp_path):
+    """PEFT loads an adapter missing one LoRA tensor with that tensor's initial value (lora_B: zeros, silently no
+    adapter there) and drops one the model does not have: the model that loads must be the one saved."""
+    from safetensors.torch import load_file, save_file
+
+    model, _, _ = peft_on_patched(tmp_path, "llama", "avnorm")
+    folder = save_adapter(model, tmp_path / "adapter")
+    weights = folder / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    name = sorted(k for k in tensors if "lora_B" in k)[0]
+    if change == "missing":
+        del tensors[name]
+    else:
+        tensors[name.replace("layers.0.", "layers.7.")] = tensors[name].clone()
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(RetrofitError) as caught:
+        retrofit.from_pretrained(str(folder))
+    message = str(caught.value)
+    shown = name if change == "missing" else name.replace("layers.0.", "layers.7.")
+    assert "\n" not in message and f"{change} {shown.split('base_model.model.', 1)[-1]}" in message, message

@@ -88,6 +88,19 @@ def test_parse_refuses_what_is_not_key_value(text, message):
         PatchSpec.parse(text)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("avnorm:kind=rms,kind=layer", "kind is given twice ('rms', then 'layer'); give it once"),
+    ("avnorm:layers=0,kind=rms,layers=1", "layers is given twice (0, then 1)"),
+    ("softmax:norm=avnorm", "norm is given twice ('softmax', then 'avnorm')"),
+])
+def test_a_key_given_twice_is_refused_not_the_last_one_taken(text, message):
+    """avnorm:kind=rms,kind=layer was read as kind=layer: the spec that loads must be the one written, so a key
+    written twice is one line (it could be either), in PatchSpec.parse and in a recipe's patch section."""
+    with pytest.raises(RetrofitError) as caught:
+        PatchSpec.parse(text)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
 def test_every_entry_point_builds_the_same_spec(tmp_path):
     """The CLI's flags, the recipe's section, eval's and diagnose's --patch and the harness's arguments: one spec."""
     from retrofit.commands.patch import add_arguments

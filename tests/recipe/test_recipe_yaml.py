@@ -10,8 +10,8 @@ import yaml
 
 from retrofit.errors import RetrofitError, shown
 from retrofit.experiment import driver as experiment
+from retrofit.readers import MAX_VALUES, load_yaml
 from retrofit.recipe import load_recipe, recipe_from_dict
-from retrofit.recipe.schema import MAX_VALUES, load_yaml
 from tests.train.test_checkpoints import counting_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -98,6 +98,16 @@ def test_a_recipe_with_plain_anchors_still_loads(tmp_path):
     assert load_yaml(text, "x") == yaml.safe_load(text)
     recipe = load_recipe(path)
     assert recipe.eval.lengths == [32, 64] and recipe.section("experiment").recovery_lengths == [32, 64]
+
+
+def test_a_recipe_key_given_twice_is_refused(tmp_path):
+    """PyYAML keeps the last of two equal keys: a recipe's patch written `kind: rms` then `kind: layer` trained
+    kind=layer without a word. Refused in one line, naming the key and its line (a merge key `<<:` still
+    overrides)."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("model: {config: {model_type: llama}}\npatch:\n  norm: avnorm\n  kind: rms\n  kind: layer\n")
+    with pytest.raises(RetrofitError, match=r"twice.yaml: kind is given twice \(line 5\); give it once"):
+        load_recipe(path)
 
 
 def test_values_echoed_in_errors_are_cut():

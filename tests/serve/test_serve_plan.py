@@ -44,6 +44,21 @@ def test_selection_and_nope_are_carried(tmp_path):
     assert serve_plan(saved_config(tmp_path / "b", "softmax", nope=True)).nope
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("layers", [0, 2], "retrofit.layers selects layer 2 but the model has 2 layers (0-1)"),
+    ("heads", [4], "retrofit.heads selects head 4 but the model has 4 heads (0-3)"),
+    ("heads", [0, 0], "retrofit.heads names head 0 twice"),
+])
+def test_a_selection_the_model_does_not_have_is_refused(key, value, message, tmp_path):
+    """A plan is built from config.retrofit before vLLM builds a module: a layer or head past the model's counts
+    would patch nothing there (or another head), silently; it is refused in one line."""
+    config = saved_config(tmp_path, "ssmax", layers=[0, 1], heads=[0, 1])
+    config["retrofit"][key] = value
+    with pytest.raises(RetrofitError) as caught:
+        serve_plan(config, where="ckpt")
+    assert str(caught.value).startswith("ckpt: ") and message in str(caught.value), str(caught.value)
+
+
 @pytest.mark.parametrize("norm, model_type, options, message", [
     ("psoftmax", "llama", {"p": 2}, "p-softmax is not served by vLLM: it rescales each row"),
     ("avnorm", "gpt2", {}, "serves LlamaForCausalLM checkpoints, not GPT2LMHeadModel"),

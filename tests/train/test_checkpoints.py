@@ -206,7 +206,8 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_run_resumes(error, 
     with pytest.raises(RetrofitError) as err:
         train(recipe_from_dict(counting_recipe(run)))
     message = str(err.value)
-    assert "\n" not in message and message.startswith("the disk is full: checkpoint step 8 could not be written")
+    assert "\n" not in message and message.startswith("the disk is full")  # torch's writer: "... or a file reached"
+    assert "checkpoint step 8 could not be written" in message
     assert f"--resume {run}" in message
     assert [s for s, _ in checkpoint.complete_checkpoints(run)] == [4]
     assert not list((run / checkpoint.FOLDER).glob(".tmp-*"))  # its space is given back

@@ -71,9 +71,9 @@ def _row(base, arm, args, sizes, seq_len) -> dict:
 
 
 def part_longest(args, sizes) -> dict:
-    from .gpu_train import _base_model, _release, arms, progress
+    from .gpu_train import arms, base_model, progress, release_memory
 
-    base, source = _base_model(args)
+    base, source = base_model(args)
     base.config.max_position_embeddings = max(base.config.max_position_embeddings or 0, sizes["long_max"])
     gib = _device_gib(args.device)
     plan_for = f"cuda:{gib:.1f}" if gib else "cpu"
@@ -92,7 +92,7 @@ def part_longest(args, sizes) -> dict:
             if "error" in row:
                 stopped.add(arm)
             runs.append(row)
-            _release(args.device)
+            release_memory(args.device)
             progress(args, {"runs": runs})
             print(f"bench gpu: longest {arm} T={seq_len} done", file=sys.stderr, flush=True)
     trained = {arm: max((r["seq_len"] for r in runs if r["norm"] == arm and r.get("loss_finite")), default=None)

@@ -49,7 +49,7 @@ def progress(args, part: dict) -> None:
         atomic_write_text(Path(args.part_file), json.dumps(dict(part, status="running")) + "\n")
 
 
-def _base_model(args):
+def base_model(args):
     from ..load import load, model_from_config
 
     if args.model is None and args.tiny:
@@ -123,7 +123,7 @@ def finetune_arm(base, arm: str, args, sizes, batch=None, seq_len=None, steps=No
             "peak_memory_mb": round(memory.peak_mb), "memory_kind": memory.method}
 
 
-def _release(device: str) -> None:
+def release_memory(device: str) -> None:
     import gc
 
     import torch
@@ -134,7 +134,7 @@ def _release(device: str) -> None:
 
 
 def part_finetune(args, sizes) -> dict:
-    base, source = _base_model(args)
+    base, source = base_model(args)
     runs, start, budget = [], time.perf_counter(), sizes["budgets"]["finetune"]
     for arm in arms():
         if time.perf_counter() - start > budget:
@@ -145,7 +145,7 @@ def part_finetune(args, sizes) -> dict:
         except Exception as err:  # a diverged or crashed arm is that arm's result
             runs.append({"norm": arm, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}",
                          "loss_finite": False})
-        _release(args.device)  # the next arm's peak memory starts from the base, not this arm's leftovers
+        release_memory(args.device)  # the next arm's peak memory starts from the base, not this arm's leftovers
         progress(args, {"runs": runs})
         print(f"bench gpu: finetune {arm} done", file=sys.stderr, flush=True)
     return {"model": source, "model_type": base.config.model_type, "precision": "bf16", "steps": args.steps,
@@ -155,7 +155,7 @@ def part_finetune(args, sizes) -> dict:
 def part_long(args, sizes) -> dict:
     """Long-context finetuning that fits: each norm at long_seqs tokens per sequence, one sequence per step, with
     gradient checkpointing and the chunked loss (train.loss_chunk_tokens, its default): peak memory, tokens/s."""
-    base, source = _base_model(args)
+    base, source = base_model(args)
     base.config.max_position_embeddings = max(base.config.max_position_embeddings or 0, max(sizes["long_seqs"]))
     runs, start, budget = [], time.perf_counter(), sizes["budgets"]["long"]
     for seq_len in sizes["long_seqs"]:
@@ -170,7 +170,7 @@ def part_long(args, sizes) -> dict:
             except Exception as err:  # out of memory at a length is that row's result
                 runs.append({"norm": arm, "seq_len": seq_len, "loss_finite": False,
                              "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"})
-            _release(args.device)
+            release_memory(args.device)
             progress(args, {"runs": runs})
             print(f"bench gpu: long {arm} T={seq_len} done", file=sys.stderr, flush=True)
     return {"model": source, "model_type": base.config.model_type, "precision": "bf16", "steps": sizes["long_steps"],

@@ -275,9 +275,10 @@ def forward(q, k, v, p: float, scale: float, causal: bool, mask, dropout: Dropou
 
 
 def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask, dropout: Dropout | None = None,
-             softcap: float | None = None, dq_dtype: torch.dtype | None = None):
+             softcap: float | None = None):
     """Gradients (dq, dk, dv) of sum(dout * out) for out = A V with A = exp(s - norm); see the module docstring.
-    dq in `dq_dtype` when given (ops.py asks for the fp32 it accumulates in), else in q's dtype."""
+    dk and dv in their inputs' dtypes; dq in the compute dtype it accumulates in (fp32 for half inputs): the op
+    (ops.py) rounds it once, after SSMax's chain rule where there is one."""
     plan = _Plan(q, k, v, causal, mask, dropout)
     B, Hkv, G, Tq, D, Dv = plan.B, plan.Hkv, plan.G, plan.Tq, plan.D, plan.Dv
     ct, qg, kc, vc = _layout(q, k, v)
@@ -323,4 +324,4 @@ def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mas
     plan.run(block, shared_rows=True)
     dq = dq.mul_(scale).view(B, Hkv * G, Tq, D)
     dk = dk.mul_(scale)
-    return dq.to(dq_dtype or q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -85,9 +85,9 @@ def forward(q, k, v, p: float, scale: float, causal: bool, mask):
     return out, lse
 
 
-def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask, dq_dtype=None):
-    """(dq, dk, dv) for out = A v, A = exp(s - norm), as in the module docstring. PyTorch's kernel writes dq in q's
-    dtype: `dq_dtype` (ops.py's wide gradient for SSMax) cannot gain precision here and is left to the caller."""
+def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask):
+    """(dq, dk, dv) for out = A v, A = exp(s - norm), as in the module docstring (PyTorch's kernel writes dq in q's
+    dtype)."""
     bop = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     dout = dout.to(q.dtype)
     is_causal = _whole(q.shape[2], k.shape[2], causal, mask)

@@ -160,9 +160,9 @@ class Fused:
             norm = norm.masked_fill(empty, 0.0)
         return out, norm
 
-    def backward(self, dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask, dq_dtype=None):
-        """(dq, dk, dv); PyTorch's kernels write dq in q's dtype, so `dq_dtype` (ops.py) only keeps p-softmax's sum of
-        its two dq terms unrounded."""
+    def backward(self, dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask):
+        """(dq, dk, dv): PyTorch's kernels write dq in q's dtype; p-softmax's sum of its two dq terms stays fp32 (the
+        op rounds it once)."""
         Hkv = k.shape[1]
         k2, v2, bias, _ = self._inputs(q, k, v, causal, mask)
         flag = self._flag(causal, q.shape[2], k.shape[2])
@@ -173,7 +173,7 @@ class Fused:
             dq, dk, dv = self._backward(dout, q, k2, v2, torch.zeros_like(out), norm, bias, scale, flag)
             lse_p, bias_p = norm * p, self._inputs(q, k, v, causal, mask, p)[2]  # LSE(p s), p * bias
             dq_p, dk_p, _ = self._backward(dout, q, k2, torch.zeros_like(v2), out, lse_p, bias_p, p * scale, flag)
-            dq = (dq.float() + dq_p.float() / p).to(dq_dtype or q.dtype)
+            dq = dq.float() + dq_p.float() / p
             dk = (dk.float() + dk_p.float() / p).to(k.dtype)
         if dk.shape[1] != Hkv:  # repeated kv heads: each kv head's gradient is the sum over its query heads
             dk = dk.view(dk.shape[0], Hkv, -1, *dk.shape[2:]).sum(2)

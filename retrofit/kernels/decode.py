@@ -85,9 +85,8 @@ def forward(q, k, v, p: float, scale: float, causal: bool, mask, softcap: float 
     return (out if out.dtype == want else out.to(want)), norm
 
 
-def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask, softcap: float | None = None,
-             dq_dtype: torch.dtype | None = None):
-    """(dq, dk, dv) of sum(dout * out), each in its input's dtype (dq in `dq_dtype` when given)."""
+def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mask, softcap: float | None = None):
+    """(dq, dk, dv) of sum(dout * out): dk and dv in their inputs' dtypes, dq in the compute dtype (as blockwise's)."""
     B, H, Tq, D = q.shape
     Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     s, tanh, _ = _scores(q, k, scale, causal, mask, softcap)  # (B*Hkv, G*Tq, Tk)
@@ -111,4 +110,4 @@ def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mas
     dq = torch.bmm(ds, k.to(ct).reshape(B * Hkv, Tk, D)).mul_(scale).view(B, H, Tq, D)
     dk = torch.bmm(ds.transpose(1, 2), qg).mul_(scale).view(k.shape)  # sums the G query heads of each kv head
     dv = torch.bmm(a.transpose(1, 2), do).view(v.shape)
-    return dq.to(dq_dtype or q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -34,6 +34,9 @@ from torch import Tensor
 from . import blockwise, dispatch
 
 WIDE_OUT = ("blockwise", "decode", "triton")  # backends that can hand back an unrounded (fp32) out for SSMax
+# Backends return dq in the precision they accumulate it in where that costs nothing (blockwise, decode, p-softmax's
+# flash composition) and the op rounds it; Triton writes it from the kernel, in fp32 only when asked (dq_dtype).
+ASKS_DQ_DTYPE = ("triton",)
 
 
 def scaled_query(q: Tensor, q_scale: Tensor, dtype: torch.dtype) -> Tensor:
@@ -51,11 +54,12 @@ def _extra(seed, softcap, dropout_p) -> dict:
 
 
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], mask: Optional[Tensor],
-                 seed: Optional[Tensor], q_scale: Optional[Tensor], p: float, scale: float, causal: bool,
-                 backend: str, softcap: Optional[float], dropout_p: float) -> tuple[Tensor, Tensor]:
-    """out (B, H, Tq, Dv) in k's dtype (the compute dtype; with q_scale on a WIDE_OUT backend, q_scale's) and N
+                 seed: Optional[Tensor], q_scale: Optional[Tensor], *options) -> tuple[Tensor, Tensor]:
+    """The op's implementation; options: (p, scale, causal, backend, softcap, dropout_p), as the op's schema.
+    out (B, H, Tq, Dv) in k's dtype (the compute dtype; with q_scale on a WIDE_OUT backend, q_scale's) and N
     (B, H, Tq) fp32 (fp64 for fp64 inputs), both contiguous. q is in k's dtype too, except with q_scale (then any
     dtype: it is scaled and rounded here)."""
+    p, scale, causal, backend, softcap, dropout_p = options
     extra = _extra(seed, softcap, dropout_p)
     if q_scale is not None:
         q = scaled_query(q, q_scale, k.dtype)
@@ -98,7 +102,7 @@ def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         q, dq_dtype = scaled_query(q, q_scale, k.dtype), q_scale.dtype
     with dispatch.no_autocast(q.device.type):  # backward may run inside autocast too
         # contiguous: the fused CPU backward is wrong for a dout with zero strides (cpu_fused.py)
-        wide = {"dq_dtype": dq_dtype} if dq_dtype is not None else {}
+        wide = {"dq_dtype": dq_dtype} if dq_dtype is not None and backend in ASKS_DQ_DTYPE else {}
         dq, dk, dv = dispatch.module(backend).backward(dout.contiguous(), q, k, v, out, norm, p, scale, causal, mask,
                                                        **wide, **_extra(seed, softcap, dropout_p))
     return dq.to(dq_dtype or q.dtype).contiguous(), dk.contiguous(), dv.contiguous()
@@ -138,11 +142,10 @@ def _backward(ctx, dout, _dnorm):
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(q, k, v, sink, mask, seed, q_scale, p: float, scale: float, causal: bool, backend: str, softcap,
-              dropout_p: float) -> Tensor:
+def attention(q, k, v, sink, mask, seed, q_scale, *options) -> Tensor:
     """out (B, H, Tq, Dv) in k's dtype: through the op, or straight to the implementation when no graph
-    (autograd's or Dynamo's) will see the call."""
-    args = (q, k, v, sink, mask, seed, q_scale, p, scale, causal, backend, softcap, dropout_p)
+    (autograd's or Dynamo's) will see the call. options: (p, scale, causal, backend, softcap, dropout_p)."""
+    args = (q, k, v, sink, mask, seed, q_scale, *options)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
             x is not None and x.requires_grad for x in (q, k, v, sink, q_scale))):
         return attention_op(*args)[0]

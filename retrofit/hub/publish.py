@@ -9,7 +9,7 @@ What goes up: safetensors weights, config.json with its `retrofit` section, the 
 model card: metadata, what was patched and why, how to load, a run's recipe and loss curve, the `retrofit
 eval` table and plots when found), a run's recipe.yaml and result.json (so the published run reloads as a
 finished run), eval/; an adapter with retrofit.json + retrofit.safetensors (retrofit/load/adapters.py). The
-pushed config.json sets `"attn_implementation": "retrofit.from_pretrained"`, so plain transformers refuses it
+pushed config.json sets `"attn_implementation"` to the guard (record.GUARD), so plain transformers refuses it
 by name instead of silently running it unpatched (docs/plain-transformers.md); retrofit's loader overrides it.
 Every save_pretrained of a patched model writes that guard already (retrofit.record); push sets it again for
 folders saved by older retrofits. The only network call is `upload_folder`; the token (`hf auth login` or

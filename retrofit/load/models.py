@@ -57,8 +57,15 @@ def load_config(source: str, revision: str | None = None, **hub):
     with config_errors(label):
         config = call_loader(source, kind, AutoConfig.from_pretrained, where, revision=revision,
                              trust_remote_code=False, **extra, **hub)
-    check_config(config, label)  # before any module is built from it
-    check_model_size(config, label)  # a million layers: refused here, not built for hours
+    return checked_config(config, source, label)
+
+
+def checked_config(config, source: str, label: str | None = None):
+    """A config read from `source` (by load_config or by transformers' Auto classes), checked before any module is
+    built from it: sizes, heads, dtype, RoPE factor; a million layers refused here, not built for hours."""
+    label = label or f"{source}'s config"
+    check_config(config, label)
+    check_model_size(config, label)
     return config
 
 

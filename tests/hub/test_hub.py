@@ -20,7 +20,7 @@ import torch
 import retrofit
 from retrofit.cli import main
 from retrofit.commands.patch import save_atomically
-from retrofit.hub import push
+from retrofit.hub import GUARD, push
 from retrofit.hub.model_card import model_card
 from tests.tiny import TINY, char_tokenizer, random_ids, tiny_model
 
@@ -133,7 +133,7 @@ def test_dry_run_folder_and_model_card(patched, tmp_path, capsys):
             "eval/results.md", "eval/results.json", "eval/loss_vs_length.png"} <= set(names)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the temp folder was renamed away
     config = json.loads((out / "config.json").read_text())
-    assert config["retrofit"]["norm"] == "avnorm" and config["attn_implementation"] == "retrofit.from_pretrained"
+    assert config["retrofit"]["norm"] == "avnorm" and config["attn_implementation"] == GUARD
     card = ModelCard.load(out / "README.md")
     assert card.data.library_name == "transformers" and card.data.base_model == "HuggingFaceTB/SmolLM2-135M"
     assert card.data.license == "apache-2.0" and {"retrofit", "avnorm"} <= set(card.data.tags)

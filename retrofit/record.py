@@ -75,12 +75,15 @@ def set_option(target, name: str, value) -> None:
 
 
 def drop_record(target) -> None:
-    """Remove config.retrofit and the guard (unpatch; a config copied from a patched model's)."""
+    """Remove config.retrofit and the guard (unpatch; a config copied from a patched model's; a config read from a
+    saved checkpoint, where transformers has made the guard the attention implementation: back to its default)."""
     config = _config(target)
     if hasattr(config, "retrofit"):
         del config.retrofit
     if config.__dict__.get(GUARD_KEY) in GUARDS:
         del config.__dict__[GUARD_KEY]
+    if getattr(config, "_attn_implementation", None) in GUARDS:
+        config._attn_implementation = None
 
 
 def describe_selection(indices: list[int] | None, count: int | None = None) -> str:

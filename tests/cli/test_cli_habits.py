@@ -182,6 +182,25 @@ def test_check_text_without_out_measures_and_says_nothing_was_saved(tiny_folder,
                  "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "loss on" in out and out.strip().endswith("nothing saved (no --out): this run only measured")
+    assert "zero-shot cost" not in out and "ranking" not in out  # the ranking is asked for (issue 53)
+
+
+def test_the_ranking_is_opt_in_and_says_its_cost_first(tiny_folder, tmp_path, capsys):
+    """--check-text measures before/after only; --rank adds the ranking, announced with its forward count (tiny
+    Llama: 2 patched layers, softmax1 is per head with 4 query heads: (2 + 2) + (2 + 4) forwards) and an estimate."""
+    from tests.tiny import char_tokenizer
+
+    char_tokenizer().save_pretrained(tiny_folder)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 4)
+    argv = ["patch", str(tiny_folder), "--norm", "softmax1", "--check-text", str(text), "--check-tokens", "32",
+            "--no-progress"]
+    assert main([*argv, "--rank"]) == 0
+    out = capsys.readouterr().out
+    announced = out.index("ranking 2 patched layers and 4 query heads: 10 forwards of 32 tokens, about ")
+    assert announced < out.index("zero-shot cost per layer") < out.index("zero-shot cost per head")
+    assert main(["patch", str(tiny_folder), "--norm", "softmax1", "--rank", "--out", str(tmp_path / "o")]) == 2
+    assert "--rank ranks by the loss on a text" in capsys.readouterr().err
 
 
 # ---- 7. feedback on long work --------------------------------------------------------------------------------------

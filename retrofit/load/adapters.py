@@ -199,6 +199,7 @@ def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=
     if not meta.get("base_model"):
         raise RetrofitError(f"{source} does not name its base model (base_model_name_or_path is empty); "
                             f"set it in {ADAPTER_CONFIG}")
+    _refuse_gguf_folder(meta["base_model"], folder)
     base = checkpoint_or_plain(meta["base_model"], revision=meta.get("base_revision"), dtype=dtype,
                                device_map=device_map, attn_implementation=attn_implementation,
                                model_kwargs=model_kwargs, **hub)
@@ -229,6 +230,19 @@ def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=
         raise RetrofitError(f"could not load the adapter in {source}: "
                             f"{str(err).strip().splitlines()[0][:200]}") from None
     return model if is_trainable else model.eval()
+
+
+def _refuse_gguf_folder(base: str, folder: Path) -> None:
+    """An adapter saved on a .gguf base by retrofits before issue 53 names the GGUF's folder (PEFT took
+    transformers' name for the model): say which file to name instead, and where."""
+    where = Path(os.path.expanduser(base))
+    ggufs = sorted(where.glob("*.gguf")) if where.is_dir() and not (where / "config.json").is_file() else []
+    if ggufs:
+        key, record = ("base_model", RECORD) if (folder / RECORD).is_file() else \
+            ("base_model_name_or_path", ADAPTER_CONFIG)
+        raise RetrofitError(f"{folder}'s base {base} is the folder of a GGUF file ({ggufs[0].name}), not a model: set "
+                            f"{key} in {folder / record} to that .gguf file (or pkg:NAME/FILE), or save it again "
+                            "with retrofit.load.save_adapter(model, folder, base_model=...)")
 
 
 def _same_patch(a: dict, b: dict) -> bool:

@@ -85,6 +85,9 @@ def plain_model(source: str, *, dtype=None, attn_implementation: str | None = No
                             attn_implementation=attn_implementation or "sdpa", device_map=device_map,
                             trust_remote_code=False, **extra, **(model_kwargs or {}), **hub)
         forget_gguf_quantizer(model)
+        # transformers names the model after the GGUF's folder (a folder without config.json, which no loader reads);
+        # name it as it was given, so that PEFT's base_model_name_or_path and retrofit's adapters load it back
+        model.name_or_path = model.config.name_or_path = str(source)
         return model.eval()
     load_config(source, revision, **hub)  # config.json's values, before any module is built
     with quiet_transformers():  # its loading report would come before the one line check_loaded_keys writes

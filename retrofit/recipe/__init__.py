@@ -82,6 +82,15 @@ class Recipe:
     def eval_lengths(self) -> list[int]:
         return list(self.eval.lengths or [self.data.seq_len])
 
+    def loop_eval_lengths(self) -> list[int]:
+        """The lengths the training loop evaluates at: eval.lengths, except in an experiment's recipe, whose
+        eval.lengths are its length evaluation (retrofit.evaluate: windows, intervals, up to 32K): there the loop
+        evaluates where each of the experiment's stages does, experiment.recovery_lengths or data.seq_len."""
+        experiment = self.section("experiment")
+        if experiment is None:
+            return self.eval_lengths()
+        return sorted(set(experiment.recovery_lengths or [self.data.seq_len]))
+
     def section(self, name: str):
         """A registered optional section, or None when the recipe does not have it."""
         return self.extras.get(name)

@@ -117,7 +117,7 @@ def end_processes(accelerator: Accelerator, timeout_s: float = 600.0) -> None:
 def check_lengths(model: nn.Module, recipe: Recipe) -> None:
     """Refuse, before training, lengths the model cannot represent (learned absolute positions)."""
     lm = language_model(model)
-    longest = max([recipe.data.seq_len, *recipe.eval_lengths()])
+    longest = max([recipe.data.seq_len, *recipe.loop_eval_lengths()])
     limit = position_limit(lm)
     if limit is not None and longest > limit:
         raise RetrofitError(f"length {longest} (data.seq_len / eval.lengths) exceeds {lm.config.model_type}'s {limit} "

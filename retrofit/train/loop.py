@@ -80,7 +80,7 @@ def setup(recipe: Recipe, accelerator, *, model=None, tokenizer=None, data=None)
     build.check_vocabulary(model, tokenizer if recipe.data.task != "counting" else None)
     model = build.wrap_task(model, recipe.data.task, first_token=recipe.data.counting.first_token)
     if data is None:
-        data = build_data(recipe.data, tokenizer, seed=recipe.train.seed, eval_lengths=recipe.eval_lengths())
+        data = build_data(recipe.data, tokenizer, seed=recipe.train.seed, eval_lengths=recipe.loop_eval_lengths())
     calibration = build.calibrate_patch(model, data, recipe) if report is not None else None
     model = build.apply_peft(model, recipe.train.peft)
     build.check_recovery(model, recipe)
@@ -275,12 +275,22 @@ def _log(run: Run, done: int, stats: StepStats) -> dict:
 
 
 def _evaluate(run: Run, step: int) -> None:
+    """The validation metrics after `step`: what is evaluated said first, a bar of its own, the result printed."""
+    from tqdm.auto import tqdm
     recipe, acc = run.recipe, run.acc
-    metrics = validation_metrics(run.model, run.data, recipe.data.task, recipe.eval_lengths(), recipe.eval.batches,
-                                 recipe.eval.batch_size, acc, recipe.train.loss_chunk_tokens)
+    lengths, e = recipe.loop_eval_lengths(), recipe.eval
+    tokens = sum(lengths) * e.batches * e.batch_size
+    say = tqdm.write if acc.is_main_process else (lambda _: None)  # tqdm.write: above the training bar
+    say(f"eval after step {step}: lengths {', '.join(map(str, lengths))} x {e.batches} "
+        f"batch{'es' if e.batches > 1 else ''} x {e.batch_size} rows = {tokens:,} tokens")
+    metrics = validation_metrics(run.model, run.data, recipe.data.task, lengths, e.batches, e.batch_size, acc,
+                                 recipe.train.loss_chunk_tokens,
+                                 progress=f"eval step {step}" if acc.is_main_process and recipe.train.progress
+                                 else None)
     if metrics:
         acc.log(metrics, step=step)
         run.result.evals[step] = metrics
+        say(f"eval after step {step}: " + ", ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in metrics.items()))
     run.notify("eval", step, metrics=metrics, model=acc.unwrap_model(run.model))
 
 

@@ -367,3 +367,33 @@ def test_a_tokenizer_beyond_the_vocabulary_is_refused_before_training(tmp_path):
     raw["model"]["config"] = {**TINY_LLAMA, "vocab_size": 97}  # the char tokenizer's ids all fit: it trains
     raw["output"]["dir"], raw["train"]["steps"] = str(tmp_path / "run-fits"), 2
     assert train(recipe_from_dict(raw)).model is not None
+
+
+# ---- the newcomer's path (issue 53) ---------------------------------------------------------------------------------
+
+def test_the_loop_evaluation_says_its_size_shows_a_bar_and_prints_its_result(corpus, tmp_path, capsys):
+    """The end-of-training evaluation ran silently (the training bar stalled) and its result went only to log.jsonl:
+    it now says what it evaluates first, has a bar of its own and prints each length's loss."""
+    raw = lm_recipe(corpus, tmp_path / "run", steps=2, progress=True)
+    raw["eval"] |= {"lengths": [16, 32], "every": 0}
+    result = train(recipe_from_dict(raw))
+    out, err = capsys.readouterr()
+    assert "eval after step 2: lengths 16, 32 x 1 batch x 2 rows = 96 tokens" in out, out
+    evals = result.evals[2]
+    assert f"eval after step 2: loss@16 {evals['eval/loss@16']:.4f}, loss@32 {evals['eval/loss@32']:.4f}" in out
+    assert "eval step 2" in err  # the bar's own description
+
+
+def test_retrofit_train_of_an_experiment_recipe_evaluates_at_the_training_length(corpus, tmp_path, capsys):
+    """An experiment recipe's eval.lengths are its length evaluation (retrofit eval's windows, up to 32K in the
+    SmolLM2 recipe): `retrofit train` of it evaluates where an experiment's stage does, experiment.recovery_lengths
+    or data.seq_len, unless those are set."""
+    import retrofit.experiment  # noqa: F401  registers the experiment section
+    raw = lm_recipe(corpus, tmp_path / "run", steps=1)
+    raw["eval"] |= {"lengths": [16, 32], "every": 0}
+    raw["experiment"] = {"arms": [{"name": "softmax", "patch": {"norm": "softmax"}}]}
+    assert set(train(recipe_from_dict(raw)).evals[1]) == {"eval/loss@32"}  # data.seq_len 32
+    raw["experiment"]["recovery_lengths"] = [16]
+    raw["output"]["dir"] = str(tmp_path / "run2")
+    assert set(train(recipe_from_dict(raw)).evals[1]) == {"eval/loss@16"}
+    capsys.readouterr()

@@ -144,14 +144,28 @@ def _split(recipe: Recipe, acc) -> Split:
 
 
 def _finished(recipe: Recipe, acc, run_dir: Path) -> bool:
-    """Resuming, before anything loads: the same recipe or a clear error; True when the run already finished."""
+    """Resuming, before anything loads: the same recipe (or a raised train.steps, which extends the run from its
+    newest checkpoint) or a clear error; True when the run already finished."""
     if (run_dir / "recipe.yaml").is_file():
-        checkpoint.check_same_recipe(flat(load_recipe(run_dir / "recipe.yaml")), flat(recipe), run_dir)
+        saved = flat(load_recipe(run_dir / "recipe.yaml"))
+        checkpoint.check_same_recipe(saved, flat(recipe), run_dir)
+        if checkpoint.extends(saved, flat(recipe)):
+            _say_extension(acc, run_dir, saved[checkpoint.EXTENDABLE], recipe.train.steps)
     done = run_dir / "result.json"
     if done.is_file() and json.loads(done.read_text()).get("steps") == recipe.train.steps:
         acc.print(f"{run_dir} already finished {recipe.train.steps} steps; nothing to do")
         return True
     return False
+
+
+def _say_extension(acc, run_dir: Path, old: int, new: int) -> None:
+    """train.steps raised on resume: from the newest checkpoint, never from step 0 (that is a new run)."""
+    found = checkpoint.complete_checkpoints(run_dir)
+    if not found:
+        raise RetrofitError(f"no checkpoint to extend {run_dir} from (it was trained with output.save_every 0); "
+                            f"start a new run from its model instead: model.source={run_dir}")
+    acc.print(f"extending: train.steps {old} -> {new}, from the checkpoint at step {found[-1][0]} (the newest; "
+              f"from there the learning rate follows the {new}-step schedule)")
 
 
 def _build(recipe: Recipe, acc, run_dir: Path, split: Split, *, model, tokenizer, data, callbacks) -> Run:

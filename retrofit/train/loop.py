@@ -41,6 +41,7 @@ from ..memory import return_freed_memory
 from ..recipe import Recipe, flat, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, knob_values, record_knob
 from . import build, checkpoint, fsdp
+from .runlog import check_trackers
 from .sequence_parallel import check_recipe
 from .state import Divergence, LogWindow, Run, Split, StepStats, TrainResult
 from .update import train_step
@@ -100,11 +101,7 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
     while this process holds the run folder's lock."""
     run_dir = run_dir_of(recipe)
     _check_run_dir(run_dir, resume)
-    trackers = list(recipe.output.trackers)
-    if "wandb" in trackers:
-        import importlib.util
-        if importlib.util.find_spec("wandb") is None:
-            raise RetrofitError("output.trackers has wandb but it is not installed: pip install wandb")
+    trackers = check_trackers(recipe.output.trackers)
     acc = build.make_accelerator(recipe.train, run_dir, trackers)
     if acc.device.type == "cpu" and recipe.train.cpu_release_memory:  # freed activations go back to the OS
         return_freed_memory()  # instead of raising the peak (memory.py); it costs small models speed

@@ -397,3 +397,28 @@ def test_retrofit_train_of_an_experiment_recipe_evaluates_at_the_training_length
     raw["output"]["dir"] = str(tmp_path / "run2")
     assert set(train(recipe_from_dict(raw)).evals[1]) == {"eval/loss@16"}
     capsys.readouterr()
+
+
+def test_a_tracker_whose_package_is_missing_is_refused_before_anything_is_written(corpus, tmp_path):
+    """accelerate drops a tracker it cannot import without a word (tensorboard wrote nothing); every tracker is
+    refused up front like wandb was, naming the package to install. aim is not installed here."""
+    from accelerate.tracking import get_available_trackers
+    assert "aim" not in {str(t) for t in get_available_trackers()}
+    raw = lm_recipe(corpus, tmp_path / "run", steps=1)
+    raw["output"]["trackers"] = ["aim"]
+    with pytest.raises(RetrofitError, match=r"^output\.trackers has aim but it is not installed: pip install aim$"):
+        train(recipe_from_dict(raw))
+    assert not (tmp_path / "run").exists()
+
+
+def test_tensorboard_receives_the_run(corpus, tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is in the test extra")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    raw = lm_recipe(corpus, tmp_path / "run", steps=2)
+    raw["output"]["trackers"] = ["tensorboard"]
+    result = train(recipe_from_dict(raw))
+    folder = tmp_path / "run" / "retrofit"  # output.project; the config's hparams go to a subfolder of it
+    assert list(folder.glob("events.out.tfevents.*"))
+    scalars = EventAccumulator(str(folder)).Reload().Scalars("loss")
+    logged = [(s, round(v, 5)) for s, v in sorted(result.losses.items())]
+    assert [(e.step, round(e.value, 5)) for e in scalars] == logged

@@ -336,8 +336,10 @@ def _one_line(err: Exception) -> str:
 
 
 def hardware() -> dict:
+    import transformers  # the numbers depend on the versions and the thread count (float sums): recorded
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

@@ -4,8 +4,7 @@
     retrofit demo                                   # recipes/demo.yaml: offline, CPU, minutes
 
 1. Base: pretrain the recipe's model from its config with softmax attention (experiment.base_steps; its patch
-   experiment.base_patch, e.g. a NoPE base),
-   or take a pretrained source as it is (base_steps: 0).
+   experiment.base_patch, e.g. a NoPE base), or take a pretrained source as it is (base_steps: 0).
 2. Arms: from that one base, finetune each arm (its own `patch`) for the same steps, data and seed,
    evaluating at a schedule of finetune steps (the retrofit recovery curve).
 3. Eval: the base and every arm at all extrapolation lengths (retrofit.evaluate).
@@ -27,6 +26,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from transformers import __version__ as transformers_version
 
 from ..atomic import atomic_write_text, make_output, owned_folder, remove_owned
 from ..errors import RetrofitError, shown
@@ -336,13 +336,10 @@ def _one_line(err: Exception) -> str:
 
 
 def hardware() -> dict:
-    import transformers  # the numbers depend on the versions and the thread count (float sums): recorded
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "threads": torch.get_num_threads()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
+    gpu = {"gpu": torch.cuda.get_device_name(0)} if torch.cuda.is_available() else {}
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),  # the numbers
+            "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,  # move with these
+            "transformers": transformers_version, **gpu}
 
 
 def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict:

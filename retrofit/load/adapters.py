@@ -42,7 +42,7 @@ from ..errors import RetrofitError
 from ..patch import patch_from_record, patch_record
 from .checkpoint import checkpoint_or_plain, listed
 from .sources import hub_error, hub_reachable, source_kind
-from .validate import check_finite, check_record
+from .validate import check_finite, check_record, quiet_peft
 
 if TYPE_CHECKING:  # PEFT is imported where an adapter is loaded: its import costs ~1 s, most runs load none
     from peft import PeftConfig
@@ -225,7 +225,8 @@ def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=
     from peft import PeftModel  # here, not at the top: PEFT's import costs ~1 s, and most runs train no adapter
 
     try:
-        model = PeftModel.from_pretrained(base, str(folder), is_trainable=is_trainable)
+        with quiet_peft():
+            model = PeftModel.from_pretrained(base, str(folder), is_trainable=is_trainable)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise RetrofitError(f"could not load the adapter in {source}: "
                             f"{str(err).strip().splitlines()[0][:200]}") from None

@@ -30,6 +30,7 @@ from torch import nn
 from ..calibrate import calibrate
 from ..errors import RetrofitError, check_token_ids
 from ..load import CountingModel, language_model
+from ..load.validate import quiet_peft
 from ..norms import get_norm
 from ..positions import position_limit
 from ..recipe import PeftSection, Recipe, RecoverySection, TrainSection
@@ -192,7 +193,8 @@ def apply_peft(model: nn.Module, peft: PeftSection | None) -> nn.Module:
                         target_modules=peft.target_modules,
                         modules_to_save=["retrofit"] if peft.train_patch and patched else None)
     try:
-        wrapped = get_peft_model(lm, config)
+        with quiet_peft():
+            wrapped = get_peft_model(lm, config)
     except ValueError as err:  # no target module matched, unknown model type for default targets
         raise RetrofitError(f"train.peft: {str(err).splitlines()[0]}") from None
     if isinstance(model, CountingModel):

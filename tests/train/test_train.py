@@ -422,3 +422,21 @@ def test_tensorboard_receives_the_run(corpus, tmp_path):
     scalars = EventAccumulator(str(folder)).Reload().Scalars("loss")
     logged = [(s, round(v, 5)) for s, v in sorted(result.losses.items())]
     assert [(e.step, round(e.value, 5)) for e in scalars] == logged
+
+
+def test_lora_runs_and_adapter_loads_print_no_transformers_deprecation(tmp_path):
+    """Every LoRA run and adapter load printed transformers' `is_gradient_checkpointing` FutureWarning (PEFT reads
+    the deprecated property when it wraps a model): nothing a user can act on."""
+    import warnings
+
+    from retrofit.load.adapters import load_adapter, save_adapter
+    from retrofit.recipe.sections import PeftSection
+    model = tiny_model("llama")
+    retrofit.patch(model, "avnorm")
+    model.save_pretrained(tmp_path / "base")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = build.apply_peft(retrofit.from_pretrained(str(tmp_path / "base")), PeftSection(r=2))
+        save_adapter(wrapped, tmp_path / "adapter")
+        load_adapter(tmp_path / "adapter")
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]

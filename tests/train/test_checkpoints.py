@@ -153,6 +153,7 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     assert f"in use by process {os.getpid()}" in str(err.value) and "\n" not in str(err.value)
     assert not (run / "log.jsonl").exists()
     assert train(recipe_from_dict(raw), resume=True).steps == 2  # released: the run goes ahead
+    assert not (run / atomic.LOCK).exists()  # a finished run keeps no .lock (issue 53)
 
 
 def test_a_kill_while_saving_the_final_model_leaves_no_model_file(tmp_path, monkeypatch):

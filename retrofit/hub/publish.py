@@ -53,7 +53,7 @@ from ..norms import AttentionShape, get_norm, make_options
 from ..recipe import load_yaml
 from ..train.runlog import read_log
 from .model_card import GUARD, model_card
-from .public import check_no_links, is_local, local_paths, public_json, public_path, public_recipe
+from .public import check_no_links, is_local, local_paths, public_json, public_path, public_recipe, rerun_keys
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
@@ -265,6 +265,7 @@ def stage(source, out, *, repo: str, merged: bool = False, base_model: str | Non
         text, raw = _read_run_files(run)
         run_source = (raw.get("model") if isinstance(raw.get("model"), dict) else {}).get("source")
         info["recipe_text"] = public_recipe(text)  # local paths go up as file names
+        info["rerun_keys"] = rerun_keys(raw)  # ... which a reader gives on the command line to rerun it
         (out / "recipe.yaml").write_text(info["recipe_text"])
     if run is not None and (run / "result.json").is_file():  # a published run is a finished run (check_finished)
         (out / "result.json").write_text(json.dumps(public_json(_json(run / "result.json"), public_path), indent=2)

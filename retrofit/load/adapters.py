@@ -93,11 +93,18 @@ def save_adapter(peft_model, folder, *, base_model: str | None = None, base_revi
             peft_model.save_pretrained(str(tmp))
         finally:
             config.base_model_name_or_path = saved_name
-        save_file(base_patch_tensors(peft_model), str(tmp / TENSORS))
-        meta = {"format": FORMAT, "retrofit_version": record.get("retrofit_version"), "base_model": str(base_model),
-                "base_revision": base_revision, "patch": record}
-        (tmp / RECORD).write_text(json.dumps(meta, indent=2) + "\n")
+        write_patch_files(peft_model, tmp, base_model, base_revision)
     return out
+
+
+def write_patch_files(peft_model, folder, base_model: str, base_revision: str | None = None) -> None:
+    """retrofit.json and retrofit.safetensors (the module docstring) into `folder`, beside the adapter PEFT wrote
+    there (save_adapter, and the axolotl plugin after axolotl saved its adapter)."""
+    record = patch_record(peft_model.get_base_model())
+    save_file(base_patch_tensors(peft_model), str(Path(folder) / TENSORS))
+    meta = {"format": FORMAT, "retrofit_version": record.get("retrofit_version"), "base_model": str(base_model),
+            "base_revision": base_revision, "patch": record}
+    (Path(folder) / RECORD).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def peft_config(model: nn.Module, config: PeftConfig) -> PeftConfig:
@@ -113,9 +120,17 @@ def peft_config(model: nn.Module, config: PeftConfig) -> PeftConfig:
     if not hasattr(config, "modules_to_save"):
         raise RetrofitError(f"peft_config: {type(config).__name__} has no modules_to_save; use a LoraConfig (or "
                             "another PEFT config that has it)")
-    if any(True for m in core.modules() if CHILD in m._modules for _ in m._modules[CHILD].parameters()):
+    if has_patch_parameters(core):
         config.modules_to_save = sorted({*(config.modules_to_save or []), CHILD})
     return config
+
+
+def has_patch_parameters(model: nn.Module) -> bool:
+    """Whether the patch's `retrofit` children hold parameters (AVNorm gains, SSMax s, sinks): what PEFT must keep
+    training through modules_to_save."""
+    from ..patch import CHILD
+
+    return any(True for m in model.modules() if CHILD in m._modules for _ in m._modules[CHILD].parameters())
 
 
 def _base_record(base: str | None, revision: str | None, hub: dict) -> dict | None:
@@ -261,4 +276,4 @@ def adapter_patch_keys(folder: Path) -> set:
 
 
 __all__ = ["adapter_patch_keys", "base_patch_tensors", "is_adapter", "load_adapter", "peft_config", "read_record",
-           "save_adapter"]
+           "has_patch_parameters", "save_adapter", "write_patch_files"]

@@ -283,3 +283,18 @@ def test_no_progress_turns_off_training_and_evaluation_bars(verb, flag, tmp_path
     argv = [verb, *([str(experiment.DEMO_RECIPE)] if verb == "experiment" else []), "--out", str(tmp_path / "x")]
     assert main(argv + (["--no-progress"] if flag else [])) == 0
     assert seen == {"train": not flag, "eval": not flag}
+
+
+def test_every_help_shows_examples(run_cli):
+    """`--help` had no examples (issue 53): the top level shows the common commands, and each verb the usage lines of
+    its own module's docstring, which is where they are kept."""
+    from retrofit.cli import COMMANDS
+    code, _, out = run_cli(["--help"])
+    assert code == 0 and "examples:" in out and "retrofit patch " in out.split("examples:")[1]
+    for verb in COMMANDS:
+        code, _, out = run_cli([verb, "--help"])
+        assert code == 0 and "examples:" in out, verb
+        shown = [line.strip() for line in out.split("examples:")[1].splitlines() if line.strip()]
+        assert shown and all(f"retrofit {verb}" in line or line.startswith(("--", "data.", "#")) or
+                             not line.startswith(("retrofit", "accelerate")) for line in shown), (verb, shown)
+        assert any(f"retrofit {verb}" in line for line in shown), (verb, shown)

@@ -6,6 +6,7 @@
     retrofit train RECIPE --resume runs/x                                   # continue where it stopped
     retrofit train --resume runs/x train.steps=30                           # its own recipe, extended to 30 steps
     retrofit train RECIPE data.seq_len=16384 --dry-run [--plan-for cuda:80]  # predicted peak memory; fits?
+    retrofit train --keys                                                   # every recipe key, default, meaning
 """
 
 from __future__ import annotations
@@ -30,14 +31,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --dry-run: plan for cpu:24, cuda:80 ... instead of this machine")
     parser.add_argument("--keys", action="store_true",
                         help="list every recipe key with its default and meaning, then exit")
+    parser.add_argument("--markdown", action="store_true",
+                        help="with --keys: as the markdown table of docs/reference/recipe.md")
     add_progress_flag(parser, "no progress bar (train.progress=false): for logs and files")
     parser.epilog = "Overrides go before the options: retrofit train RECIPE train.steps=10 --out runs/x"
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..recipe import documentation, load_recipe
+    from ..recipe import documentation, documentation_markdown, load_recipe
     from ..train import train
 
+    if args.keys and args.markdown:
+        print(documentation_markdown())
+        return 0
     if args.keys:
         for key, default, doc in documentation():
             print(f"{key:32} {default:14} {doc}")

@@ -58,26 +58,49 @@ class AutoLoader:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
-        if config is not None and getattr(config, "auto_map", None) and kwargs.get("trust_remote_code"):
-            raise RetrofitError(f"{pretrained_model_name_or_path} ships its own code (an auto_map) and "
-                                "trust_remote_code=True: retrofit.enable() is on; call retrofit.disable() to load it")
+        _refuse_own_code(config, str(pretrained_model_name_or_path), kwargs.get("trust_remote_code"))
         if read_record(config) is None:
-            return cls.original().from_pretrained(pretrained_model_name_or_path, *model_args, config=config,
-                                                  **kwargs)
+            return cls.original().from_pretrained(pretrained_model_name_or_path, *model_args,
+                                                  config=cls.for_original(config), **kwargs)
         return load_patched(str(pretrained_model_name_or_path), config, model_args, kwargs)
 
     @classmethod
     def _from_config(cls, config, **kwargs):
         """AutoModelForCausalLM.from_config: a config with a record gives the patched architecture (fresh weights)."""
+        _refuse_own_code(config, "this config", None)
         record = read_record(config)
         if record is None:
-            return cls.original()._from_config(config, **kwargs)
+            return cls.original()._from_config(cls.for_original(config), **kwargs)
         config = copy.deepcopy(config)
         drop_record(config)
         kwargs["attn_implementation"] = kwargs.get("attn_implementation") or record.get("base_attn_implementation")
         model = cls.original()._from_config(config, **kwargs)
         patch_from_record(model, record)
         return model
+
+
+    @classmethod
+    def for_original(cls, config):
+        """The config the original class takes: the Auto classes hand a class made for a composite config's text part
+        (Llama4ForCausalLM for a Llama4Config) that text part, with the parent's quantization_config; they compare
+        the class's config_class, which is this loader's own, so the swap is made here as they would make it."""
+        text = (getattr(config, "sub_configs", None) or {}).get("text_config")
+        if text is None or getattr(cls.original(), "config_class", None) is not text:
+            return config
+        parent, config = config, config.get_text_config()
+        if getattr(parent, "quantization_config", None) is not None:
+            config.quantization_config = parent.quantization_config
+        return config
+
+
+def _refuse_own_code(config, source: str, trusted) -> None:
+    """A config that names its own code for this Auto class (auto_map): transformers would run that code when trusted
+    (from_config does not say whether it is), where the loader registered here stands for the built-in class: one
+    line instead of silently the built-in class."""
+    own = getattr(config, "auto_map", None) or {}
+    if AutoModelForCausalLM.__name__ in own and trusted is not False:
+        raise RetrofitError(f"{source} ships its own code (an auto_map) and retrofit.enable() is on: retrofit never "
+                            "runs a model's code; call retrofit.disable() to load it with transformers alone")
 
 
 def load_patched(source: str, config, model_args: tuple, kwargs: dict):

@@ -122,6 +122,29 @@ def test_plain_models_load_as_before_when_enabled(folders, enabled):
     assert type(fresh) is type(reference) and not retrofit.is_patched(fresh)
 
 
+def test_a_composite_config_gets_its_text_part_as_without_the_switch(enabled):
+    """AutoModelForCausalLM builds Llama4ForCausalLM from a Llama4Config's text part (the Auto classes swap configs
+    for such classes); the loader registered for it must make the same swap."""
+    from tests.tiny import COVERAGE
+    config = AutoConfig.for_model("llama4", text_config=dict(COVERAGE["llama4_text"]))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    retrofit.disable()
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config)
+    retrofit.enable()
+    assert type(model) is type(reference) and type(model.config) is type(reference.config)
+    assert model.state_dict().keys() == reference.state_dict().keys()
+
+
+def test_a_config_with_its_own_code_is_refused_not_built_as_the_builtin_class(enabled):
+    from tests.tiny import TINY
+    config = AutoConfig.for_model("llama", **TINY["llama"])
+    config.auto_map = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    with pytest.raises(RetrofitError, match="ships its own code"):
+        AutoModelForCausalLM.from_config(config)
+
+
 def test_from_config_of_a_patched_config_builds_the_patched_architecture(folders, enabled):
     config = AutoConfig.from_pretrained(str(folders["model"]))
     model = AutoModelForCausalLM.from_config(config)

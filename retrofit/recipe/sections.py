@@ -277,8 +277,8 @@ TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"
 @dataclass
 class OutputSection:
     dir: str | None = setting(None, "run folder (checkpoints, log.jsonl, final model); null = runs/<recipe name>")
-    save_every: int = setting(0, "write a resumable checkpoint every N steps; 0 = never (the final model is always "
-                                 "saved)")
+    save_every: int = setting(0, "write a resumable checkpoint every N steps and after the last (a raised "
+                                 "train.steps extends the run from it); 0 = never (the final model is always saved)")
     keep: int = setting(2, "checkpoints kept (oldest deleted)")
     trackers: list[str] = setting(factory=list, doc="besides log.jsonl (always), any of accelerate's: tensorboard, "
                                                     "wandb, trackio, comet_ml, mlflow, aim, clearml, dvclive, swanlab")

@@ -159,7 +159,7 @@ def _say_extension(acc, run_dir: Path, old: int, new: int) -> None:
     """train.steps raised on resume: from the newest checkpoint, never from step 0 (that is a new run)."""
     found = checkpoint.complete_checkpoints(run_dir)
     if not found:
-        raise RetrofitError(f"no checkpoint to extend {run_dir} from (it was trained with output.save_every 0); "
+        raise RetrofitError(f"{run_dir} has no checkpoint to extend it from (checkpoints need output.save_every > 0); "
                             f"start a new run from its model instead: model.source={run_dir}")
     acc.print(f"extending: train.steps {old} -> {new}, from the checkpoint at step {found[-1][0]} (the newest; "
               f"from there the learning rate follows the {new}-step schedule)")
@@ -251,8 +251,8 @@ def _steps(run: Run) -> None:
         run.result.steps = done
         if _eval_due(done, recipe):
             _evaluate(run, done)
-        if recipe.output.save_every and done % recipe.output.save_every == 0 and done < t.steps:
-            _save_checkpoint(run, done)
+        if recipe.output.save_every and (done % recipe.output.save_every == 0 or done == t.steps):
+            _save_checkpoint(run, done)  # the last step's too: raising train.steps extends the run from there
     bar.close()
 
 

@@ -230,20 +230,22 @@ def test_another_runtime_error_while_checkpointing_keeps_its_traceback(tmp_path,
 
 def test_raising_train_steps_extends_a_run_from_its_newest_checkpoint(tmp_path, capsys):
     """HF habit: a finished (or stopped) run continues when train.steps is raised. It restarts from the newest
-    checkpoint, with the data position and optimizer it saved; from there the learning rate follows the new
-    total's schedule. Lowering train.steps, or any other change, is still refused."""
+    checkpoint (a run that writes checkpoints writes one after its last step too), with the data position and
+    optimizer it saved; from there the learning rate follows the new total's schedule. Lowering train.steps, or any
+    other change, is still refused."""
     from retrofit.train.build import lr_at
     raw = counting_recipe(tmp_path / "run", steps=6, save_every=4)
     first = train(recipe_from_dict(raw))
+    assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path / "run")] == [4, 6]
     raw["train"]["steps"] = 10
     longer = recipe_from_dict(raw)
     extended = train(longer, resume=True)
-    assert extended.resumed_from == 4 and extended.steps == 10
+    assert extended.resumed_from == 6 and extended.steps == 10
     out = capsys.readouterr().out
-    assert "extending: train.steps 6 -> 10, from the checkpoint at step 4" in out, out
+    assert "extending: train.steps 6 -> 10, from the checkpoint at step 6" in out, out
     log = {r["step"]: r for r in read_log(tmp_path / "run" / "log.jsonl") if "loss" in r}
-    assert sorted(log) == list(range(1, 11)) and log[4]["loss"] == first.losses[4]  # steps 1-4 are the first run's
-    assert all(log[s]["lr"] == pytest.approx(lr_at(s - 1, longer.train)) for s in range(5, 11))
+    assert sorted(log) == list(range(1, 11)) and all(log[s]["loss"] == first.losses[s] for s in range(1, 7))
+    assert all(log[s]["lr"] == pytest.approx(lr_at(s - 1, longer.train)) for s in range(7, 11))
     assert json.loads((tmp_path / "run" / "result.json").read_text())["steps"] == 10
     raw["train"]["steps"] = 8
     with pytest.raises(RetrofitError, match=r"train\.steps: 10 -> 8.*can only be raised"):
@@ -254,7 +256,7 @@ def test_a_run_without_checkpoints_is_not_extended_from_step_zero(tmp_path):
     raw = counting_recipe(tmp_path / "run", steps=4, save_every=0)
     train(recipe_from_dict(raw))
     raw["train"]["steps"] = 6
-    with pytest.raises(RetrofitError, match=r"no checkpoint to extend .*output\.save_every"):
+    with pytest.raises(RetrofitError, match=r"has no checkpoint to extend it from .*output\.save_every"):
         train(recipe_from_dict(raw), resume=True)
     assert json.loads((tmp_path / "run" / "result.json").read_text())["steps"] == 4  # the finished run untouched
 

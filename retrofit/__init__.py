@@ -10,6 +10,7 @@
     model = retrofit.from_pretrained(folder)    # rebuilds the patch recorded in config.retrofit (transformers' args)
     model = retrofit.load.load(source)          # the one loader: Hub id, folder, .gguf, run, checkpoint, adapter
     retrofit.info("runs/x")                     # what a folder or model is: base, norm, options, rope, trained
+    retrofit.enable()                           # transformers' AutoModelForCausalLM, pipeline, PEFT load by path too
 
 The distribution is `retrofit-attention` on PyPI (`pip install retrofit-attention`); the import and the command
 are `retrofit`. The names below are imported on first use (PEP 562), so `import retrofit` and `retrofit --help`
@@ -32,11 +33,13 @@ _PUBLIC = {
     "unpatch": "patch", "calibrate": "calibrate", "RetrofitError": "errors", "from_pretrained": "load",
     "available_norms": "norms", "describe_norms": "norms", "patch_bypassed": "recovery", "extend_rope": "rope",
     "info": "load.info", "peft_config": "load.adapters", "PatchSpec": "patch_spec",
+    "enable": "integrations.auto_classes", "disable": "integrations.auto_classes",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first use
     from .calibrate import calibrate
     from .errors import RetrofitError
+    from .integrations.auto_classes import disable, enable
     from .load import from_pretrained
     from .load.adapters import peft_config
     from .load.info import info
@@ -79,6 +82,6 @@ def __dir__():
 
 __all__ = [
     "DISTRIBUTION", "PatchReport", "PatchSpec", "RetrofitError", "available_norms", "calibrate", "describe_norms",
-    "extend_rope", "from_pretrained", "info", "is_patched", "observe", "patch", "patch_bypassed", "patch_record",
-    "peft_config", "unpatch", "__version__",
+    "disable", "enable", "extend_rope", "from_pretrained", "info", "is_patched", "observe", "patch", "patch_bypassed",
+    "patch_record", "peft_config", "unpatch", "__version__",
 ]

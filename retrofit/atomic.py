@@ -354,7 +354,9 @@ def _folder_fd(folder: Path):
 @contextlib.contextmanager
 def folder_lock(folder, enabled: bool = True):
     """Hold an exclusive fcntl.flock on FOLDER/.lock (which holds our pid) for the block; a second holder
-    gets a one-line error naming the first's pid. The kernel drops the lock if the process dies."""
+    gets a one-line error naming the first's pid. The kernel drops the lock if the process dies. The file is
+    removed when the block ends (a finished run keeps no .lock); whoever opened it just before holds a lock on a
+    file no longer at the path, which is checked and refused like a held lock."""
     if not enabled:
         yield None
         return
@@ -369,10 +371,14 @@ def folder_lock(folder, enabled: bool = True):
             raise _link_error(path) from None
         raise
     f = os.fdopen(fd, "r+")  # held open across the yield: closing it releases the lock
+    held = False
     try:
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = _same_file(f, path)
         except BlockingIOError:
+            pass
+        if not held:
             f.seek(0)
             holder = f.read().strip() or "unknown"
             raise RetrofitError(f"{folder} is in use by process {holder} (lock {path}); wait for it to finish, "
@@ -383,4 +389,16 @@ def folder_lock(folder, enabled: bool = True):
         f.flush()
         yield path
     finally:
+        if held and _same_file(f, path):  # removed while still held: nobody can lock it in between
+            with contextlib.suppress(OSError):
+                path.unlink()
         f.close()  # closing the file releases the flock
+
+
+def _same_file(f, path: Path) -> bool:
+    """Whether the open file `f` is the one at `path` (not one removed, or replaced, since it was opened)."""
+    try:
+        mine, there = os.fstat(f.fileno()), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)

@@ -99,22 +99,46 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the chosen command's module is imported (so `retrofit --help` starts fast). The verbs'
     parsers are in `parser.verbs` (an argument error is reported by the verb's own parser, naming it)."""
     parser = _Parser(prog="retrofit", description="Retrofit attention normalizations onto Hugging Face models.",
-                     epilog=f"`retrofit COMMAND --help` for a command's options.\nInstall: {INSTALL}",
+                     epilog=f"examples:\n{EXAMPLES}\n\n`retrofit COMMAND --help` for a command's options and "
+                            f"examples.\nInstall: {INSTALL}",
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"retrofit {VERSION} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     parser.verbs = {}
     for name, (module_name, help_text) in COMMANDS.items():
-        p = parser.verbs[name] = sub.add_parser(name, help=help_text, description=help_text)
+        p = parser.verbs[name] = sub.add_parser(name, help=help_text, description=help_text,
+                                                 formatter_class=argparse.RawDescriptionHelpFormatter)
         if name != command:
             continue
         module = importlib.import_module(module_name)  # every verb's module ships (test_bench imports each)
         # a module serving several commands names them in CLI_COMMANDS: {command: (add_arguments, run)}
         add, run = getattr(module, "CLI_COMMANDS", {}).get(name, (module.add_arguments, module.run))
         add(p)
+        p.epilog = "\n\n".join(filter(None, [examples(module.__doc__, name), p.epilog]))
         p.set_defaults(_run=run)
     return parser
+
+
+EXAMPLES = """\
+  retrofit patch ./smollm2.gguf --norm avnorm --calibration-text book.txt --out smol-avnorm
+  retrofit train recipes/train-tiny-counting.yaml train.steps=200
+  retrofit eval smol-avnorm --data book.txt --lengths 512,1024,...,8192 --out eval/
+  retrofit demo                                   # offline, on the CPU, a few minutes
+  retrofit info smol-avnorm"""
+
+
+def examples(doc: str | None, command: str) -> str:
+    """The usage lines a verb's module docstring shows for `command` (indented `retrofit COMMAND ...` lines, with
+    the lines a trailing backslash continues), as the verb's --help epilog; '' when it has none."""
+    lines, keep = [], False
+    for line in (doc or "").splitlines():
+        if line.startswith("    ") and (keep or re.search(rf"(^|\s)retrofit {command}(\s|$)", line)):
+            lines.append("  " + line.strip())
+            keep = line.rstrip().endswith("\\")
+        else:
+            keep = False
+    return "examples:\n" + "\n".join(lines) if lines else ""
 
 
 def foreign_package() -> str | None:

@@ -91,3 +91,46 @@ def char_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+
+
+# transformers' GGUF reader un-permutes llama.cpp's rotary layout of q and k; writing it applies the permutation.
+def _to_llama_cpp_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2) \
+        .reshape(weight.shape)
+
+
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def tiny_gguf(path, model=None):
+    """Write a tiny Llama (tests' TINY config, fp32) as a .gguf file transformers reads back exactly; returns the
+    model written. What a `pkg:` or .gguf source is, built in-process (no download)."""
+    import gguf
+    model = model if model is not None else tiny_model("llama")
+    cfg, weights = model.config, model.state_dict()
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_context_length, cfg.max_position_embeddings),
+                       (writer.add_embedding_length, cfg.hidden_size),
+                       (writer.add_feed_forward_length, cfg.intermediate_size),
+                       (writer.add_block_count, cfg.num_hidden_layers),
+                       (writer.add_head_count, cfg.num_attention_heads),
+                       (writer.add_head_count_kv, cfg.num_key_value_heads),
+                       (writer.add_layer_norm_rms_eps, cfg.rms_norm_eps), (writer.add_rope_freq_base, 10000.0),
+                       (writer.add_vocab_size, cfg.vocab_size)):
+        add(value)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    names.update({f"model.layers.{i}.{ours}.weight": f"blk.{i}.{theirs}.weight"
+                  for i in range(cfg.num_hidden_layers) for ours, theirs in GGUF_NAMES.items()})
+    for ours, theirs in names.items():
+        tensor = weights[ours].float()
+        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(theirs.split(".")[-2])
+        tensor = _to_llama_cpp_rotary(tensor, heads) if heads else tensor
+        writer.add_tensor(theirs, tensor.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model

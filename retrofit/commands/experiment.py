@@ -56,7 +56,8 @@ def run_demo(args) -> int:
 
     from ..experiment import DEMO_RECIPE, run_experiment
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if not os.environ.get("OMP_NUM_THREADS"):  # a shared machine's OMP_NUM_THREADS is kept (torch read it)
+        torch.set_num_threads(max(1, os.cpu_count() or 1))  # else every core: torch's default is the physical ones
     recipe = _checked_recipe(DEMO_RECIPE, args)
     _print_summary(run_experiment(recipe, args.out, progress=not args.no_progress), Path(args.out))
     return 0

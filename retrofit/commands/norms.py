@@ -1,4 +1,8 @@
-"""`retrofit norms`: every norm, its options and its formula."""
+"""`retrofit norms`: every norm, its options and its formula.
+
+    retrofit norms                 # a table: each norm's options with their defaults, and its formula
+    retrofit norms --json          # the same as JSON (what `retrofit patch` and recipes accept)
+"""
 
 from __future__ import annotations
 

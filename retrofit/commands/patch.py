@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from ..atomic import atomic_folder
@@ -63,13 +64,16 @@ def add_arguments(parser):
     parser.add_argument("--calibrate-tokens", type=int, default=8192,
                         help="tokens of --calibration-text to use (default 8192)")
     parser.add_argument("--check-text", metavar="FILE",
-                        help="print the loss on this text before and after patching, then rank the patched layers "
-                             "(and heads of a per-head norm) by cost: 2 forwards + 1 per patched layer + 1 per query "
-                             "head + 1 per suggestion, each of --check-tokens tokens (SmolLM2-135M, 30 layers x 9 "
-                             "heads: 43 forwards)")
+                        help="print the loss on this text before and after patching (2 forwards of --check-tokens "
+                             "tokens)")
     parser.add_argument("--check-tokens", type=int, default=512, help="tokens of --check-text to use (default 512)")
+    parser.add_argument("--rank", action="store_true",
+                        help="with --check-text: also rank the patched layers (and heads of a per-head norm) by cost "
+                             "and suggest --layers / --heads: 2 forwards + 1 per patched layer + 1 per query head + "
+                             "1 per suggestion (SmolLM2-135M, 30 layers x 9 heads: 43 forwards); the count and an "
+                             "estimate are printed first")
     parser.add_argument("--rank-k", type=int, default=None, metavar="K",
-                        help="with --check-text: suggest --layers (and --heads) for the K cheapest (default: half)")
+                        help="with --check-text: rank (as --rank) and suggest the K cheapest (default: half)")
     parser.add_argument("--schedule-values", metavar="T,T,...", default=None,
                         help="with --check-text: the loss at these recovery-schedule positions (0 = the original "
                              "model, 1 = the norm) and the per-head spread, before any training")
@@ -129,15 +133,23 @@ def _check_selection_range(args) -> None:
     check_selection_counts(config, [(args.layers, "layers", "--layers"), (args.heads, "heads", "--heads")])
 
 
-def _rank(model, ids, k: int | None, progress: bool = True) -> None:
+def _rank(model, ids, k: int | None, progress: bool = True, forward_s: float | None = None) -> None:
     """Rank the patched layers (then heads, for per-head norms) by their zero-shot cost on `ids`, cheapest first,
-    and suggest --layers / --heads for the k cheapest: one forward per layer or head, and one per suggestion."""
+    and suggest --layers / --heads for the k cheapest: one forward per layer or head, and one per suggestion.
+    Says first how many forwards that is and, given one forward's time, about how long."""
     from ..costs import describe_costs, head_costs, layer_costs, selection_loss, suggest
     from ..norms import NORMS
+    from ..patch import CHILD, attention_modules
     from ..record import describe_selection, read_record
 
-    rankings = [("layer", "--layers", layer_costs)] + ([("head", "--heads", head_costs)]
-                                                       if NORMS[read_record(model)["norm"]].per_head else [])
+    per_head = NORMS[read_record(model)["norm"]].per_head
+    rankings = [("layer", "--layers", layer_costs)] + ([("head", "--heads", head_costs)] if per_head else [])
+    layers = sum(1 for _, m in attention_modules(model) if CHILD in m._modules)
+    counts = [layers] + ([model.config.num_attention_heads] if per_head else [])
+    forwards = sum(2 + n for n in counts)  # per ranking: its baseline, one per layer or head, its suggestion
+    what = f"{layers} patched layers" + (f" and {counts[1]} query heads" if per_head else "")
+    estimate = f", about {forwards * forward_s:.0f} s at {forward_s:.2f} s a forward here" if forward_s else ""
+    print(f"ranking {what}: {forwards} forwards of {ids.shape[-1]} tokens{estimate}", flush=True)
     for what, flag, measure in rankings:
         baseline, costs = measure(model, ids, progress=progress)
         print(describe_costs(costs, what, baseline))
@@ -199,6 +211,8 @@ def _check_args(args):
     positions = _positions(args.schedule_values) if args.schedule_values else None
     if positions and not args.check_text:
         raise RetrofitError("--schedule-values measures a loss: give the text with --check-text FILE")
+    if (args.rank or args.rank_k is not None) and not args.check_text:
+        raise RetrofitError("--rank ranks by the loss on a text: give it with --check-text FILE")
     check_finished(args.source)  # an unfinished run, a missing or damaged local source: the first error
     if source_kind(args.source) != "hub":  # (a Hub id is looked up when it loads, after the token check)
         check_model(args.source)
@@ -257,7 +271,9 @@ def _check(model, check, before: float, positions, args) -> None:
     """--check-text: the loss before and after, the schedule positions' losses, the ranking."""
     from ..recovery.probe import describe_spread, head_spread, knob_losses
 
+    started = time.perf_counter()
     after = text_loss(model, check)
+    forward_s = time.perf_counter() - started
     print(f"loss on {args.check_text} ({check.numel()} tokens): original {before:.4f}, "
           f"patched {after:.4f} (ppl {math.exp(min(after, 50)):.2f})")
     if positions:
@@ -268,7 +284,8 @@ def _check(model, check, before: float, positions, args) -> None:
         if even and all(abs(a - b) < 1e-9 for a, b in zip(positions, even)):  # evenly spaced 0..1: usable
             print(f"  recovery.schedule.costs for shape: loss: [{', '.join(f'{c:.4f}' for _, _, c in rows)}]")
         print(describe_spread(head_spread(model, check[None])))
-    _rank(model, check[None], args.rank_k, progress=not args.no_progress)
+    if args.rank or args.rank_k is not None:
+        _rank(model, check[None], args.rank_k, progress=not args.no_progress, forward_s=forward_s)
 
 
 def _push(model, tokenizer, args) -> None:

@@ -4,12 +4,15 @@
     retrofit train recipes/demo.yaml train.steps=200 patch.norm=psoftmax patch.p=2
     accelerate launch -m retrofit train recipes/gpt2-avnorm-retrofit.yaml   # DDP / FSDP / DeepSpeed
     retrofit train RECIPE --resume runs/x                                   # continue where it stopped
+    retrofit train --resume runs/x train.steps=30                           # its own recipe, extended to 30 steps
     retrofit train RECIPE data.seq_len=16384 --dry-run [--plan-for cuda:80]  # predicted peak memory; fits?
+    retrofit train --keys                                                   # every recipe key, default, meaning
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..errors import RetrofitError
 from . import add_progress_flag, check_out, check_recipe
@@ -28,18 +31,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --dry-run: plan for cpu:24, cuda:80 ... instead of this machine")
     parser.add_argument("--keys", action="store_true",
                         help="list every recipe key with its default and meaning, then exit")
+    parser.add_argument("--markdown", action="store_true",
+                        help="with --keys: as the markdown table of docs/reference/recipe.md")
     add_progress_flag(parser, "no progress bar (train.progress=false): for logs and files")
     parser.epilog = "Overrides go before the options: retrofit train RECIPE train.steps=10 --out runs/x"
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..recipe import documentation, load_recipe
+    from ..recipe import documentation, documentation_markdown, load_recipe
     from ..train import train
 
+    if args.keys and args.markdown:
+        print(documentation_markdown())
+        return 0
     if args.keys:
         for key, default, doc in documentation():
             print(f"{key:32} {default:14} {doc}")
         return 0
+    _recipe_of_resumed_run(args)
     if args.recipe is None:
         raise RetrofitError("name a recipe: retrofit train RECIPE [section.key=value ...] (see recipes/)")
     overrides = list(args.overrides) + (["train.progress=false"] if args.no_progress else [])
@@ -65,3 +74,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"done: {result.steps} steps" + (f", final loss {last:.4g}" if last is not None else "")
           + f"; model in {result.run_dir}")
     return 0
+
+
+def _recipe_of_resumed_run(args: argparse.Namespace) -> None:
+    """`--resume DIR` without a recipe resumes with DIR's recipe.yaml (the recipe it was trained with); a first
+    argument that is an override (train.steps=30, not a file) is one of the overrides."""
+    if not args.resume:
+        return
+    if args.recipe is not None:
+        if "=" not in args.recipe or Path(args.recipe).expanduser().exists():
+            return
+        args.overrides = [args.recipe, *args.overrides]
+    saved = Path(args.resume).expanduser() / "recipe.yaml"
+    if not saved.is_file():
+        raise RetrofitError(f"{args.resume} has no recipe.yaml to resume with; name the recipe: "
+                            f"retrofit train RECIPE --resume {args.resume}")
+    args.recipe = str(saved)

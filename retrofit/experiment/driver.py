@@ -4,8 +4,7 @@
     retrofit demo                                   # recipes/demo.yaml: offline, CPU, minutes
 
 1. Base: pretrain the recipe's model from its config with softmax attention (experiment.base_steps; its patch
-   experiment.base_patch, e.g. a NoPE base),
-   or take a pretrained source as it is (base_steps: 0).
+   experiment.base_patch, e.g. a NoPE base), or take a pretrained source as it is (base_steps: 0).
 2. Arms: from that one base, finetune each arm (its own `patch`) for the same steps, data and seed,
    evaluating at a schedule of finetune steps (the retrofit recovery curve).
 3. Eval: the base and every arm at all extrapolation lengths (retrofit.evaluate).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..norms import NORMS
 from ..readers import read_json
 from ..recipe import ArmSection
 from ..rope import normalize_rope
@@ -20,10 +21,23 @@ def trained_patch(arm_dir: Path, arm: ArmSection) -> dict:
     elif not isinstance(record := read_json(config).get("retrofit"), dict):
         return {"norm": None, "nope": False}  # an arm left unpatched
     else:
-        found = dict(record.get("options") or {}) | {k: record.get(k) for k in ("norm", "layers", "heads")} | {
+        found = _trained_options(record) | {k: record.get(k) for k in ("norm", "layers", "heads")} | {
             "nope": bool(record.get("nope")),
             "rope": _trained_rope(record["rope"], arm.patch.rope) if record.get("rope") is not None else None}
     return {k: v for k, v in found.items() if v is not None or k not in ("rope", "layers", "heads")}
+
+
+def _trained_options(record: dict) -> dict:
+    """The recorded options as a PatchReport shows them: a calibrated one (AVNorm's gain) says it was calibrated,
+    not the start value the option holds; the options that only start a parameter are left out."""
+    options = dict(record.get("options") or {})
+    if record.get("norm") not in NORMS:
+        return options
+    hidden, calibrated = NORMS[record["norm"]].report_options(options)
+    shown = {k: v for k, v in options.items() if k not in hidden or k == calibrated}
+    if calibrated and isinstance(record.get("calibration"), dict):
+        shown[calibrated] = f"calibrated on {record['calibration'].get('tokens')} tokens"
+    return shown
 
 
 def _trained_rope(plan: dict, written):

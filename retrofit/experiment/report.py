@@ -24,11 +24,12 @@ from .reference import direction_markdown
 
 def hardware() -> dict:
     """The machine a stage ran on, as the report's Hardware line shows it."""
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
+    from transformers import __version__ as transformers_version
+
+    gpu = {"gpu": torch.cuda.get_device_name(0)} if torch.cuda.is_available() else {}
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),  # the numbers
+            "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,  # move with these
+            "transformers": transformers_version, **gpu}
 
 
 def _metric(evaluation: dict) -> tuple[str, str]:

@@ -94,8 +94,14 @@ def _training_section(info: dict) -> list[str]:
                   + (". Merged from the LoRA adapter." if info["merged"] else "."), ""]
     if info["curve"]:
         lines += [f"![training loss]({quote(str(info['curve']))})", ""]
-    return lines + (["The recipe it ran (`recipe.yaml`; rerun with `retrofit train recipe.yaml`):", "",
-                     *_fence(recipe, "yaml"), ""] if recipe else [])
+    if not recipe:
+        return lines
+    local = info.get("rerun_keys") or []
+    values = {k: "[PATH, ...]" if k.endswith("files") else "PATH" for k in local}
+    rerun = "retrofit train recipe.yaml" + "".join(f" {k}={v}" for k, v in values.items())
+    how = (f"its paths on the machine that trained it went up as file names: rerun it with your own, `{rerun}`"
+           if local else f"rerun with `{rerun}`")
+    return lines + [f"The recipe it ran (`recipe.yaml`; {how}):", "", *_fence(recipe, "yaml"), ""]
 
 
 def _eval_section(info: dict) -> list[str]:

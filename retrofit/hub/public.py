@@ -52,6 +52,22 @@ def public_path(value):
     return Path(value).name if looks_local and Path(value).name else value
 
 
+# of those, what a rerun needs from the reader (output.dir and data.cache_dir are the reader's to choose)
+RERUN_KEYS = ("model.source", "model.tokenizer", "data.files", "data.val_files")
+
+
+def rerun_keys(raw: dict) -> list[str]:
+    """The dotted recipe keys (RERUN_KEYS) whose values are paths on this machine: published as names, so a reader
+    reruns the recipe by giving them on the command line."""
+    keys = []
+    for key in RERUN_KEYS:
+        section, name = key.split(".")
+        value = raw.get(section, {}).get(name) if isinstance(raw.get(section), dict) else None
+        if any(public_path(v) != v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)):
+            keys.append(key)
+    return keys
+
+
 def public_recipe(text: str) -> str:
     """recipe.yaml with every local path replaced by its name (comments and layout kept: text replacement)."""
     raw = load_yaml(text, "recipe.yaml") or {}

@@ -9,7 +9,7 @@ What goes up: safetensors weights, config.json with its `retrofit` section, the 
 model card: metadata, what was patched and why, how to load, a run's recipe and loss curve, the `retrofit
 eval` table and plots when found), a run's recipe.yaml and result.json (so the published run reloads as a
 finished run), eval/; an adapter with retrofit.json + retrofit.safetensors (retrofit/load/adapters.py). The
-pushed config.json sets `"attn_implementation": "retrofit.from_pretrained"`, so plain transformers refuses it
+pushed config.json sets `"attn_implementation"` to the guard (record.GUARD), so plain transformers refuses it
 by name instead of silently running it unpatched (docs/plain-transformers.md); retrofit's loader overrides it.
 Every save_pretrained of a patched model writes that guard already (retrofit.record); push sets it again for
 folders saved by older retrofits. The only network call is `upload_folder`; the token (`hf auth login` or
@@ -54,7 +54,7 @@ from ..readers import read_json
 from ..recipe import load_yaml
 from ..train.runlog import read_log
 from .model_card import GUARD, model_card
-from .public import check_no_links, is_local, local_paths, public_json, public_path, public_recipe
+from .public import check_no_links, is_local, local_paths, public_json, public_path, public_recipe, rerun_keys
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
@@ -266,6 +266,7 @@ def stage(source, out, *, repo: str, merged: bool = False, base_model: str | Non
         text, raw = _read_run_files(run)
         run_source = (raw.get("model") if isinstance(raw.get("model"), dict) else {}).get("source")
         info["recipe_text"] = public_recipe(text)  # local paths go up as file names
+        info["rerun_keys"] = rerun_keys(raw)  # ... which a reader gives on the command line to rerun it
         (out / "recipe.yaml").write_text(info["recipe_text"])
     if run is not None and (run / "result.json").is_file():  # a published run is a finished run (check_finished)
         (out / "result.json").write_text(json.dumps(public_json(_json(run / "result.json"), public_path), indent=2)

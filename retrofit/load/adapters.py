@@ -43,7 +43,7 @@ from ..patch import patch_from_record, patch_record
 from ..readers import expect, read_json
 from .checkpoint import checkpoint_or_plain, listed
 from .sources import hub_error, hub_reachable, source_kind
-from .validate import check_finite, check_record
+from .validate import check_finite, check_record, quiet_peft
 
 if TYPE_CHECKING:  # PEFT is imported where an adapter is loaded: its import costs ~1 s, most runs load none
     from peft import PeftConfig
@@ -94,11 +94,18 @@ def save_adapter(peft_model, folder, *, base_model: str | None = None, base_revi
             peft_model.save_pretrained(str(tmp))
         finally:
             config.base_model_name_or_path = saved_name
-        save_file(base_patch_tensors(peft_model), str(tmp / TENSORS))
-        meta = {"format": FORMAT, "retrofit_version": record.get("retrofit_version"), "base_model": str(base_model),
-                "base_revision": base_revision, "patch": record}
-        (tmp / RECORD).write_text(json.dumps(meta, indent=2) + "\n")
+        write_patch_files(peft_model, tmp, base_model, base_revision)
     return out
+
+
+def write_patch_files(peft_model, folder, base_model: str, base_revision: str | None = None) -> None:
+    """retrofit.json and retrofit.safetensors (the module docstring) into `folder`, beside the adapter PEFT wrote
+    there (save_adapter, and the axolotl plugin after axolotl saved its adapter)."""
+    record = patch_record(peft_model.get_base_model())
+    save_file(base_patch_tensors(peft_model), str(Path(folder) / TENSORS))
+    meta = {"format": FORMAT, "retrofit_version": record.get("retrofit_version"), "base_model": str(base_model),
+            "base_revision": base_revision, "patch": record}
+    (Path(folder) / RECORD).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def peft_config(model: nn.Module, config: PeftConfig) -> PeftConfig:
@@ -114,9 +121,17 @@ def peft_config(model: nn.Module, config: PeftConfig) -> PeftConfig:
     if not hasattr(config, "modules_to_save"):
         raise RetrofitError(f"peft_config: {type(config).__name__} has no modules_to_save; use a LoraConfig (or "
                             "another PEFT config that has it)")
-    if any(True for m in core.modules() if CHILD in m._modules for _ in m._modules[CHILD].parameters()):
+    if has_patch_parameters(core):
         config.modules_to_save = sorted({*(config.modules_to_save or []), CHILD})
     return config
+
+
+def has_patch_parameters(model: nn.Module) -> bool:
+    """Whether the patch's `retrofit` children hold parameters (AVNorm gains, SSMax s, sinks): what PEFT must keep
+    training through modules_to_save."""
+    from ..patch import CHILD
+
+    return any(True for m in model.modules() if CHILD in m._modules for _ in m._modules[CHILD].parameters())
 
 
 def _base_record(base: str | None, revision: str | None, hub: dict) -> dict | None:
@@ -202,6 +217,7 @@ def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=
     if not meta.get("base_model"):
         raise RetrofitError(f"{source} does not name its base model (base_model_name_or_path is empty); "
                             f"set it in {ADAPTER_CONFIG}")
+    _refuse_gguf_folder(meta["base_model"], folder)
     base = checkpoint_or_plain(meta["base_model"], revision=meta.get("base_revision"), dtype=dtype,
                                device_map=device_map, attn_implementation=attn_implementation,
                                model_kwargs=model_kwargs, **hub)
@@ -227,7 +243,8 @@ def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=
     from peft import PeftModel  # here, not at the top: PEFT's import costs ~1 s, and most runs train no adapter
 
     try:
-        model = PeftModel.from_pretrained(base, str(folder), is_trainable=is_trainable)
+        with quiet_peft():
+            model = PeftModel.from_pretrained(base, str(folder), is_trainable=is_trainable)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise RetrofitError(f"could not load the adapter in {source}: "
                             f"{str(err).strip().splitlines()[0][:200]}") from None
@@ -254,6 +271,19 @@ def check_adapter_tensors(model, folder: Path) -> None:
                             "save the adapter again (loading it would leave those weights at their initial values)")
 
 
+def _refuse_gguf_folder(base: str, folder: Path) -> None:
+    """An adapter saved on a .gguf base by retrofits before issue 53 names the GGUF's folder (PEFT took
+    transformers' name for the model): say which file to name instead, and where."""
+    where = Path(os.path.expanduser(base))
+    ggufs = sorted(where.glob("*.gguf")) if where.is_dir() and not (where / "config.json").is_file() else []
+    if ggufs:
+        key, record = ("base_model", RECORD) if (folder / RECORD).is_file() else \
+            ("base_model_name_or_path", ADAPTER_CONFIG)
+        raise RetrofitError(f"{folder}'s base {base} is the folder of a GGUF file ({ggufs[0].name}), not a model: set "
+                            f"{key} in {folder / record} to that .gguf file (or pkg:NAME/FILE), or save it again "
+                            "with retrofit.load.save_adapter(model, folder, base_model=...)")
+
+
 def _same_patch(a: dict, b: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in ("norm", "options", "nope", "layers", "heads"))
 
@@ -269,4 +299,4 @@ def adapter_patch_keys(folder: Path) -> set:
 
 
 __all__ = ["adapter_patch_keys", "base_patch_tensors", "is_adapter", "load_adapter", "peft_config", "read_record",
-           "save_adapter"]
+           "has_patch_parameters", "save_adapter", "write_patch_files"]

@@ -25,7 +25,7 @@ from ..errors import RetrofitError
 from ..families import family_of
 from ..patch import CHILD, patch_from_record
 from ..record import drop_record
-from .models import as_dtype, load_config, plain_model
+from .models import as_dtype, checked_config, load_config, plain_model
 from .sources import HUB_ARGS, call_loader, check_safetensors, hub_reachable, location, source_kind
 from .validate import check_finite, check_loaded_keys, check_record, listed, quiet_transformers
 
@@ -89,16 +89,18 @@ def patch_tensors(source: str, kind: str, revision: str | None, local_files_only
 
 
 def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, device_map=None,
-                    attn_implementation: str | None = None, model_kwargs=None, **hub):
+                    attn_implementation: str | None = None, model_kwargs=None, config=None, **hub):
     """Load a retrofit checkpoint: the base model, then the patch from config.retrofit, then its weights.
     dtype: "auto" (default, also None) keeps the dtype it was saved in; a name or torch dtype converts.
     attn_implementation: the kernel the patch wraps; default the recorded one (base_attn_implementation).
-    hub: token, cache_dir, local_files_only, as transformers takes them; model_kwargs: from_pretrained's others."""
+    hub: token, cache_dir, local_files_only, as transformers takes them; model_kwargs: from_pretrained's others.
+    config: the source's config as transformers' Auto classes already read it (with the caller's config keywords
+    applied); checked like a loaded one, and changed here (its record is moved onto the model)."""
     kind = source_kind(source)
     if kind == "gguf":
         raise RetrofitError(f"{source} is a GGUF file, not a retrofit checkpoint; load it with retrofit.load.load")
     where, _ = location(source, kind)
-    config = load_config(source, revision, **hub)
+    config = load_config(source, revision, **hub) if config is None else checked_config(config, source)
     record = patch_record_of(config, source)
     if record is None:
         raise RetrofitError(f"{source} is not a retrofit checkpoint (its config.json has no 'retrofit' section); "

@@ -57,8 +57,15 @@ def load_config(source: str, revision: str | None = None, **hub):
     with config_errors(label):
         config = call_loader(source, kind, AutoConfig.from_pretrained, where, revision=revision,
                              trust_remote_code=False, **extra, **hub)
-    check_config(config, label)  # before any module is built from it
-    check_model_size(config, label)  # a million layers: refused here, not built for hours
+    return checked_config(config, source, label)
+
+
+def checked_config(config, source: str, label: str | None = None):
+    """A config read from `source` (by load_config or by transformers' Auto classes), checked before any module is
+    built from it: sizes, heads, dtype, RoPE factor; a million layers refused here, not built for hours."""
+    label = label or f"{source}'s config"
+    check_config(config, label)
+    check_model_size(config, label)
     return config
 
 
@@ -78,6 +85,9 @@ def plain_model(source: str, *, dtype=None, attn_implementation: str | None = No
                             attn_implementation=attn_implementation or "sdpa", device_map=device_map,
                             trust_remote_code=False, **extra, **(model_kwargs or {}), **hub)
         forget_gguf_quantizer(model)
+        # transformers names the model after the GGUF's folder (a folder without config.json, which no loader reads);
+        # name it as it was given, so that PEFT's base_model_name_or_path and retrofit's adapters load it back
+        model.name_or_path = model.config.name_or_path = str(source)
         return model.eval()
     load_config(source, revision, **hub)  # config.json's values, before any module is built
     with quiet_transformers():  # its loading report would come before the one line check_loaded_keys writes

@@ -46,6 +46,7 @@ from .checkpoint import checkpoint_or_plain
 from .models import load_tokenizer, model_from_config, training_dtype
 from .sources import HUB_ARGS, check_model_files, location, refuse_remote_code, source_kind
 from .task_model import HEAD_FILE, TASK_FILE, CountingModel, language_model
+from .validate import quiet_peft
 
 ADAPTER_DIR = "adapter"
 
@@ -265,6 +266,7 @@ def _load_adapter_run(run: Path) -> nn.Module:
     apply_patch(base, recipe.patch)  # the calibrated / trained patch parameters come back from the adapter
     from peft import PeftModel  # imported here: most runs have no adapter, and PEFT's import costs ~1 s
 
-    model = PeftModel.from_pretrained(language_model(base), str(run / ADAPTER_DIR))
+    with quiet_peft():
+        model = PeftModel.from_pretrained(language_model(base), str(run / ADAPTER_DIR))
     check_adapter_tensors(model, run / ADAPTER_DIR)
     return model

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -202,6 +203,15 @@ def listed(keys) -> str:
     """Up to three names of a set of keys, for a one-line error."""
     keys = sorted(keys)
     return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
+@contextlib.contextmanager
+def quiet_peft():
+    """PEFT wrapping a model reads transformers' deprecated `is_gradient_checkpointing` (peft_model.py), whose
+    FutureWarning every LoRA run and adapter load printed: nothing a retrofit user can act on. Only that one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 @contextlib.contextmanager

@@ -82,6 +82,15 @@ class Recipe:
     def eval_lengths(self) -> list[int]:
         return list(self.eval.lengths or [self.data.seq_len])
 
+    def loop_eval_lengths(self) -> list[int]:
+        """The lengths the training loop evaluates at: eval.lengths, except in an experiment's recipe, whose
+        eval.lengths are its length evaluation (retrofit.evaluate: windows, intervals, up to 32K): there the loop
+        evaluates where each of the experiment's stages does, experiment.recovery_lengths or data.seq_len."""
+        experiment = self.section("experiment")
+        if experiment is None:
+            return self.eval_lengths()
+        return sorted(set(experiment.recovery_lengths or [self.data.seq_len]))
+
     def section(self, name: str):
         """A registered optional section, or None when the recipe does not have it."""
         return self.extras.get(name)
@@ -150,6 +159,14 @@ def documentation(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
     return rows
 
 
+def documentation_markdown() -> str:
+    """documentation() as the markdown table docs/reference/recipe.md holds (`retrofit train --keys --markdown`)."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+    rows = [f"| `{key}` | `{cell(default)}` | {cell(doc)} |" for key, default, doc in documentation()]
+    return "\n".join(["| key | default | what it is |", "|---|---|---|", *rows])
+
+
 def recipe_to_dict(recipe: Recipe) -> dict:
     out = {f.name: to_plain(getattr(recipe, f.name)) for f in dataclasses.fields(recipe)
            if f.name not in ("name", "extras")}
@@ -183,7 +200,7 @@ __all__ = [
     "to_plain",
     "CountingOptions", "DataSection", "EvalSection", "ModelSection", "OutputSection", "PasskeyOptions",
     "PatchSection", "PeftSection", "Recipe", "RecoverySection",
-    "ScheduleSection", "TrainSection", "apply_overrides", "build", "documentation", "flat",
+    "ScheduleSection", "TrainSection", "apply_overrides", "build", "documentation", "documentation_markdown", "flat",
     "load_json", "load_recipe", "load_yaml", "read_yaml_file", "recipe_from_dict", "recipe_to_dict",
     "register_section", "save_recipe",
 ]

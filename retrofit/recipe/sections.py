@@ -267,16 +267,21 @@ class EvalSection:
               f"eval.lengths must be a non-empty list of lengths >= 2, got {shown(self.lengths)}")
 
 
-TRACKERS = ("tensorboard", "wandb")
+# accelerate's trackers (accelerate.tracking.LOGGER_TYPE_TO_CLASS; tests/recipe checks the two agree) -> the package
+# that provides each: a tracker whose package is missing is refused before the run starts (accelerate drops it
+# without a word).
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "comet_ml": "comet-ml",
+            "mlflow": "mlflow", "aim": "aim", "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab"}
 
 
 @dataclass
 class OutputSection:
     dir: str | None = setting(None, "run folder (checkpoints, log.jsonl, final model); null = runs/<recipe name>")
-    save_every: int = setting(0, "write a resumable checkpoint every N steps; 0 = never (the final model is always "
-                                 "saved)")
+    save_every: int = setting(0, "write a resumable checkpoint every N steps and after the last (a raised "
+                                 "train.steps extends the run from it); 0 = never (the final model is always saved)")
     keep: int = setting(2, "checkpoints kept (oldest deleted)")
-    trackers: list[str] = setting(factory=list, doc="besides log.jsonl (always): tensorboard, wandb")
+    trackers: list[str] = setting(factory=list, doc="besides log.jsonl (always), any of accelerate's: tensorboard, "
+                                                    "wandb, trackio, comet_ml, mlflow, aim, clearml, dvclive, swanlab")
     project: str = setting("retrofit", "tracker project name")
 
     def __post_init__(self):

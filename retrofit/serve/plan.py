@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..errors import RetrofitError
 from ..load.validate import check_record
-from ..record import GUARD, GUARD_KEY, read_record
+from ..record import GUARD_KEY, GUARDS, read_record
 
 # The architectures (config.json) whose vLLM model code the plugin extends (retrofit.serve.llama).
 ARCHITECTURES = ("LlamaForCausalLM",)
@@ -134,4 +134,4 @@ def _original_positions(config, rope: dict | None) -> int | None:
 def vllm_config_overrides(config: dict) -> dict:
     """hf_overrides for vLLM: the guard (config.json's attention implementation, which only retrofit's loader may
     pass) is dropped for vLLM's own config object; vLLM never builds a transformers model from it."""
-    return {GUARD_KEY: None} if config.get(GUARD_KEY) == GUARD else {}
+    return {GUARD_KEY: None} if config.get(GUARD_KEY) in GUARDS else {}

@@ -30,6 +30,7 @@ from torch import nn
 from ..calibrate import calibrate
 from ..errors import RetrofitError, check_token_ids
 from ..load import CountingModel, language_model
+from ..load.validate import quiet_peft
 from ..norms import get_norm
 from ..positions import position_limit
 from ..recipe import PeftSection, Recipe, RecoverySection, TrainSection
@@ -117,7 +118,7 @@ def end_processes(accelerator: Accelerator, timeout_s: float = 600.0) -> None:
 def check_lengths(model: nn.Module, recipe: Recipe) -> None:
     """Refuse, before training, lengths the model cannot represent (learned absolute positions)."""
     lm = language_model(model)
-    longest = max([recipe.data.seq_len, *recipe.eval_lengths()])
+    longest = max([recipe.data.seq_len, *recipe.loop_eval_lengths()])
     limit = position_limit(lm)
     if limit is not None and longest > limit:
         raise RetrofitError(f"length {longest} (data.seq_len / eval.lengths) exceeds {lm.config.model_type}'s {limit} "
@@ -192,7 +193,8 @@ def apply_peft(model: nn.Module, peft: PeftSection | None) -> nn.Module:
                         target_modules=peft.target_modules,
                         modules_to_save=["retrofit"] if peft.train_patch and patched else None)
     try:
-        wrapped = get_peft_model(lm, config)
+        with quiet_peft():
+            wrapped = get_peft_model(lm, config)
     except ValueError as err:  # no target module matched, unknown model type for default targets
         raise RetrofitError(f"train.peft: {str(err).splitlines()[0]}") from None
     if isinstance(model, CountingModel):

@@ -38,6 +38,7 @@ FOLDER, PREFIX, TMP, MANIFEST = "checkpoints", "step-", ".tmp-", "manifest.json"
 
 # Keys that may differ between the run and its resumption without changing the result.
 _IGNORED = ("name", "output.", "train.progress", "train.log_every", "train.cpu_release_memory", "eval.")
+EXTENDABLE = "train.steps"  # raised on resume: the run goes on from its newest checkpoint (docs/training.md)
 
 
 def complete_checkpoints(run_dir) -> list[tuple[int, Path]]:
@@ -188,12 +189,22 @@ def write_state(accelerator, folder: Path, sharded=None) -> None:
                            accelerator.scaler if accelerator.is_main_process else None)
 
 
+def extends(saved: dict, current: dict) -> bool:
+    """Whether `current` (a flat recipe) raises the saved one's train.steps: resuming it extends the run."""
+    old, new = saved.get(EXTENDABLE), current.get(EXTENDABLE)
+    return isinstance(old, int) and isinstance(new, int) and new > old
+
+
 def check_same_recipe(saved: dict, current: dict, where) -> None:
-    keys = sorted(k for k in set(saved) | set(current) if not k.startswith(_IGNORED) and saved.get(k) != current.get(k))
+    """The recipe a run resumes with is the one it was trained with, but for what never changes a step (_IGNORED)
+    and a raised train.steps (the run is extended)."""
+    keys = sorted(k for k in set(saved) | set(current) if not k.startswith(_IGNORED) and saved.get(k) != current.get(k)
+                  and not (k == EXTENDABLE and extends(saved, current)))
     if keys:
         shown = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys[:3])
+        hint = "; train.steps can only be raised (that extends the run)" if EXTENDABLE in keys else ""
         raise RetrofitError(f"cannot resume {where}: the recipe differs from the one it was trained with ({shown}"
-                            f"{', ...' if len(keys) > 3 else ''}); resume with the original recipe")
+                            f"{', ...' if len(keys) > 3 else ''}){hint}; resume with the original recipe")
 
 
 def load_checkpoint(accelerator, path: Path, recipe_flat: dict, sharded=None) -> dict:

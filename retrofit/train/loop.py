@@ -42,6 +42,7 @@ from ..readers import read_json
 from ..recipe import Recipe, flat, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, knob_values, record_knob
 from . import build, checkpoint, fsdp
+from .runlog import check_trackers
 from .sequence_parallel import check_recipe
 from .state import Divergence, LogWindow, Run, Split, StepStats, TrainResult
 from .update import train_step
@@ -81,7 +82,7 @@ def setup(recipe: Recipe, accelerator, *, model=None, tokenizer=None, data=None)
     build.check_vocabulary(model, tokenizer if recipe.data.task != "counting" else None)
     model = build.wrap_task(model, recipe.data.task, first_token=recipe.data.counting.first_token)
     if data is None:
-        data = build_data(recipe.data, tokenizer, seed=recipe.train.seed, eval_lengths=recipe.eval_lengths())
+        data = build_data(recipe.data, tokenizer, seed=recipe.train.seed, eval_lengths=recipe.loop_eval_lengths())
     calibration = build.calibrate_patch(model, data, recipe) if report is not None else None
     model = build.apply_peft(model, recipe.train.peft)
     build.check_recovery(model, recipe)
@@ -101,11 +102,7 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
     while this process holds the run folder's lock."""
     run_dir = run_dir_of(recipe)
     _check_run_dir(run_dir, resume)
-    trackers = list(recipe.output.trackers)
-    if "wandb" in trackers:
-        import importlib.util
-        if importlib.util.find_spec("wandb") is None:
-            raise RetrofitError("output.trackers has wandb but it is not installed: pip install wandb")
+    trackers = check_trackers(recipe.output.trackers)
     acc = build.make_accelerator(recipe.train, run_dir, trackers)
     if acc.device.type == "cpu" and recipe.train.cpu_release_memory:  # freed activations go back to the OS
         return_freed_memory()  # instead of raising the peak (memory.py); it costs small models speed
@@ -145,14 +142,28 @@ def _split(recipe: Recipe, acc) -> Split:
 
 
 def _finished(recipe: Recipe, acc, run_dir: Path) -> bool:
-    """Resuming, before anything loads: the same recipe or a clear error; True when the run already finished."""
+    """Resuming, before anything loads: the same recipe (or a raised train.steps, which extends the run from its
+    newest checkpoint) or a clear error; True when the run already finished."""
     if (run_dir / "recipe.yaml").is_file():
-        checkpoint.check_same_recipe(flat(load_recipe(run_dir / "recipe.yaml")), flat(recipe), run_dir)
+        saved = flat(load_recipe(run_dir / "recipe.yaml"))
+        checkpoint.check_same_recipe(saved, flat(recipe), run_dir)
+        if checkpoint.extends(saved, flat(recipe)):
+            _say_extension(acc, run_dir, saved[checkpoint.EXTENDABLE], recipe.train.steps)
     done = run_dir / "result.json"
     if done.is_file() and read_json(done).get("steps") == recipe.train.steps:
         acc.print(f"{run_dir} already finished {recipe.train.steps} steps; nothing to do")
         return True
     return False
+
+
+def _say_extension(acc, run_dir: Path, old: int, new: int) -> None:
+    """train.steps raised on resume: from the newest checkpoint, never from step 0 (that is a new run)."""
+    found = checkpoint.complete_checkpoints(run_dir)
+    if not found:
+        raise RetrofitError(f"{run_dir} has no checkpoint to extend it from (checkpoints need output.save_every > 0); "
+                            f"start a new run from its model instead: model.source={run_dir}")
+    acc.print(f"extending: train.steps {old} -> {new}, from the checkpoint at step {found[-1][0]} (the newest; "
+              f"from there the learning rate follows the {new}-step schedule)")
 
 
 def _build(recipe: Recipe, acc, run_dir: Path, split: Split, *, model, tokenizer, data, callbacks) -> Run:
@@ -241,8 +252,8 @@ def _steps(run: Run) -> None:
         run.result.steps = done
         if _eval_due(done, recipe):
             _evaluate(run, done)
-        if recipe.output.save_every and done % recipe.output.save_every == 0 and done < t.steps:
-            _save_checkpoint(run, done)
+        if recipe.output.save_every and (done % recipe.output.save_every == 0 or done == t.steps):
+            _save_checkpoint(run, done)  # the last step's too: raising train.steps extends the run from there
     bar.close()
 
 
@@ -276,12 +287,22 @@ def _log(run: Run, done: int, stats: StepStats) -> dict:
 
 
 def _evaluate(run: Run, step: int) -> None:
+    """The validation metrics after `step`: what is evaluated said first, a bar of its own, the result printed."""
+    from tqdm.auto import tqdm
     recipe, acc = run.recipe, run.acc
-    metrics = validation_metrics(run.model, run.data, recipe.data.task, recipe.eval_lengths(), recipe.eval.batches,
-                                 recipe.eval.batch_size, acc, recipe.train.loss_chunk_tokens)
+    lengths, e = recipe.loop_eval_lengths(), recipe.eval
+    tokens = sum(lengths) * e.batches * e.batch_size
+    say = tqdm.write if acc.is_main_process else (lambda _: None)  # tqdm.write: above the training bar
+    say(f"eval after step {step}: lengths {', '.join(map(str, lengths))} x {e.batches} "
+        f"batch{'es' if e.batches > 1 else ''} x {e.batch_size} rows = {tokens:,} tokens")
+    metrics = validation_metrics(run.model, run.data, recipe.data.task, lengths, e.batches, e.batch_size, acc,
+                                 recipe.train.loss_chunk_tokens,
+                                 progress=f"eval step {step}" if acc.is_main_process and recipe.train.progress
+                                 else None)
     if metrics:
         acc.log(metrics, step=step)
         run.result.evals[step] = metrics
+        say(f"eval after step {step}: " + ", ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in metrics.items()))
     run.notify("eval", step, metrics=metrics, model=acc.unwrap_model(run.model))
 
 

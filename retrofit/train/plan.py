@@ -13,6 +13,7 @@ measured peak. Also: the longest data.seq_len that fits at this micro-batch.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -27,14 +28,34 @@ def recipe_config(recipe):
     """The model config a recipe trains (its source's config.json / GGUF header, or model.config)."""
     from transformers import AutoConfig
 
-    from ..load import load_config
     m = recipe.model
     if m.source is not None:
-        return load_config(m.source, m.revision)
+        return source_config(m.source, m.revision)
     cfg = dict(m.config or {})
     if "model_type" not in cfg:
         raise RetrofitError("model.config needs a model_type to plan memory (or name model.source)")
     return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
+def source_config(source, revision=None):
+    """The config of the base model a source trains: a plain or patched folder's (the patch record and its save guard
+    dropped: the planner builds the base on the meta device, and the patch adds a few floats per head), an adapter's
+    base, a LoRA run's recipe's base."""
+    from ..load import load_config, resolve_source
+    from ..load.adapters import ADAPTER_CONFIG, read_record
+    from ..recipe import load_recipe
+    from ..record import drop_record
+
+    folder = Path(resolve_source(source)).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        if (folder / ADAPTER_CONFIG).is_file():
+            meta = read_record(folder)
+            return source_config(meta["base_model"], meta.get("base_revision"))
+        if (folder / "adapter").is_dir() and (folder / "recipe.yaml").is_file():
+            return recipe_config(load_recipe(folder / "recipe.yaml"))
+    config = load_config(source, revision)
+    drop_record(config)
+    return config
 
 
 def parse_plan_for(text: str | None) -> tuple[str, int | None]:

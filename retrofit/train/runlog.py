@@ -1,4 +1,5 @@
-"""The run's log: an accelerate tracker that appends one JSON object per line to run/log.jsonl.
+"""The run's log: an accelerate tracker that appends one JSON object per line to run/log.jsonl; the other trackers
+(output.trackers) checked before a run starts.
 
     {"event": "config", "config": {"train.lr": 0.0003, ...}}
     {"step": 10, "loss": 2.31, "lr": 0.0003, "seq_len": 64, "tokens": 5120, "tokens_per_s": 41000.0, ...}
@@ -17,7 +18,20 @@ from pathlib import Path
 
 from accelerate.tracking import GeneralTracker
 
-from ..errors import read_utf8
+from ..errors import RetrofitError, read_utf8
+from ..recipe.sections import TRACKERS
+
+
+def check_trackers(names) -> list[str]:
+    """output.trackers, each one accelerate can import here; a missing package is one line naming it (accelerate
+    itself would drop that tracker and log nothing to it, silently)."""
+    from accelerate.tracking import get_available_trackers
+
+    available = {str(t) for t in get_available_trackers()}
+    for name in names:
+        if name not in available:
+            raise RetrofitError(f"output.trackers has {name} but it is not installed: pip install {TRACKERS[name]}")
+    return list(names)
 
 
 class JsonlTracker(GeneralTracker):

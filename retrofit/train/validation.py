@@ -17,17 +17,22 @@ from ..logit_head import final_hidden, head_token_scores, next_tokens
 
 @torch.no_grad()
 def validation_metrics(model: nn.Module, data, task: str, lengths: list[int], batches: int, batch_size: int,
-             accelerator, chunk_tokens: int = 1024) -> dict:
+                       accelerator, chunk_tokens: int = 1024, progress: str | None = None) -> dict:
     """Validation metrics at each length: eval/loss@L (lm, passkey), eval/accuracy@L (passkey),
     eval/l1@L and eval/mse@L (counting). Each process takes every n-th row; sums are all-reduced. The head runs
-    on chunk_tokens positions at a time (logit_head.head_token_scores), never on (b, T, V) logits."""
+    on chunk_tokens positions at a time (logit_head.head_token_scores), never on (b, T, V) logits.
+    progress: a bar with this description, counting tokens (its rate and time left: the estimate)."""
+    from tqdm.auto import tqdm
     rank, world = accelerator.process_index, accelerator.num_processes
     was_training = model.training
     model.eval()
     metrics = {}
-    for length in lengths:
+    work = [(length, data.eval_batches(length, batches, batch_size)) for length in lengths]
+    bar = tqdm(total=sum(int(b["input_ids"].numel()) for _, group in work for b in group), desc=progress,
+               unit="tok", unit_scale=True, leave=False, dynamic_ncols=True, disable=progress is None)
+    for length, group in work:
         sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # loss, items, 2nd metric, examples
-        for batch in data.eval_batches(length, batches, batch_size):
+        for batch in group:
             part = {k: v[rank::world] for k, v in batch.items() if torch.is_tensor(v)}
             weight = 1.0
             if len(part["input_ids"]) == 0:  # fewer rows than processes: run a row anyway (FSDP needs every rank)
@@ -43,6 +48,7 @@ def validation_metrics(model: nn.Module, data, task: str, lengths: list[int], ba
                 correct = (hit | ~mask).all(1).sum()  # every answer token right
                 values = [losses.sum(), mask.sum(), correct, len(labels)]
             sums += weight * torch.tensor([float(v) for v in values], dtype=torch.float64, device=sums.device)
+            bar.update(int(batch["input_ids"].numel()))
         sums = accelerator.reduce(sums, "sum")
         if sums[1] == 0:
             continue
@@ -53,5 +59,6 @@ def validation_metrics(model: nn.Module, data, task: str, lengths: list[int], ba
             metrics[f"eval/loss@{length}"] = float(sums[0] / sums[1])
             if task == "passkey":
                 metrics[f"eval/accuracy@{length}"] = float(sums[2] / sums[3])
+    bar.close()
     model.train(was_training)
     return metrics

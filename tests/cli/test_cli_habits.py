@@ -182,6 +182,25 @@ def test_check_text_without_out_measures_and_says_nothing_was_saved(tiny_folder,
                  "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "loss on" in out and out.strip().endswith("nothing saved (no --out): this run only measured")
+    assert "zero-shot cost" not in out and "ranking" not in out  # the ranking is asked for (issue 53)
+
+
+def test_the_ranking_is_opt_in_and_says_its_cost_first(tiny_folder, tmp_path, capsys):
+    """--check-text measures before/after only; --rank adds the ranking, announced with its forward count (tiny
+    Llama: 2 patched layers, softmax1 is per head with 4 query heads: (2 + 2) + (2 + 4) forwards) and an estimate."""
+    from tests.tiny import char_tokenizer
+
+    char_tokenizer().save_pretrained(tiny_folder)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 4)
+    argv = ["patch", str(tiny_folder), "--norm", "softmax1", "--check-text", str(text), "--check-tokens", "32",
+            "--no-progress"]
+    assert main([*argv, "--rank"]) == 0
+    out = capsys.readouterr().out
+    announced = out.index("ranking 2 patched layers and 4 query heads: 10 forwards of 32 tokens, about ")
+    assert announced < out.index("zero-shot cost per layer") < out.index("zero-shot cost per head")
+    assert main(["patch", str(tiny_folder), "--norm", "softmax1", "--rank", "--out", str(tmp_path / "o")]) == 2
+    assert "--rank ranks by the loss on a text" in capsys.readouterr().err
 
 
 # ---- 7. feedback on long work --------------------------------------------------------------------------------------
@@ -264,3 +283,18 @@ def test_no_progress_turns_off_training_and_evaluation_bars(verb, flag, tmp_path
     argv = [verb, *([str(experiment.DEMO_RECIPE)] if verb == "experiment" else []), "--out", str(tmp_path / "x")]
     assert main(argv + (["--no-progress"] if flag else [])) == 0
     assert seen == {"train": not flag, "eval": not flag}
+
+
+def test_every_help_shows_examples(run_cli):
+    """`--help` had no examples (issue 53): the top level shows the common commands, and each verb the usage lines of
+    its own module's docstring, which is where they are kept."""
+    from retrofit.cli import COMMANDS
+    code, _, out = run_cli(["--help"])
+    assert code == 0 and "examples:" in out and "retrofit patch " in out.split("examples:")[1]
+    for verb in COMMANDS:
+        code, _, out = run_cli([verb, "--help"])
+        assert code == 0 and "examples:" in out, verb
+        shown = [line.strip() for line in out.split("examples:")[1].splitlines() if line.strip()]
+        assert shown and all(f"retrofit {verb}" in line or line.startswith(("--", "data.", "#")) or
+                             not line.startswith(("retrofit", "accelerate")) for line in shown), (verb, shown)
+        assert any(f"retrofit {verb}" in line for line in shown), (verb, shown)

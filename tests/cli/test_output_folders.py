@@ -22,6 +22,7 @@ import yaml
 
 from retrofit import atomic
 from retrofit.cli import main
+from retrofit.errors import RetrofitError
 from tests.tiny import TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -267,6 +268,22 @@ def test_a_second_eval_into_the_same_folder_is_refused_while_the_first_runs(eval
         assert sorted(p.name for p in out.iterdir()) == sorted([atomic.MARKER, atomic.LOCK])  # the second wrote nothing
     code, lines, _ = run_cli(argv)  # once it is done, the folder (made by retrofit) is written again
     assert code == 0 and (out / "results.json").is_file(), lines
+
+
+def test_a_released_lock_leaves_no_file_and_a_lock_on_a_removed_file_is_refused(tmp_path, monkeypatch):
+    """The lock file goes with its holder (it stayed in every finished run); one who opened the file just before the
+    holder removed it must not hold a lock on a name nobody else sees: refused, in one line, to try again."""
+    import fcntl
+    with atomic.folder_lock(tmp_path) as path:
+        late = open(path, "a+")  # a second process's open, racing the first's release
+    assert not path.exists()
+    fcntl.flock(late.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # it gets the flock: of an unlinked file
+    late.close()
+    with atomic.folder_lock(tmp_path):
+        assert path.is_file()
+    monkeypatch.setattr(atomic.os, "fstat", lambda fd: os.stat_result((0,) * 10))  # the file locked is not the one
+    with pytest.raises(RetrofitError, match=r"is in use .* try again"), atomic.folder_lock(tmp_path):  # at the path
+        pass
 
 
 def test_remove_owned_needs_the_marker_and_a_folder_strictly_inside(tmp_path):

@@ -61,6 +61,52 @@ def test_demo_writes_the_report(demo_run):
     assert f"report: {out / 'report.md'}" in stdout and "| base |" in stdout  # the terminal summary
 
 
+def test_a_calibrated_arm_is_labelled_calibrated_not_with_its_initial_gain(demo_run):
+    """report.md showed `gain=1.0` for the calibrated AVNorm arm: the option's start value, not what was trained."""
+    results = json.loads((demo_run[0] / "results.json").read_text())
+    patch = results["arms"]["avnorm-rms"]["patch"]
+    record = json.loads((demo_run[0] / "arms" / "avnorm-rms" / "config.json").read_text())["retrofit"]
+    assert patch["gain"] == f"calibrated on {record['calibration']['tokens']} tokens"
+    assert "gain=1.0" not in (demo_run[0] / "report.md").read_text()
+
+
+def test_the_demo_is_deterministic_at_a_given_thread_count(demo_run, tmp_path):
+    """docs/results/demo.md's claim, as it now reads: the same thread count (recorded with the library versions in
+    results.json) prints the same numbers. A second run at this test's thread count."""
+    out = tmp_path / "again"
+    run = subprocess.run([sys.executable, "-m", "retrofit", "demo", *SHRINK, "--out", str(out)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    first, second = (json.loads((d / "results.json").read_text()) for d in (demo_run[0], out))
+    assert first["hardware"]["threads"] == second["hardware"]["threads"]
+    assert {"torch", "transformers"} <= set(first["hardware"])
+    assert [m["counting"] for m in first["evaluation"]["models"]] == \
+        [m["counting"] for m in second["evaluation"]["models"]]
+    assert {n: a["train_loss"] for n, a in first["arms"].items()} == \
+        {n: a["train_loss"] for n, a in second["arms"].items()}
+
+
+def test_the_demo_takes_its_threads_from_omp_num_threads(monkeypatch, tmp_path):
+    """`retrofit demo` set torch's threads to the core count over OMP_NUM_THREADS (issue 53): a shared machine's
+    OMP_NUM_THREADS=1 is kept; without it the demo uses every core, as before."""
+    import torch
+
+    from retrofit.cli import main
+    seen = []
+    monkeypatch.setattr("retrofit.experiment.run_experiment", lambda *a, **k: seen.append(torch.get_num_threads()))
+    monkeypatch.setattr("retrofit.commands.experiment._print_summary", lambda *a: None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert main(["demo", "--out", str(tmp_path / "a")]) == 0
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert main(["demo", "--out", str(tmp_path / "b")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [1, max(1, os.cpu_count() or 1)]
+
+
 def test_the_report_says_what_each_run_trained_from(demo_run, tmp_path):
     """From a base, or from scratch with seeds and arms' own rates: the first line and the recovery section say
     which, from the results themselves (a from-scratch report once said every arm was finetuned from a base)."""

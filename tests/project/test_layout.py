@@ -28,10 +28,11 @@ RANKS = {
     "load": 8,
     "data": 9, "serve": 9,
     "train": 10, "evaluate": 10, "diagnose": 10,
-    "experiment": 11, "hub": 11, "bench": 11,
+    "experiment": 11, "hub": 11, "bench": 11, "integrations": 11,
     "commands": 12,
     "cli": 13,
-    "__main__": 14, "": 14,  # "" = the package root, retrofit/__init__.py: the public API, imported by nobody inside
+    # "" = the package root, retrofit/__init__.py: the public API, imported by nobody inside; auto: retrofit.enable()
+    "__main__": 14, "auto": 14, "": 14,
 }
 
 

@@ -80,6 +80,12 @@ def test_bad_recipes_fail_in_one_line(sections, message):
     assert "\n" not in str(err.value)
 
 
+def test_output_trackers_accepts_every_tracker_accelerate_has():
+    """output.trackers took tensorboard and wandb only; accelerate logs to more (issue 53)."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+    assert make(output={"trackers": list(LOGGER_TYPE_TO_CLASS)}).output.trackers == list(LOGGER_TYPE_TO_CLASS)
+
+
 def test_overrides_reach_flat_norm_options_and_nested_sections():
     raw = apply_overrides({k: dict(v) for k, v in BASE.items()},
                           ["train.steps=200", "patch.norm=psoftmax", "patch.p=2", "train.peft.r=4",

@@ -153,6 +153,7 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     assert f"in use by process {os.getpid()}" in str(err.value) and "\n" not in str(err.value)
     assert not (run / "log.jsonl").exists()
     assert train(recipe_from_dict(raw), resume=True).steps == 2  # released: the run goes ahead
+    assert not (run / atomic.LOCK).exists()  # a finished run keeps no .lock (issue 53)
 
 
 def test_a_kill_while_saving_the_final_model_leaves_no_model_file(tmp_path, monkeypatch):
@@ -224,3 +225,52 @@ def test_another_runtime_error_while_checkpointing_keeps_its_traceback(tmp_path,
     monkeypatch.setattr(checkpoint, "write_state", broken)
     with pytest.raises(RuntimeError, match="a bug, not a disk"):
         train(recipe_from_dict(counting_recipe(tmp_path / "run")))
+
+
+# ---- extending a run (issue 53) ------------------------------------------------------------------------------------
+
+def test_raising_train_steps_extends_a_run_from_its_newest_checkpoint(tmp_path, capsys):
+    """HF habit: a finished (or stopped) run continues when train.steps is raised. It restarts from the newest
+    checkpoint (a run that writes checkpoints writes one after its last step too), with the data position and
+    optimizer it saved; from there the learning rate follows the new total's schedule. Lowering train.steps, or any
+    other change, is still refused."""
+    from retrofit.train.build import lr_at
+    raw = counting_recipe(tmp_path / "run", steps=6, save_every=4)
+    first = train(recipe_from_dict(raw))
+    assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path / "run")] == [4, 6]
+    raw["train"]["steps"] = 10
+    longer = recipe_from_dict(raw)
+    extended = train(longer, resume=True)
+    assert extended.resumed_from == 6 and extended.steps == 10
+    out = capsys.readouterr().out
+    assert "extending: train.steps 6 -> 10, from the checkpoint at step 6" in out, out
+    log = {r["step"]: r for r in read_log(tmp_path / "run" / "log.jsonl") if "loss" in r}
+    assert sorted(log) == list(range(1, 11)) and all(log[s]["loss"] == first.losses[s] for s in range(1, 7))
+    assert all(log[s]["lr"] == pytest.approx(lr_at(s - 1, longer.train)) for s in range(7, 11))
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["steps"] == 10
+    raw["train"]["steps"] = 8
+    with pytest.raises(RetrofitError, match=r"train\.steps: 10 -> 8.*can only be raised"):
+        train(recipe_from_dict(raw), resume=True)
+
+
+def test_a_run_without_checkpoints_is_not_extended_from_step_zero(tmp_path):
+    raw = counting_recipe(tmp_path / "run", steps=4, save_every=0)
+    train(recipe_from_dict(raw))
+    raw["train"]["steps"] = 6
+    with pytest.raises(RetrofitError, match=r"has no checkpoint to extend it from .*output\.save_every"):
+        train(recipe_from_dict(raw), resume=True)
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["steps"] == 4  # the finished run untouched
+
+
+def test_resume_dir_alone_reads_the_runs_recipe_and_takes_overrides(tmp_path, run_cli):
+    """`retrofit train --resume DIR` said "name a recipe" although DIR holds recipe.yaml; overrides still apply."""
+    import yaml
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(counting_recipe(tmp_path / "run", steps=4, save_every=2)))
+    code, err, _ = run_cli(["train", tmp_path / "r.yaml"])
+    assert code == 0, err
+    code, err, out = run_cli(["train", "--resume", tmp_path / "run"])
+    assert code == 0 and "already finished 4 steps" in out, err
+    code, err, out = run_cli(["train", "--resume", tmp_path / "run", "train.steps=6"])
+    assert code == 0 and "done: 6 steps" in out, err
+    code, err, _ = run_cli(["train", "--resume", tmp_path / "nothing"])
+    assert code == 2 and len(err) == 1 and "recipe.yaml" in err[0], err

@@ -310,6 +310,33 @@ def test_train_dry_run_prints_the_plan_and_trains_nothing(tmp_path, capsys):
     assert "--plan-for must be" in err and "Traceback" not in err
 
 
+def test_train_dry_run_plans_any_source(tmp_path, run_cli, capsys):
+    """--dry-run on a patched folder, an adapter on it, or a plain folder (issue 53: the planner built the model from
+    a config carrying the save guard, a 30-line traceback): the plan of the base it trains, one line each."""
+    import yaml
+
+    import retrofit
+    from retrofit.load.adapters import save_adapter
+    plain, patched = tiny_model("llama"), tiny_model("llama")
+    plain.save_pretrained(tmp_path / "plain")
+    retrofit.patch(patched, "avnorm")
+    patched.save_pretrained(tmp_path / "patched")
+    from peft import LoraConfig, get_peft_model
+    base = retrofit.from_pretrained(str(tmp_path / "patched"))
+    save_adapter(get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")),
+                 tmp_path / "adapter")
+    recipe = lm_recipe(write_corpus(tmp_path), tmp_path / "run")
+    capsys.readouterr()  # the saves' progress bars
+    for source in ("plain", "patched", "adapter"):
+        recipe["model"] = {"source": str(tmp_path / source), "tokenizer": recipe["model"]["tokenizer"]}
+        (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+        code, err, out = run_cli(["train", tmp_path / "r.yaml", "--dry-run", "--plan-for", "cpu:24"])
+        assert code == 0 and not err, (source, err)
+        params = sum(p.numel() for p in plain.parameters())
+        assert f"plan: {params / 1e6:,.1f}M parameters" in out and "predicted: fits" in out, (source, out)
+    assert not (tmp_path / "run").exists()
+
+
 def test_plan_grows_with_one_chunk_of_logits_not_with_length_times_vocabulary():
     from transformers import AutoConfig
 

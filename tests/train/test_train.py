@@ -367,3 +367,76 @@ def test_a_tokenizer_beyond_the_vocabulary_is_refused_before_training(tmp_path):
     raw["model"]["config"] = {**TINY_LLAMA, "vocab_size": 97}  # the char tokenizer's ids all fit: it trains
     raw["output"]["dir"], raw["train"]["steps"] = str(tmp_path / "run-fits"), 2
     assert train(recipe_from_dict(raw)).model is not None
+
+
+# ---- the newcomer's path (issue 53) ---------------------------------------------------------------------------------
+
+def test_the_loop_evaluation_says_its_size_shows_a_bar_and_prints_its_result(corpus, tmp_path, capsys):
+    """The end-of-training evaluation ran silently (the training bar stalled) and its result went only to log.jsonl:
+    it now says what it evaluates first, has a bar of its own and prints each length's loss."""
+    raw = lm_recipe(corpus, tmp_path / "run", steps=2, progress=True)
+    raw["eval"] |= {"lengths": [16, 32], "every": 0}
+    result = train(recipe_from_dict(raw))
+    out, err = capsys.readouterr()
+    assert "eval after step 2: lengths 16, 32 x 1 batch x 2 rows = 96 tokens" in out, out
+    evals = result.evals[2]
+    assert f"eval after step 2: loss@16 {evals['eval/loss@16']:.4f}, loss@32 {evals['eval/loss@32']:.4f}" in out
+    assert "eval step 2" in err  # the bar's own description
+
+
+def test_retrofit_train_of_an_experiment_recipe_evaluates_at_the_training_length(corpus, tmp_path, capsys):
+    """An experiment recipe's eval.lengths are its length evaluation (retrofit eval's windows, up to 32K in the
+    SmolLM2 recipe): `retrofit train` of it evaluates where an experiment's stage does, experiment.recovery_lengths
+    or data.seq_len, unless those are set."""
+    import retrofit.experiment  # noqa: F401  registers the experiment section
+    raw = lm_recipe(corpus, tmp_path / "run", steps=1)
+    raw["eval"] |= {"lengths": [16, 32], "every": 0}
+    raw["experiment"] = {"arms": [{"name": "softmax", "patch": {"norm": "softmax"}}]}
+    assert set(train(recipe_from_dict(raw)).evals[1]) == {"eval/loss@32"}  # data.seq_len 32
+    raw["experiment"]["recovery_lengths"] = [16]
+    raw["output"]["dir"] = str(tmp_path / "run2")
+    assert set(train(recipe_from_dict(raw)).evals[1]) == {"eval/loss@16"}
+    capsys.readouterr()
+
+
+def test_a_tracker_whose_package_is_missing_is_refused_before_anything_is_written(corpus, tmp_path):
+    """accelerate drops a tracker it cannot import without a word (tensorboard wrote nothing); every tracker is
+    refused up front like wandb was, naming the package to install. aim is not installed here."""
+    from accelerate.tracking import get_available_trackers
+    assert "aim" not in {str(t) for t in get_available_trackers()}
+    raw = lm_recipe(corpus, tmp_path / "run", steps=1)
+    raw["output"]["trackers"] = ["aim"]
+    with pytest.raises(RetrofitError, match=r"^output\.trackers has aim but it is not installed: pip install aim$"):
+        train(recipe_from_dict(raw))
+    assert not (tmp_path / "run").exists()
+
+
+def test_tensorboard_receives_the_run(corpus, tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is in the test extra")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    raw = lm_recipe(corpus, tmp_path / "run", steps=2)
+    raw["output"]["trackers"] = ["tensorboard"]
+    result = train(recipe_from_dict(raw))
+    folder = tmp_path / "run" / "retrofit"  # output.project; the config's hparams go to a subfolder of it
+    assert list(folder.glob("events.out.tfevents.*"))
+    scalars = EventAccumulator(str(folder)).Reload().Scalars("loss")
+    logged = [(s, round(v, 5)) for s, v in sorted(result.losses.items())]
+    assert [(e.step, round(e.value, 5)) for e in scalars] == logged
+
+
+def test_lora_runs_and_adapter_loads_print_no_transformers_deprecation(tmp_path):
+    """Every LoRA run and adapter load printed transformers' `is_gradient_checkpointing` FutureWarning (PEFT reads
+    the deprecated property when it wraps a model): nothing a user can act on."""
+    import warnings
+
+    from retrofit.load.adapters import load_adapter, save_adapter
+    from retrofit.recipe.sections import PeftSection
+    model = tiny_model("llama")
+    retrofit.patch(model, "avnorm")
+    model.save_pretrained(tmp_path / "base")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = build.apply_peft(retrofit.from_pretrained(str(tmp_path / "base")), PeftSection(r=2))
+        save_adapter(wrapped, tmp_path / "adapter")
+        load_adapter(tmp_path / "adapter")
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]

@@ -1,0 +1,119 @@
+"""The axolotl plugin (issue 53): its hooks, called as axolotl's PluginManager calls them, patch, calibrate, add the
+recovery callback and leave a saved model (full or LoRA) that retrofit.from_pretrained and, after the plugin's
+pre_model_load, AutoModelForCausalLM load exactly. axolotl itself is not installed here (it pins transformers 5.16
+and peft 0.20, below retrofit's): the hooks are called directly with a DictDefault-like config."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from datasets import Dataset
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+import retrofit
+from retrofit.errors import RetrofitError
+from retrofit.integrations.axolotl import RetrofitPlugin
+from retrofit.integrations.trainer import RetrofitCallback
+from tests.tiny import char_tokenizer, random_ids, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+TEXT = "the cat sat on the mat and the dog ran far. " * 40
+
+
+class Cfg(dict):
+    """axolotl's DictDefault as plugins see it: keys as attributes, a missing one is None."""
+
+    def __getattr__(self, key):
+        return self.get(key)
+
+
+@pytest.fixture
+def plugin():
+    yield RetrofitPlugin()
+    retrofit.disable()  # pre_model_load turned load-by-path on for this process
+
+
+@pytest.fixture
+def base(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path / "base")
+    char_tokenizer().save_pretrained(tmp_path / "base")
+    (tmp_path / "book.txt").write_text(TEXT)
+    return tmp_path
+
+
+def _train(model, callbacks, out):
+    ids = random_ids(8, 24, seed=2)
+    args = TrainingArguments(output_dir=str(out), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, callbacks=callbacks,
+                      train_dataset=Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()}))
+    return trainer
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model.eval()(input_ids=random_ids(2, 12)).logits
+
+
+def test_the_input_args_are_axolotls_pydantic_model_and_check_their_values(plugin):
+    module, name = plugin.get_input_args().rsplit(".", 1)
+    args = getattr(importlib.import_module(module), name)
+    assert args(retrofit_patch="avnorm:kind=rms", retrofit_recovery={"steps": 10}).retrofit_calibration_tokens == 8192
+    with pytest.raises(ValidationError, match="unknown norm 'avnrom'"):
+        args(retrofit_patch="avnrom")
+    with pytest.raises(ValidationError, match="recovery.schedule.steps must be >= 1"):
+        args(retrofit_recovery={"steps": 0})
+
+
+def test_the_hooks_patch_calibrate_recover_and_save_a_full_finetune(plugin, base):
+    cfg = Cfg(base_model=str(base / "base"), retrofit_patch="avnorm", retrofit_calibration_text=str(base / "book.txt"),
+              retrofit_calibration_tokens=256, sequence_len=32, retrofit_recovery={"steps": 2},
+              output_dir=str(base / "out"))
+    plugin.pre_model_load(cfg)
+    model = AutoModelForCausalLM.from_pretrained(cfg.base_model)  # what axolotl's loader does
+    plugin.post_model_build(cfg, model)
+    assert retrofit.patch_record(model)["norm"] == "avnorm"
+    assert retrofit.patch_record(model)["calibration"]["tokens"] == 256
+    trainer = _train(model, [], base / "trainer")
+    callbacks = plugin.add_callbacks_post_trainer(cfg, trainer)
+    assert [type(c) for c in callbacks] == [RetrofitCallback] and callbacks[0].schedule.steps == 2
+    for callback in callbacks:
+        trainer.add_callback(callback)
+    trainer.train()
+    trainer.save_model(cfg.output_dir)  # axolotl's save_trained_model, then post_train
+    plugin.post_train(cfg, trainer.model)
+    expected = _logits(trainer.model)
+    assert torch.equal(_logits(retrofit.from_pretrained(cfg.output_dir)), expected)
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(cfg.output_dir)), expected)  # enabled
+
+
+def test_a_lora_run_trains_the_patch_and_its_adapter_folder_reloads(plugin, base):
+    from peft import LoraConfig, get_peft_model
+    cfg = Cfg(base_model=str(base / "base"), retrofit_patch="ssmax", adapter="lora", lora_target_modules=["q_proj"],
+              output_dir=str(base / "out"))
+    plugin.pre_model_load(cfg)
+    model = AutoModelForCausalLM.from_pretrained(cfg.base_model)
+    plugin.post_model_build(cfg, model)
+    assert cfg.lora_modules_to_save == ["retrofit"]  # SSMax's s trains with the adapter
+    peft = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=cfg.lora_target_modules,
+                                            modules_to_save=cfg.lora_modules_to_save, task_type="CAUSAL_LM"))
+    trainer = _train(peft, [], base / "trainer")
+    trainer.train()
+    trainer.save_model(cfg.output_dir)  # PEFT's adapter files only
+    plugin.post_train(cfg, trainer.model)
+    assert torch.equal(_logits(retrofit.from_pretrained(cfg.output_dir)), _logits(trainer.model))
+
+
+def test_a_base_patched_otherwise_or_calibration_without_gains_is_one_line(plugin, base):
+    model = tiny_model("llama")
+    retrofit.patch(model, "psoftmax", p=2.0)
+    with pytest.raises(RetrofitError, match="already patched with psoftmax; retrofit_patch asks for avnorm"):
+        plugin.post_model_build(Cfg(retrofit_patch="avnorm"), model)
+    plugin.post_model_build(Cfg(retrofit_patch="psoftmax:p=2"), model)  # the same patch: kept as loaded
+    with pytest.raises(RetrofitError, match="retrofit_calibration_text sets per-head gains"):
+        plugin.post_model_build(Cfg(retrofit_patch="softmax1", base_model=str(base / "base"),
+                                    retrofit_calibration_text=str(base / "book.txt")), tiny_model("llama"))

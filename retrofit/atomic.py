@@ -41,30 +41,11 @@ import tempfile
 from pathlib import Path
 
 from .errors import RetrofitError
+from .fs import fsync_dir, umask
 
 # Written into every folder retrofit creates and may later delete: rmtree needs it (see remove_owned).
 MARKER = ".retrofit-owned"
 LOCK = ".lock"
-
-
-def _umask() -> int:
-    try:  # read, not set: os.umask(x) would change it for every thread for a moment
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def fsync_dir(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def owned_folder(path) -> Path:
@@ -259,7 +240,7 @@ def atomic_folder(out, what: str = "folder"):
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_abandoned(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700
     try:
         with folder_lock(tmp):  # before the marker: a marked folder without a held lock is abandoned
             owned_folder(tmp)

@@ -232,7 +232,7 @@ def load_adapter(source, *, revision: str | None = None, dtype=None, device_map=
 
 
 def _same_patch(a: dict, b: dict) -> bool:
-    return all(a.get(k) == b.get(k) for k in ("norm", "options", "nope", "layers", "heads"))
+    return all(a.get(k) == b.get(k) for k in ("norm", "options", "nope", "layers", "heads", "gate"))
 
 
 def adapter_patch_keys(folder: Path) -> set:

@@ -186,7 +186,7 @@ def recipe_tokenizer(recipe: Recipe):
 
 
 def apply_patch(model: nn.Module, section: PatchSection):
-    """Patch as the recipe says; a model that already carries this exact patch (norm, options, nope, rope) keeps
+    """Patch as the recipe says; a model that already carries this exact patch (norm, options, nope, rope, gate) keeps
     it (and its trained parameters); a different patch replaces it. patch.norm null leaves the model as loaded."""
     spec = section.spec()
     if spec is None:
@@ -195,7 +195,7 @@ def apply_patch(model: nn.Module, section: PatchSection):
     record = patch_record(lm)
     if record and record.get("norm") == spec.norm and record.get("nope") == spec.nope \
             and record.get("options") == spec.all_options() and same_rope(record.get("rope"), spec.rope) \
-            and _same_selection(lm, record, spec):
+            and _same_selection(lm, record, spec) and record.get("gate") == spec.gate:
         return None
     if is_patched(lm):
         unpatch(lm)

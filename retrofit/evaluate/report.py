@@ -24,6 +24,7 @@ from .report_tables import (  # noqa: F401  (re-exported: experiment reports and
     CSV_COLUMNS,
     comparison_table_markdown,
     cost_table_markdown,
+    legend,
     loss_table_markdown,
     markdown_table,
     model_label,
@@ -332,5 +333,5 @@ def _comparison_section(results: dict) -> list[tuple[str, str]]:
         if table:
             sections.append((f"Paired differences to {reference}", f"Mean loss minus {reference}'s on the same "
                              f"windows, with the paired 95% interval (negative = lower loss than {reference})."
-                             f"\n\n{table}\n\n{APPROX_LEGEND}"))
+                             f"\n\n{table}\n\n{legend(results)}"))
     return sections

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..atomic import atomic_write_text
 from ..evaluate.compare import comparison_references
 from ..evaluate.intervals import plus_minus
-from ..evaluate.report import APPROX_LEGEND, comparison_table_markdown, line_plot, markdown_table, seed_sections
+from ..evaluate.report import comparison_table_markdown, legend, line_plot, markdown_table, seed_sections
 from ..evaluate.tail import tail_sections
 from ..recipe import seeded_name
 from .reference import direction_markdown
@@ -252,5 +252,5 @@ def _paired_gap_lines(evaluation: dict) -> list[str]:
         if table:
             lines += [f"### Gap to `{reference}` by length (paired, same windows)", "",
                       f"Mean loss minus `{reference}`'s on the same windows, with the 95% interval of the per-window "
-                      "differences (negative = better than it).", "", table, "", APPROX_LEGEND, ""]
+                      "differences (negative = better than it).", "", table, "", legend(evaluation), ""]
     return lines

@@ -201,11 +201,12 @@ def verdict_lines(rows: list[dict], key: str, unit: str) -> str:
                 else "no difference shown" if covers_zero(r["ci95"]) else "higher" if r["difference"] > 0 else "lower"
             found[verdict].append(str(r["length"]))
         total = sum(map(len, found.values()))
-        parts = [f"{what} at {'every length' if len(at) == total else ', '.join(at)}" for what, at in found.items()
+        parts = [f"{what} at {'every length' if len(at) == total > 1 else ', '.join(at)}" for what, at in found.items()
                  if at]
         lines.append(f"- {name}: " + "; ".join(parts))
-    return (f"By length (higher / lower: the 95% interval over {unit} excludes 0; within the margin: equivalent, "
-            f"{EQUIVALENT}):\n\n" + "\n".join(lines)) if lines else ""
+    margin = f"; within the margin: equivalent, {EQUIVALENT}" if any("equivalent" in r for r in rows) else ""
+    return (f"By length (higher / lower: the 95% interval over {unit} excludes 0{margin}):\n\n"
+            + "\n".join(lines)) if lines else ""
 
 
 def windows_table_markdown(results: dict) -> str:

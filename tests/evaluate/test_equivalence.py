@@ -97,10 +97,11 @@ def test_report_verb_declares_a_margin(tmp_path, run_cli):
     from retrofit.evaluate.report import write_report
 
     rng = np.random.default_rng(3)
-    base = {16: rng.normal(3.0, 0.3, 40)}
+    base = {16: rng.normal(3.0, 0.3, 40), 32: rng.normal(3.1, 0.3, 40)}
     folder = tmp_path / "eval"
-    results = rejudge({"schema": "retrofit.eval/2", "train_len": 16, "lengths": [16], "settings": {},
-                       "models": [_lm("a", base), _lm("b", {16: base[16] + rng.normal(0.003, 0.002, 40)})]})
+    close = {n: v + rng.normal(0.003, 0.002, 40) for n, v in base.items()}
+    results = rejudge({"schema": "retrofit.eval/2", "train_len": 16, "lengths": [16, 32], "settings": {},
+                       "models": [_lm("a", base), _lm("b", close)]})
     write_report(results, folder)
     assert run_cli(["adopt", str(folder)])[0] == 0
     assert run_cli(["report", str(folder), "--margin", "0.02"])[0] == 0
@@ -108,5 +109,7 @@ def test_report_verb_declares_a_margin(tmp_path, run_cli):
     assert judged["settings"]["equivalence_margin"] == 0.02 and judged["comparisons"]["rows"][0]["equivalent"]
     md = (folder / "results.md").read_text()
     assert "(n=40) ≡ |" in md and "≡: equivalent within ±0.02" in md and "- b: within the margin at every length" in md
+    one = rejudge(dict(judged, models=[dict(m, lengths=m["lengths"][:1]) for m in judged["models"]], lengths=[16]))
+    assert "- b: within the margin at 16" in verdict_lines(one["comparisons"]["rows"], "model", "windows")
     code, lines, _ = run_cli(["report", str(folder), "--margin", "-1"])
     assert code == 2 and lines == ["retrofit report: error: --margin must be a number of nats > 0, e.g. 0.02, got -1"]

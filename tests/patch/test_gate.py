@@ -6,8 +6,6 @@ torch.compile, and its bad input is refused in one line. The norm contract runs 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -17,6 +15,7 @@ from retrofit.errors import RetrofitError
 from retrofit.gate import GATE_INPUT, OutputGate, gated, normalize_gate
 from retrofit.norms.base import ProjectionHook
 from retrofit.patch_spec import PatchSpec
+from tests.patch.test_families import twin  # an unpatched twin with its own config
 from tests.reference import reference_model
 from tests.tiny import COVERAGE, TINY, random_ids, tiny_model
 
@@ -33,15 +32,6 @@ NORMS = {
 }
 REFERENCE_NORMS = [key for key in NORMS if key != "avnorm-beyond"]  # the reference has no mode=beyond
 FAMILIES = [f for f in [*TINY, *COVERAGE] if f in CONFIG_MAPPING]
-
-
-def _twin(original):
-    model = copy.deepcopy(original)
-    model.config = copy.deepcopy(original.config)  # twins must not share a config (DESIGN.md)
-    for m in model.modules():
-        if hasattr(m, "config"):
-            m.config = model.config
-    return model
 
 
 def _randomize(model, seed: int, gate: bool) -> None:
@@ -80,7 +70,7 @@ def test_every_family_hands_the_gate_its_input(family):
     """Each family's attention forwards the hook's keyword to the attention function: a gated model runs (the
     identity at start, bitwise) and, with random gate weights, equals the float64 reference of its formula."""
     original = tiny_model(family)
-    model = _twin(original)
+    model = twin(original)
     retrofit.patch(model, "avnorm", kind="layer", gate="head")
     ids = random_ids(2, 12)
     with torch.no_grad():
@@ -104,7 +94,7 @@ def test_matches_the_float64_reference(family, norm_key, gate):
     """Random norm and gate weights, a left-padded row: the logits of the formula computed in float64."""
     norm, options = NORMS[norm_key]
     original = tiny_model(family)
-    model = _twin(original)
+    model = twin(original)
     retrofit.patch(model, norm, gate=gate, **options)
     _randomize(model, seed=7, gate=True)
     ids = random_ids(2, 16)
@@ -159,7 +149,7 @@ def test_reload_and_unpatch(tmp_path, family, gate):
     """save_pretrained -> retrofit.from_pretrained: the same gate, bitwise; unpatch: the original model bitwise, and
     no hook left behind."""
     original = tiny_model(family)
-    model = _twin(original)
+    model = twin(original)
     retrofit.patch(model, "ssmax", gate=gate)
     _randomize(model, seed=8, gate=True)
     ids = random_ids(2, 12)
@@ -184,7 +174,7 @@ def tiny_and_patched(norm, **options):
 def test_a_patch_bypassed_teacher_has_no_gate():
     """The distillation teacher (patch bypassed) is the original model, gate and all."""
     original = tiny_model("llama")
-    model = _twin(original)
+    model = twin(original)
     retrofit.patch(model, "avnorm", gate="head:0.5")
     ids = random_ids(2, 12)
     with torch.no_grad(), retrofit.patch_bypassed(model):

@@ -84,12 +84,11 @@ def test_bench_eval_chunked_and_naive_score_the_same_window(tmp_path, capsys):
 def test_bench_train_memory_labels_the_model_it_measured(tmp_path):
     """Issue 55: rows of `--memory --model SmolLM2` were labelled model_type 'gpt2' (--model-type's default, which
     --model replaces). The child's row names the loaded model's type; the spec, none."""
-    from retrofit.bench import train_memory
-    from tests.tiny import tiny_model
-
     import argparse
 
     from retrofit.bench import train as bench_train
+    from retrofit.bench import train_memory
+    from tests.tiny import tiny_model
 
     tiny_model("llama").save_pretrained(tmp_path / "m")
     parser = argparse.ArgumentParser()

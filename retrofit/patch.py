@@ -80,13 +80,13 @@ def _dispatch(base, module, query, key, value, attention_mask, **kwargs):
         observer(module, query, key, value, attention_mask, kwargs.get("scaling"), norm)
     if norm is None or norm.acts_on_output and getattr(norm, "gate", None) is None:  # AVNorm: at the projection
         return base(module, query, key, value, attention_mask, **kwargs)
-    if getattr(norm, "head_mask", None) is not None:  # heads=: the unselected heads are the wrapped kernel's, bitwise
-        out, _ = norm(module, query, key, value, attention_mask, base=base, **kwargs)
-        original, _ = base(module, query, key, value, attention_mask, **kwargs)
-        return norm.keep_unselected(out, original), None
     if norm.acts_on_output:  # gated: the heads' outputs normalized here, before the gate
         out, weights = base(module, query, key, value, attention_mask, **kwargs)
-        out = norm(out)
+        out = norm.keep_unselected(norm(out), out)
+    elif getattr(norm, "head_mask", None) is not None:  # heads=: the unselected heads are the wrapped kernel's, bitwise
+        out, _ = norm(module, query, key, value, attention_mask, base=base, **kwargs)
+        original, weights = base(module, query, key, value, attention_mask, **kwargs)
+        out, weights = norm.keep_unselected(out, original), None
     else:
         out, weights = norm(module, query, key, value, attention_mask, base=base, **kwargs)
     return gated(norm, out, gate_input), weights

@@ -277,3 +277,22 @@ def test_report_names_the_gate():
     report = retrofit.patch(tiny_model("llama"), "avnorm", gate="head:0.5:12")
     assert "gate              head, 0.5 at start (not identity), from input channels 0-11" in str(report)
     assert report.params_added == 2 * (4 + 4 * 12 + 4)  # per layer: AVNorm's 4 gains, the gate's (4, 12) and 4 biases
+
+
+def test_the_zero_shot_ranking_runs_on_a_gated_patch():
+    """retrofit patch --check-text ranks layers and heads by switching the norm's head mask (retrofit.costs): under a
+    gate the masked heads keep the original output and the gate (the identity here) still applies after."""
+    from retrofit.costs import head_costs, selection_loss
+
+    original = tiny_model("llama")
+    model = twin(original)
+    retrofit.patch(model, "avnorm", kind="layer", gate="head")
+    _randomize(model, seed=10, gate=False)
+    ids = random_ids(1, 16)
+    with torch.no_grad():
+        plain = float(original(input_ids=ids, labels=ids).loss)
+        patched = float(model(input_ids=ids, labels=ids).loss)
+    assert selection_loss(model, ids, []) == pytest.approx(plain, abs=1e-6)
+    assert selection_loss(model, ids, None) == pytest.approx(patched, abs=1e-6) and abs(patched - plain) > 1e-3
+    baseline, costs = head_costs(model, ids)
+    assert baseline == pytest.approx(plain, abs=1e-6) and len(costs) == model.config.num_attention_heads

@@ -86,6 +86,7 @@ _COMPARISON_ROW = {"type": "object", "required": ["model", "length", "difference
                    "properties": {"reference": _STR, "model": _STR, "length": _INT, "difference": _NUM, "ci95": _CI95,
                                   "windows": _INT,
                                   "covers_zero": {"type": ["boolean", "null"]}, "paired": {"type": "boolean"},
+                                  "equivalent": {"type": ["boolean", "null"]},  # only under a declared margin
                                   "reason": _STR}}
 _COMPARISONS = {"type": "object", "required": ["reference", "rows"],
                 "properties": {"reference": _STR, "references": {"type": "array", "items": _STR},

@@ -63,10 +63,26 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# The MLP's output ("down") projection, by attribute name of the decoder layer's `mlp`: down_proj (Llama and most),
+# c_proj (GPT-2), fc2 (Phi, OPT), w2, dense_4h_to_h. model.zero_init: mlp_output zeroes it (the AVnorm post's c_proj).
+MLP_OUTPUT_PROJECTIONS = ("down_proj", "c_proj", "fc2", "w2", "dense_4h_to_h")
+
+
 def output_projection(attention: nn.Module) -> nn.Module | None:
     """The attention module's output projection (an nn.Module named in OUTPUT_PROJECTIONS), or None."""
     return next((getattr(attention, n) for n in OUTPUT_PROJECTIONS if isinstance(getattr(attention, n, None),
                                                                                     nn.Module)), None)
+
+
+def mlp_output_projections(model: nn.Module) -> list[nn.Module]:
+    """The output projection of every decoder layer's dense MLP (a module named `mlp` with a MLP_OUTPUT_PROJECTIONS
+    child that is an nn.Module holding a weight); an MoE block has none (its experts keep theirs)."""
+    found = []
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] == "mlp":
+            found += [getattr(module, n) for n in MLP_OUTPUT_PROJECTIONS
+                      if isinstance(getattr(module, n, None), nn.Module) and hasattr(getattr(module, n), "weight")][:1]
+    return found
 
 
 def family_of(config) -> Family | None:

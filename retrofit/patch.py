@@ -25,7 +25,6 @@ import copy
 import dataclasses
 import sys
 import types
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from torch import nn
@@ -42,11 +41,21 @@ from .families import (
     output_projection,
     position_query_scaling,
 )
+from .gate import GATE_INPUT, OutputGate, describe_gate, drop_gate_hook, gated, pass_gate_input
 from .norms import AttentionShape, get_norm
 from .norms.base import CHILD, drop_output_hooks
 from .patch_spec import PatchSpec
 from .positions import already_without_positions, has_positions_removed, remove_positions, restore_positions
-from .record import FORMAT, SELECTIVE_FORMAT, PatchReport, drop_record, read_record, write_record
+from .record import (
+    FORMAT,
+    GATED_FORMAT,
+    SELECTIVE_FORMAT,
+    PatchReport,
+    PushWarning,
+    drop_record,
+    read_record,
+    write_record,
+)
 from .rope import apply_rope, describe_rope, plan_rope, reset_to_original, restore_rope
 from .selection import select
 
@@ -64,17 +73,23 @@ def eager_attention_of(module: nn.Module):
 
 
 def _dispatch(base, module, query, key, value, attention_mask, **kwargs):
+    gate_input = kwargs.pop(GATE_INPUT, None)  # a gated module's input (retrofit.gate.pass_gate_input)
     observer = module.__dict__.get(OBSERVER)
     norm = module._modules.get(CHILD)
     if observer is not None:
         observer(module, query, key, value, attention_mask, kwargs.get("scaling"), norm)
-    if norm is None or norm.acts_on_output:  # AVNorm acts at the output projection, not here
+    if norm is None or norm.acts_on_output and getattr(norm, "gate", None) is None:  # AVNorm: at the projection
         return base(module, query, key, value, attention_mask, **kwargs)
-    if getattr(norm, "head_mask", None) is not None:  # heads=: the unselected heads are the wrapped kernel's, bitwise
+    if norm.acts_on_output:  # gated: the heads' outputs normalized here, before the gate
+        out, weights = base(module, query, key, value, attention_mask, **kwargs)
+        out = norm.keep_unselected(norm(out), out)
+    elif getattr(norm, "head_mask", None) is not None:  # heads=: the unselected heads are the wrapped kernel's, bitwise
         out, _ = norm(module, query, key, value, attention_mask, base=base, **kwargs)
-        original, _ = base(module, query, key, value, attention_mask, **kwargs)
-        return norm.keep_unselected(out, original), None
-    return norm(module, query, key, value, attention_mask, base=base, **kwargs)
+        original, weights = base(module, query, key, value, attention_mask, **kwargs)
+        out, weights = norm.keep_unselected(out, original), None
+    else:
+        out, weights = norm(module, query, key, value, attention_mask, base=base, **kwargs)
+    return gated(norm, out, gate_input), weights
 
 
 def retrofit_attention(module, query, key, value, attention_mask, **kwargs):
@@ -229,17 +244,18 @@ def _check_query_scaling(norm: str, norm_cls, opts, config) -> str | None:
 
 def patch(model: nn.Module, norm: str | PatchSpec | None = None, *, nope: bool = False,
           rope: str | Mapping | None = None, layers: str | Sequence[int] | None = None,
-          heads: str | Sequence[int] | None = None, **options) -> PatchReport:
+          heads: str | Sequence[int] | None = None, gate: str | Mapping | None = None, **options) -> PatchReport:
     """Attach `norm` to every self-attention module of `model` (in place) and return a PatchReport.
     norm: a name (its options as keywords) or a PatchSpec (then nothing else); required (no default: uncalibrated
     AVNorm ruins a pretrained model, 3.91 -> 14.29 on SmolLM2).
     rope: extend RoPE, as 'yarn:4' or {'rope_type': 'yarn', 'factor': 4, ...} (see retrofit.rope); it applies to
     the whole model. layers / heads: patch only these attention modules, and (avnorm, ssmax, softmax1) only these
-    query heads ('16-29', ':4', [16, 17]; retrofit.selection); the others keep the original attention, bitwise."""
-    spec = PatchSpec.of(norm, nope=nope, rope=rope, layers=layers, heads=heads, **options)
+    query heads ('16-29', ':4', [16, 17]; retrofit.selection); the others keep the original attention, bitwise.
+    gate: each head's output times a sigmoid gate from the layer input ('head', 'head:0.5:12'; retrofit.gate)."""
+    spec = PatchSpec.of(norm, nope=nope, rope=rope, layers=layers, heads=heads, gate=gate, **options)
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: patch the model (see unpatch)
-    norm, nope, norm_cls, opts = spec.norm, spec.nope, get_norm(spec.norm), spec.norm_options
-    base, wrap = _check_patchable(model, nope, norm_cls.on_output(opts))
+    norm, nope, norm_cls, opts, gate = spec.norm, spec.nope, get_norm(spec.norm), spec.norm_options, spec.gate
+    base, wrap = _check_patchable(model, nope, norm_cls.on_output(opts) and gate is None)  # gated: ours, always
     notes = [_check_query_scaling(norm, norm_cls, opts, model.config)]
     notes.append(_detach_config(model))
     rope_plan = plan_rope(model, spec.rope) if spec.rope is not None else None  # refuses before any change
@@ -256,12 +272,16 @@ def patch(model: nn.Module, norm: str | PatchSpec | None = None, *, nope: bool =
     params_added = 0
     for _, module in modules:
         ref = next(module.parameters(), None)
-        child = norm_cls(opts, _shape(module, config, rope_plan and rope_plan["original_positions"]))
+        shape = _shape(module, config, rope_plan and rope_plan["original_positions"])
+        child = norm_cls(opts, shape)
         child.select_heads(heads)
+        if gate is not None:  # in the norm module: saved, reloaded, trained and unpatched with it
+            child.add_module("gate", OutputGate(gate, shape.num_heads, shape.head_dim, config.hidden_size))
+            module.register_forward_pre_hook(pass_gate_input, with_kwargs=True)
         if ref is not None:
             child.to(device=ref.device, dtype=ref.dtype)
         module.add_module(CHILD, child)
-        if child.acts_on_output:
+        if child.acts_on_output and gate is None:
             if output_projection(module) is None:
                 raise RetrofitError(f"{type(module).__name__} has no output projection retrofit knows (looked for "
                                     f"{', '.join(OUTPUT_PROJECTIONS)}); add its name to families.OUTPUT_PROJECTIONS")
@@ -281,8 +301,8 @@ def patch(model: nn.Module, norm: str | PatchSpec | None = None, *, nope: bool =
         model.push_to_hub = PushWarning(model)
     drop_record(model)  # a fresh record (a stale one may ride in a config loaded from a checkpoint)
     write_record(model, norm=norm, options=dataclasses.asdict(opts), nope=nope, base_attn_implementation=base,
-                 calibration=None, rope=rope_plan, layers=layers, heads=heads,  # older retrofits refuse a selection:
-                 format=SELECTIVE_FORMAT if layers is not None or heads is not None else 1)  # (they'd patch all)
+                 calibration=None, rope=rope_plan, layers=layers, heads=heads, gate=gate,  # older retrofits refuse
+                 format=GATED_FORMAT if gate else SELECTIVE_FORMAT if layers or heads else 1)  # what they would drop
     hidden, calibrated = norm_cls.report_options(dataclasses.asdict(opts))
     return PatchReport(
         model_type=config.model_type, norm=norm, options=dataclasses.asdict(opts), nope=nope,
@@ -290,7 +310,7 @@ def patch(model: nn.Module, norm: str | PatchSpec | None = None, *, nope: bool =
         modules=[name for name, _ in modules], base_attn_implementation=base, positions=positions,
         params_added=params_added, layers=layers, heads=heads, layer_count=len(attention_modules(model)),
         family="table" if family_of(config) else "generic", rope=describe_rope(rope_plan) if rope_plan else None,
-        notes=[note for note in notes if note],
+        notes=[note for note in notes if note], gate=describe_gate(gate) if gate else None,
     )
 
 
@@ -303,6 +323,7 @@ def unpatch(model: nn.Module) -> None:
     for module in model.modules():
         module._modules.pop(CHILD, None)
         drop_output_hooks(module)  # acts_on_output norms' hooks, and their mark for torch.compile
+        drop_gate_hook(module)
     model.__dict__.pop("set_attn_implementation", None)  # the class's own again (see _guarded_switch)
     model.__dict__.pop("push_to_hub", None)  # PushWarning
     restore_positions(model)
@@ -331,26 +352,6 @@ def patch_from_record(model: nn.Module, record: dict) -> PatchReport:
     write_record(model, calibration=record.get("calibration"))
     report.calibration = record.get("calibration")
     return report
-
-
-PUSH_WARNING = ("this model is patched by retrofit: transformers' push_to_hub publishes it without retrofit's checks "
-                "and model card; save_pretrained it and run `retrofit push FOLDER --repo ID` instead")
-
-
-class PushWarning:
-    """`model.push_to_hub` of a patched model: warns (one line, PUSH_WARNING), then runs transformers' own push.
-
-    An instance attribute set by patch and removed by unpatch: the class is never touched, so other models are
-    unaffected. Warned, not routed to retrofit's publish: that works from a saved folder or run (hub/, above patch
-    in the data flow), and a plain push of a model the user holds is still theirs to make. A small class rather
-    than a bound function, so a patched model still pickles and deep-copies (the copy's push warns for the copy)."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def __call__(self, *args, **kwargs):
-        warnings.warn(PUSH_WARNING, UserWarning, stacklevel=2)
-        return type(self.model).push_to_hub(self.model, *args, **kwargs)
 
 
 def check_unsharded(modules, what: str) -> None:

@@ -1,4 +1,5 @@
-"""One patch, validated once: the norm, its options, nope, rope, layers and heads (PEFT's `LoraConfig` for retrofit).
+"""One patch, validated once: the norm, its options, nope, rope, layers, heads and gate (PEFT's `LoraConfig` for
+retrofit).
 
     spec = PatchSpec.parse("avnorm:kind=rms,layers=16-29")      # eval/diagnose --patch, the harness
     spec = PatchSpec("psoftmax", {"p": 2}, rope="yarn:4")        # Python
@@ -8,9 +9,10 @@
 Every way to write a patch builds one — `retrofit patch` flags, the recipe's patch section, `eval`/`diagnose --patch`,
 the harness's model arguments, `retrofit.patch()` and a checkpoint's `config.retrofit` — and nothing else checks its
 rules: a known norm with its own options (the norm's Options dataclass), rope xor nope, no layer selection with nope,
-heads only for norms that act per head, the selection syntax. What needs the model (an index past its layers, RoPE it
-lacks, learned positions) is checked when the patch is applied (retrofit.patch). The errors name each field as the
-user wrote it (`spelling`): `--heads` on the command line, `patch.heads` in a recipe, `heads` in Python.
+heads only for norms that act per head, the selection syntax, a gate (retrofit.gate) never with heads. What needs
+the model (an index past its layers, RoPE it lacks, learned positions) is checked when the patch is applied
+(retrofit.patch). The errors name each field as the user wrote it (`spelling`): `--heads` on the command line,
+`patch.heads` in a recipe, `heads` in Python.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import re
 from dataclasses import InitVar, dataclass, field
 
 from .errors import RetrofitError, shown
+from .gate import normalize_gate
 from .norms import NORMS, get_norm, make_options
 from .rope import normalize_rope
 from .selection import parse_selection
 
-FIELDS = ("norm", "options", "nope", "rope", "layers", "heads")  # what to_record writes
+FIELDS = ("norm", "options", "nope", "rope", "layers", "heads", "gate")  # what to_record writes
+PATCH_KEYS = ("nope", "rope", "layers", "heads", "gate")  # a patch's keys besides the norm and its options
 
 
 @dataclass(frozen=True)
@@ -39,12 +43,14 @@ class Spelling:
     layers_flag: str = "layers="  # in "drop X or nope"
     heads_flag: str = "heads="    # in "X applies to ..."
     prefix: str = ""              # before a message about two fields ("patch: ")
+    gate: str = "gate"
 
 
 PYTHON = Spelling()
-CLI = Spelling("--layers", "--heads", "--rope", "--nope", "--layers", "--heads")
-RECIPE = Spelling("patch.layers", "patch.heads", "rope", "nope", "patch.layers", "patch.heads", "patch: ")
-EVAL = Spelling("the evaluation patch's layers", "the evaluation patch's heads")
+CLI = Spelling("--layers", "--heads", "--rope", "--nope", "--layers", "--heads", gate="--gate")
+RECIPE = Spelling("patch.layers", "patch.heads", "rope", "nope", "patch.layers", "patch.heads", "patch: ",
+                  gate="patch.gate")
+EVAL = Spelling("the evaluation patch's layers", "the evaluation patch's heads", gate="the evaluation patch's gate")
 
 
 def per_head_norms() -> list[str]:
@@ -62,6 +68,7 @@ class PatchSpec:
     rope: dict | None = None                      # a RoPE extension, normalized ({rope_type, factor, ...})
     layers: str | int | list | None = None        # the selection as written (retrofit.selection); None = all
     heads: str | int | list | None = None
+    gate: str | dict | None = None                # output gating (retrofit.gate), normalized ({kind, start, inputs})
     spelling: InitVar[Spelling] = PYTHON
 
     def __post_init__(self, spelling: Spelling):
@@ -87,6 +94,10 @@ class PatchSpec:
         if self.heads is not None and not NORMS[self.norm].per_head:
             raise RetrofitError(f"{s.heads}: {self.norm} has no per-head parameters; {s.heads_flag} applies to "
                                 f"{', '.join(per_head_norms())}")
+        object.__setattr__(self, "gate", normalize_gate(self.gate, s.gate))
+        if self.gate is not None and self.heads is not None:
+            raise RetrofitError(f"{s.prefix}{s.gate} gates every head of the patched layers, and {s.heads} keeps the "
+                                f"other heads bitwise as they were: drop {s.heads_flag} or {s.gate}")
 
     def __eq__(self, other) -> bool:  # the same patch: options equal once the norm's defaults fill them in
         return isinstance(other, PatchSpec) and self.to_record() == other.to_record()
@@ -105,21 +116,22 @@ class PatchSpec:
     def to_record(self) -> dict:
         """The spec as plain JSON: every option, the rope normalized, the selection as written."""
         return {"norm": self.norm, "options": self.all_options(), "nope": self.nope, "rope": self.rope,
-                "layers": self.layers, "heads": self.heads}
+                "layers": self.layers, "heads": self.heads, "gate": self.gate}
 
     @classmethod
     def of(cls, norm: str | PatchSpec | None, *, nope: bool = False, rope: str | dict | None = None,
-           layers: str | int | list | None = None, heads: str | int | list | None = None, **options) -> PatchSpec:
+           layers: str | int | list | None = None, heads: str | int | list | None = None,
+           gate: str | dict | None = None, **options) -> PatchSpec:
         """retrofit.patch's arguments as a spec: a PatchSpec alone, or a norm's name with the rest as keywords."""
         if isinstance(norm, PatchSpec):
-            if nope or rope is not None or layers is not None or heads is not None or options:
-                raise RetrofitError("retrofit.patch takes a PatchSpec alone: put nope, rope, layers, heads and the "
-                                    "options in the spec")
+            if nope or rope is not None or layers is not None or heads is not None or gate is not None or options:
+                raise RetrofitError("retrofit.patch takes a PatchSpec alone: put nope, rope, layers, heads, gate and "
+                                    "the options in the spec")
             return norm
         if norm is None:
             raise RetrofitError(f"retrofit.patch needs a norm: one of {', '.join(sorted(NORMS))} (e.g. "
                                 "retrofit.patch(model, 'softmax', rope='yarn:4'), or 'avnorm' then retrofit.calibrate)")
-        return cls(norm, options, nope=nope, rope=rope, layers=layers, heads=heads)
+        return cls(norm, options, nope=nope, rope=rope, layers=layers, heads=heads, gate=gate)
 
     @classmethod
     def from_record(cls, record: dict, spelling: Spelling = PYTHON) -> PatchSpec:
@@ -131,18 +143,20 @@ class PatchSpec:
         if isinstance(rope, dict) and "parameters" in rope:
             rope = rope["parameters"]
         return cls(record["norm"], dict(record.get("options") or {}), nope=bool(record.get("nope")), rope=rope,
-                   layers=record.get("layers"), heads=record.get("heads"), spelling=spelling)
+                   layers=record.get("layers"), heads=record.get("heads"), gate=record.get("gate"), spelling=spelling)
 
     @classmethod
     def from_flat(cls, mapping: dict, spelling: Spelling = PYTHON) -> PatchSpec:
-        """{norm, nope, rope, layers, heads, **options}: a patch written flat (eval's patch mapping, a variant)."""
+        """{norm, nope, rope, layers, heads, gate, **options}: a patch written flat (eval's patch mapping, a
+        variant)."""
         values = dict(mapping)
-        fields = {k: values.pop(k) for k in ("nope", "rope", "layers", "heads") if k in values}
+        fields = {k: values.pop(k) for k in PATCH_KEYS if k in values}
         return cls(values.pop("norm"), values, **fields, spelling=spelling)
 
     @classmethod
     def parse(cls, text: str, spelling: Spelling = PYTHON, what: str = "--patch") -> PatchSpec:
-        """'avnorm', 'psoftmax:p=2', 'avnorm:kind=layer,affine=true,layers=16-29+3,heads=0+1', 'softmax:rope=yarn:4':
+        """'avnorm', 'psoftmax:p=2', 'avnorm:kind=layer,affine=true,layers=16-29+3,heads=0+1', 'softmax:rope=yarn:4',
+        'avnorm:gate=head:0.5:12':
         NORM[:KEY=VALUE,...]; '+' joins a selection's items (the options split on commas)."""
         return cls.from_flat(parse_flat(text, what), spelling)
 
@@ -184,4 +198,4 @@ def _value(text: str, key: str, whole: str, what: str):
     return text
 
 
-__all__ = ["CLI", "EVAL", "PYTHON", "RECIPE", "PatchSpec", "Spelling", "parse_flat", "per_head_norms"]
+__all__ = ["CLI", "EVAL", "PATCH_KEYS", "PYTHON", "RECIPE", "PatchSpec", "Spelling", "parse_flat", "per_head_norms"]

@@ -16,18 +16,21 @@ A config with a record also carries the guard `attn_implementation: GUARD`: an i
 never-registered name, quoting it: the name is a sentence that says what to do, so the refusal is in retrofit's
 words even where retrofit is not installed. retrofit's loader passes the recorded base implementation explicitly,
 which overrides it (docs/plain-transformers.md); so does `retrofit.enable()`'s (integrations/auto_classes.py).
+`PushWarning` is the same guard on the live model's `push_to_hub`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 
 from .errors import RetrofitError
 from .version import VERSION
 
-FORMAT = 2          # the newest version of the config.retrofit record this retrofit reads
+FORMAT = 3          # the newest version of the config.retrofit record this retrofit reads
 SELECTIVE_FORMAT = 2  # a record with layers or heads (format 1 readers would patch every layer and head: refused)
+GATED_FORMAT = 3    # a record with a gate (format 2 readers would rebuild the patch without it: refused)
 # The record's schema: field -> value of a new record until a caller sets it. layers / heads: the selected
 # attention-module and query-head indices (sorted ints, retrofit.selection), None = all.
 # The guard (above): config.json's attention implementation in every saved patched model; never registered. No "/"
@@ -37,6 +40,10 @@ GUARD = "retrofit checkpoint: load it with retrofit.from_pretrained(path), or ca
 GUARDS = (GUARD, "retrofit.from_pretrained")  # as retrofit writes it, and as it wrote it before issue 53
 FIELDS = {"format": 1, "retrofit_version": VERSION, "norm": None, "options": {}, "nope": False,
           "base_attn_implementation": None, "calibration": None, "rope": None, "layers": None, "heads": None}
+# Fields a record holds only when they are set (None removes them), so a record without them stays readable by the
+# retrofit before them (which refuses a field it does not know). gate: the output gate (retrofit.gate: {kind, start,
+# inputs}); a record with one has format GATED_FORMAT.
+OPTIONAL_FIELDS = {"gate": None}
 
 
 def _config(target):
@@ -52,10 +59,11 @@ def read_record(target) -> dict | None:
 
 def write_record(target, **changes) -> dict:
     """Set `changes` in the record of a model (or a config), creating it from FIELDS when there is none.
-    Unknown field names are refused: the schema is FIELDS."""
-    unknown = sorted(set(changes) - set(FIELDS))
+    Unknown field names are refused: the schema is FIELDS and OPTIONAL_FIELDS (set to None: removed)."""
+    unknown = sorted(set(changes) - set(FIELDS) - set(OPTIONAL_FIELDS))
     if unknown:
-        raise RetrofitError(f"config.retrofit has no field {', '.join(unknown)}; its fields: {', '.join(FIELDS)}")
+        raise RetrofitError(f"config.retrofit has no field {', '.join(unknown)}; its fields: "
+                            f"{', '.join([*FIELDS, *OPTIONAL_FIELDS])}")
     config = _config(target)
     record = read_record(config)
     if record is None:
@@ -63,6 +71,9 @@ def write_record(target, **changes) -> dict:
         config.retrofit = record
         setattr(config, GUARD_KEY, GUARD)
     record.update(changes)
+    for name in OPTIONAL_FIELDS:
+        if name in record and record[name] is None:
+            del record[name]
     return record
 
 
@@ -122,6 +133,7 @@ class PatchReport:
     layer_count: int | None = None  # attention modules in the model (patched or not)
     hidden_options: list[str] = field(default_factory=list)  # left out of the table (Norm.report_options)
     calibrated: str | None = None  # the option shown with its calibration ("gain"), from Norm.report_options
+    gate: str | None = None  # retrofit.gate.describe_gate of the output gate, e.g. "head, 1 at start (identity), ..."
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -141,7 +153,7 @@ class PatchReport:
             ("parameters added", f"{self.params_added:,}"),
             ("positions", f"{self.positions if self.nope else 'kept'}"),
         ] + ([("heads", f"{describe_selection(self.heads)} only (the others unchanged)")] if self.heads else []) \
-            + ([("rope", self.rope)] if self.rope else [])
+            + ([("rope", self.rope)] if self.rope else []) + ([("gate", self.gate)] if self.gate else [])
         return rows + [("note", n) for n in self.notes]
 
     def _of_layers(self) -> str:
@@ -156,10 +168,31 @@ class PatchReport:
         extras = "".join(f", {what}" for what in ("nope" if self.nope else "", self.rope and f"rope {self.rope}",
                                                    self.calibration and "calibrated",
                                                    self.layers and f"layers {describe_selection(self.layers)}",
-                                                   self.heads and f"heads {describe_selection(self.heads)}") if what)
+                                                   self.heads and f"heads {describe_selection(self.heads)}",
+                                                   self.gate and "gated") if what)
         return (f"<PatchReport {self.norm} on {self.model_type}: {len(self.modules)} attention modules over "
                 f"{self.base_attn_implementation}, {self.params_added:,} parameters added{extras}>")
 
     def _repr_markdown_(self) -> str:
         lines = ["| retrofit patch | |", "|---|---|"]
         return "\n".join(lines + [f"| {name} | {str(value).replace('|', '&#124;')} |" for name, value in self._rows()])
+
+
+PUSH_WARNING = ("this model is patched by retrofit: transformers' push_to_hub publishes it without retrofit's checks "
+                "and model card; save_pretrained it and run `retrofit push FOLDER --repo ID` instead")
+
+
+class PushWarning:
+    """`model.push_to_hub` of a patched model: warns (one line, PUSH_WARNING), then runs transformers' own push.
+
+    An instance attribute set by patch and removed by unpatch: the class is never touched, so other models are
+    unaffected. Warned, not routed to retrofit's publish: that works from a saved folder or run (hub/, above patch
+    in the data flow), and a plain push of a model the user holds is still theirs to make. A small class rather
+    than a bound function, so a patched model still pickles and deep-copies (the copy's push warns for the copy)."""
+
+    def __init__(self, model):  # a transformers PreTrainedModel
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        warnings.warn(PUSH_WARNING, UserWarning, stacklevel=2)
+        return type(self.model).push_to_hub(self.model, *args, **kwargs)

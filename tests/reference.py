@@ -5,7 +5,9 @@ full weight matrix in float64 and applies each norm exactly as the posts define 
 is the unpatched twin switched to this function, with positions removed by hand for NoPE: GPT-2's
 table zeroed, rotary frequencies zeroed (cos = 1, sin = 0).
 
-A model's own learned sinks (gpt_oss's s_aux) join every row's denominator, combined with softmax+1's.
+A model's own learned sinks (gpt_oss's s_aux) join every row's denominator, combined with softmax+1's. An output gate
+(retrofit.gate) multiplies each head's output, after AVNorm, by 2s * sigmoid(W x[:I] + b) from the attention
+module's input x, which a forward pre-hook of the reference keeps on the module for the call (one thread only).
 It applies Gemma 2's logit soft-cap (c * tanh(s / c), after SSMax's query scaling, before the mask)
 and a layer's `sliding_window` explicitly from the kwargs the model passes, on top of the mask
 (query at cache index i sees keys i - W < j <= i), so a kernel that ignored the window would differ.
@@ -78,7 +80,21 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
         else:
             y = out / torch.sqrt(out.pow(2).mean(-1, keepdim=True) + opts["eps"])
         out = y * params["gain"].double().view(1, 1, h, 1)
+    if spec.get("gate"):
+        out = out * gate_values(spec["gate"], params, module.reference_gate_input, h)
     return out.to(query.dtype), None
+
+
+def gate_values(gate: dict, params: dict, x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, T, H, 1 or D) float64: 2 * start * sigmoid(x[:, :, :I] @ W^T + b), the gate written from its formula."""
+    w, b = params["gate.weight"].double(), params["gate.bias"].double()
+    z = x[..., :w.shape[1]].double() @ w.T + b
+    g = 2.0 * gate["start"] / (1.0 + torch.exp(-z))
+    return g.view(*g.shape[:-1], heads, -1)
+
+
+def _keep_input(module, args, kwargs):
+    module.reference_gate_input = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
 
 def window_mask(tq: int, tk: int, window: int) -> torch.Tensor:
@@ -147,7 +163,10 @@ def reference_model(original, patched, nope: bool):
         if name in patched_attn:
             norm = patched_attn[name].retrofit
             params = {k: v.detach().clone() for k, v in list(norm.named_parameters()) + list(norm.named_buffers())}
-            module.reference_spec = {"norm": record["norm"], "options": record["options"], "params": params}
+            module.reference_spec = {"norm": record["norm"], "options": record["options"], "params": params,
+                                     "gate": record.get("gate")}
+            if record.get("gate"):
+                module.register_forward_pre_hook(_keep_input, with_kwargs=True)
     assert sum(hasattr(m, "reference_spec") for m in ref.modules()) == len(patched_attn) > 0
     if nope:
         if ref.config.model_type == "gpt2":

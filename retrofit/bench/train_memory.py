@@ -49,7 +49,10 @@ def add_arguments(parser) -> None:
 
 
 def _spec(args, loop: str, length: int) -> dict:
-    return {"loop": loop, "seq_len": length, "model": args.model, "model_type": args.model_type, "batch": args.batch,
+    """What one child measures. model_type: --model-type's small config, used only without --model (the child's row
+    names the type of the model it loaded; the JSON's options say None for a --model run)."""
+    model_type = args.model_type if args.model is None else None
+    return {"loop": loop, "seq_len": length, "model": args.model, "model_type": model_type, "batch": args.batch,
             "steps": args.steps or 2, "precision": args.precision, "cpu": args.cpu, "threads": args.threads,
             "gradient_checkpointing": args.gradient_checkpointing, "activation_offload": args.activation_offload,
             "loss_chunk_tokens": args.loss_chunk_tokens, "norm": args.norm, "random_init": args.random_init}
@@ -199,6 +202,7 @@ def child(spec: dict, out: Path) -> None:
     tokens_per_s = (s1 - s0) * spec["batch"] * spec["seq_len"] / (t1 - t0) if s1 > s0 else 0.0
     peak = memory.peak_mb if device == "cuda" else peak_rss_mb()
     result = {**spec, "device": device, "peak_mb": round(peak, 1), "vocab_size": model.config.vocab_size,
+              "model_type": model.config.model_type,  # the model measured (with --model, not --model-type's default)
               "peak_kind": memory.method if device == "cuda" else "VmHWM of the whole process",
               "predicted_mb": predicted["total"] if predicted else None, "predicted_parts": predicted,
               "tokens_per_s": round(tokens_per_s, 1),

@@ -51,6 +51,10 @@ def add_arguments(parser):
     parser.add_argument("--rope", metavar="TYPE:FACTOR[,KEY=VALUE...]", default=None,
                         help="extend RoPE: yarn:4, dynamic:4, linear:4, llama3:8,low_freq_factor=1,high_freq_factor=4 "
                              "(KEY: any of the type's keys, original = original_max_position_embeddings)")
+    parser.add_argument("--gate", metavar="KIND[:START[:INPUTS]]", default=None,
+                        help="output gate: each head's output (head) or channel (element) times 2*START*sigmoid(W x + "
+                             "b) from the layer input, W = b = 0 at start: head (the identity at start), head:0.5:12 "
+                             "(the AVnorm post's, from 12 input channels)")
     for flag, spec in NORM_FLAGS.items():
         name = "--" + flag.replace("_", "-")
         about = f"{'/'.join(spec['norms'])}: {spec['doc']}"
@@ -203,7 +207,7 @@ def _check_args(args):
     check_text_files([args.check_text] if args.check_text else [], "--check-text")
     options = {k: getattr(args, k) for k in NORM_FLAGS if getattr(args, k) is not None}
     spec = PatchSpec(args.norm, options, nope=args.nope, rope=args.rope, layers=args.layers, heads=args.heads,
-                     spelling=CLI)  # a bad norm, option, rope or selection fails before loading anything
+                     gate=args.gate, spelling=CLI)  # a bad norm, option, rope, selection or gate fails before loading
     _check_selection_range(args)
     if args.calibration_text and not get_norm(spec.norm).calibrates(spec.norm_options):
         raise RetrofitError(f"--calibration-text sets per-head gains; it needs a norm that has them: "
@@ -299,7 +303,8 @@ def _push(model, tokenizer, args) -> None:
                         f"--norm {args.norm}", *(["--nope"] if args.nope else []),
                         *([f"--layers {args.layers}"] if args.layers else []),
                         *([f"--heads {args.heads}"] if args.heads else []),
-                        *([f"--rope {args.rope}"] if args.rope else []), *flags,
+                        *([f"--rope {args.rope}"] if args.rope else []),
+                        *([f"--gate {args.gate}"] if args.gate else []), *flags,
                         *(["--calibration-text FILE"] if args.calibration_text else [])])
     with tempfile.TemporaryDirectory(prefix="retrofit-patch-") as tmp:
         folder = args.out or os.path.join(tmp, "model")

@@ -3,6 +3,7 @@
     retrofit report docs/results/smollm2-longctx-intervals          # an evaluation folder (results.json)
     retrofit report runs/v3                                          # an experiment folder (results.json + eval/)
     retrofit report runs/v3 --reference base --out runs/v3/vs-base   # its evaluation against another model
+    retrofit report docs/results/x --margin 0.02                     # declare an equivalence margin: ≡ = matches
 
 Every interval and paired difference is recomputed from the per-window losses (and other per-unit values) the
 results keep, with retrofit.evaluate.intervals, and the folder's reports are rewritten in place (only in a folder
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 
 from ..atomic import atomic_write_text, check_output, folder_lock, output_folder
@@ -28,12 +30,18 @@ def add_arguments(parser):
                         help="with --out: compare every model with these (a model, or an experiment's arm)")
     parser.add_argument("--out", default=None, help="write one folder's evaluation, judged against --reference, "
                                                     "here (a new folder) instead of rewriting the folder")
+    parser.add_argument("--margin", type=float, default=None, metavar="NATS",
+                        help="declare an equivalence margin: a paired difference whose 90%% interval lies inside "
+                             "±NATS (two one-sided t tests at 5%%) is marked ≡, 'matches' (e.g. 0.02); kept in "
+                             "results.json, so later reports keep it")
 
 
 def run(args) -> int:
     from ..evaluate.rejudge import rejudge  # the library when the verb runs: `retrofit report --help` stays fast
     from ..evaluate.report import write_report
 
+    if args.margin is not None and not (math.isfinite(args.margin) and args.margin > 0):
+        raise RetrofitError(f"--margin must be a number of nats > 0, e.g. 0.02, got {args.margin:g}")
     paths = [Path(f) / "results.json" for f in args.folders]
     loaded = [(path, _read(path)) for path in paths]  # every file is read and checked before any is rewritten
     if args.out is not None or args.reference is not None:
@@ -41,7 +49,7 @@ def run(args) -> int:
             raise RetrofitError("--reference and --out go together, with one folder: retrofit report DIR "
                                 "--reference NAME --out NEW")
         results = loaded[0][1]
-        judged = rejudge(results.get("evaluation", results), args.reference)  # an unknown name: one line, nothing made
+        judged = rejudge(results.get("evaluation", results), args.reference, args.margin)  # unknown name: one line
         with output_folder(args.out, "--out") as out:
             write_report(judged, out)
         print(f"report: {args.out} (against {args.reference})")
@@ -53,9 +61,9 @@ def run(args) -> int:
             locks.enter_context(folder_lock(path.parent))
         for path, results in loaded:
             if results.get("schema", "").startswith("retrofit.experiment/"):
-                _experiment(path.parent, results)
+                _experiment(path.parent, results, args.margin)
             else:
-                write_report(rejudge(results), path.parent)
+                write_report(rejudge(results, margin=args.margin), path.parent)
             print(f"report: {path.parent} judged again")
     return 0
 
@@ -79,14 +87,14 @@ def _read(path: Path) -> dict:
     return results
 
 
-def _experiment(out: Path, results: dict) -> None:
+def _experiment(out: Path, results: dict, margin: float | None = None) -> None:
     from ..evaluate.rejudge import rejudge
     from ..evaluate.report import write_report
     from ..experiment.report import write_experiment_report  # the experiment stack, only for experiment folders
 
     control = results.get("control", "softmax")  # experiments written before control was recorded: the default
     results = dict(results, evaluation=rejudge(results["evaluation"], control
-                                               if _has(results["evaluation"], control) else None))
+                                               if _has(results["evaluation"], control) else None, margin))
     write_report(results["evaluation"], out / "eval")
     atomic_write_text(out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
     write_experiment_report(results, out)

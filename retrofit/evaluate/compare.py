@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import RetrofitError
-from .intervals import as_list, covers_zero, mean_interval
+from .intervals import as_list, covers_zero, equivalent, mean_interval
 from .seeds import seed_summary
 
 
@@ -41,12 +41,13 @@ def model_arms(results: dict) -> dict[str, str]:
     return {m["name"]: m["arm"] for m in results["models"] if m.get("arm") is not None and m.get("seed") is not None}
 
 
-def paired_comparisons(results: dict, reference=None) -> dict | None:
+def paired_comparisons(results: dict, reference=None, margin: float | None = None) -> dict | None:
     """{"reference": FIRST, "references": [NAME, ...], "rows": [...]}: for each reference, one row per (other model,
     length both have), or None when fewer than two models have language-modelling rows. Each row: reference,
     model, length, difference (model - reference mean loss), ci95, windows, covers_zero, paired, and a reason
     when not paired. `reference`: None (the first model), a name, 'a,b' or a list of names (an arm's name: its run
-    under every seed). Two runs trained under different seeds are not compared (each is, with its own seed's)."""
+    under every seed). Two runs trained under different seeds are not compared (each is, with its own seed's).
+    margin: the equivalence margin (nats); each paired row says whether its difference is within it (`equivalent`)."""
     names = [m["name"] for m in results["models"]]
     references = check_references(reference, names, model_arms(results))
     by_name = {m["name"]: {r["length"]: r for r in m.get("lengths") or []} for m in results["models"]}
@@ -61,7 +62,8 @@ def paired_comparisons(results: dict, reference=None) -> dict | None:
             for length, row in by_name[name].items():
                 base = by_name[ref].get(length)
                 if base is not None:
-                    rows.append({"reference": ref, "model": name, "length": length, **paired_row(row, base)})
+                    rows.append({"reference": ref, "model": name, "length": length,
+                                 **paired_row(row, base, margin)})
     return {"reference": references[0], "references": references, "rows": rows}
 
 
@@ -71,8 +73,9 @@ def comparison_references(results: dict) -> list[str]:
     return comparisons.get("references") or ([comparisons["reference"]] if comparisons.get("reference") else [])
 
 
-def paired_row(row: dict, base: dict) -> dict:
-    """difference, ci95, windows, covers_zero, paired (and reason) of one length row against the reference's."""
+def paired_row(row: dict, base: dict, margin: float | None = None) -> dict:
+    """difference, ci95, windows, covers_zero, paired (and reason) of one length row against the reference's; with a
+    margin, whether the difference is shown to lie within it (`equivalent`, two one-sided tests)."""
     difference = row["loss"] - base["loss"]
     reason = None
     if not row.get("windows_sha1") or row.get("windows_sha1") != base.get("windows_sha1"):
@@ -85,18 +88,23 @@ def paired_row(row: dict, base: dict) -> dict:
     diffs = np.asarray(row["window_losses"], dtype=np.float64) - np.asarray(base["window_losses"], dtype=np.float64)
     ci95 = as_list(mean_interval(diffs))
     return {"difference": float(diffs.mean()), "ci95": ci95, "windows": int(diffs.size),
-            "covers_zero": covers_zero(ci95), "paired": True}
+            "covers_zero": covers_zero(ci95), "paired": True} | \
+        ({"equivalent": equivalent(diffs, margin)} if margin is not None else {})
 
 
-def judged(results: dict, reference=None) -> dict:
+def judged(results: dict, reference=None, margin: float | None = None) -> dict:
     """`results` with its paired differences to `reference` (see paired_comparisons) and, for an experiment with
     seeds, its summary over seeds (`seeds`, retrofit.evaluate.seeds; the control is the first reference's arm)
-    computed afresh from the stored per-window losses; stale ones dropped. An unknown reference is a one-line error."""
+    computed afresh from the stored per-window losses; stale ones dropped. An unknown reference is a one-line error.
+    margin: the equivalence margin in nats (None: the one settings.equivalence_margin declares, if any), kept there."""
     results = {k: v for k, v in results.items() if k not in ("comparisons", "seeds")}
-    comparisons = paired_comparisons(results, reference)
+    margin = margin if margin is not None else (results.get("settings") or {}).get("equivalence_margin")
+    if margin is not None:
+        results["settings"] = {**(results.get("settings") or {}), "equivalence_margin": margin}
+    comparisons = paired_comparisons(results, reference, margin)
     arms = model_arms(results)
     references = check_references(reference, [m["name"] for m in results["models"]], arms)
-    summary = seed_summary(results, next((arms[r] for r in references if r in arms), None))
+    summary = seed_summary(results, next((arms[r] for r in references if r in arms), None), margin)
     return results | ({"schema": "retrofit.eval/2", "comparisons": comparisons} if comparisons else {}) \
         | ({"seeds": summary} if summary else {})
 

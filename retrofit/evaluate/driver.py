@@ -28,7 +28,7 @@ from ..memory import PeakMemory
 from ..norms import baseline_norm
 from ..patch import patch as patch_model
 from ..patch import patch_record
-from ..patch_spec import EVAL, PatchSpec
+from ..patch_spec import EVAL, PATCH_KEYS, PatchSpec
 from ..positions import position_limit
 from ..readers import expect, read_yaml
 from ..recipe import CountingOptions, build
@@ -221,7 +221,7 @@ def _patch_on_the_fly(lm, wanted: dict, name: str) -> None:
     record = patch_record(lm)
     if record is None:
         patch_model(lm, PatchSpec.from_flat({**wanted["options"], "norm": wanted["norm"] or baseline_norm(),
-                                             **{k: wanted.get(k) for k in ("rope", "layers", "heads", "nope")}}, EVAL))
+                                             **{k: wanted.get(k) for k in PATCH_KEYS}}, EVAL))
         return
     if record.get("rope") is None and wanted["rope"] is not None and wanted["norm"] is None:
         extend_rope(lm, wanted["rope"])  # --rope alone on a patched model without one: its norm stays, as trained
@@ -230,6 +230,7 @@ def _patch_on_the_fly(lm, wanted: dict, name: str) -> None:
         raise RetrofitError(f"{name} is already patched with rope {describe_rope(record)}, not "
                             f"{describe_rope(wanted['rope'])}: evaluate it without --rope, or its unpatched base")
     same_norm = record["norm"] == wanted["norm"] and record.get("options") == wanted["options"] \
+        and record.get("gate") == wanted.get("gate") \
         and not (wanted.get("layers") or wanted.get("heads"))  # a selection is for unpatched models too
     if wanted["norm"] is not None and not same_norm:
         raise RetrofitError(f"{name} is already patched with {record['norm']} {record.get('options')}; --patch "

@@ -6,6 +6,7 @@ seeds), `proportion_interval` (Wilson) for proportions.
     lo, hi = mean_interval(per_seed_means)                  # over training seeds (windows averaged within a seed)
     lo, hi = proportion_interval(successes=7, trials=10)    # passkey / needle accuracy
     plus_minus(3.397, (3.376, 3.418), n=3)                  # '3.397 ± 0.021 (n=3)': tables always show n
+    equivalent(a - b, margin=0.02)                          # "matches": both one-sided tests reject |d| >= margin
 
 The unit is what varies independently: a window (L + 1 tokens of one document), a counting sequence, a needle
 sample, a training seed; tokens inside a window are not independent, so they never count as units.
@@ -30,6 +31,7 @@ from scipy import stats
 LEVEL = 0.95
 METHOD = ("Student's t interval of the mean over units (n - 1 degrees of freedom; paired differences: over the "
           "per-unit differences; seeds: over the per-seed means), none for n = 1; Wilson score for proportions")
+
 
 
 @lru_cache(maxsize=None)
@@ -61,6 +63,17 @@ def proportion_interval(successes: int, trials: int, level: float = LEVEL) -> tu
     lo, hi = max(0.0, centre - half), min(1.0, centre + half)
     # at p = 0 or 1 the bound is exactly 0 or 1 (rounding would give 1e-17 or 0.9999999999999999)
     return (0.0 if successes == 0 else lo, 1.0 if successes == trials else hi)
+
+
+def equivalent(values, margin: float | None, level: float = LEVEL) -> bool | None:
+    """Whether the mean of `values` (paired differences, or per-seed differences) is shown to lie within ±margin: two
+    one-sided t tests at 1 - level each (Schuirmann 1987), i.e. the (2·level − 1) t interval (90% for 95%) lies
+    inside (−margin, +margin). None without a margin or with fewer than 2 units. A difference may be both shown
+    (its 95% interval excludes 0) and equivalent (smaller than the margin): 'matches' claims only the second."""
+    if margin is None:
+        return None
+    interval = mean_interval(values, 2 * level - 1)
+    return None if interval is None else bool(-margin < interval[0] and interval[1] < margin)
 
 
 def as_list(interval) -> list[float] | None:

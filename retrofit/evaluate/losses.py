@@ -18,6 +18,7 @@ from ..logit_head import LOGIT_TRANSFORMS, config_value, head_logits, head_token
 from ..memory import PeakMemory
 from ..positions import position_limit
 from .intervals import as_list, mean_interval, proportion_interval
+from .tail import tail_buckets, window_tails
 from .windows import bucket_rows, cut_windows, stack_windows, window_starts
 
 __all__ = ["LOGIT_TRANSFORMS", "check_head", "check_lengths", "config_value", "evaluate_counting", "evaluate_lengths",
@@ -115,10 +116,11 @@ def evaluate_lengths(model, documents: list, lengths: list[int], *, max_tokens=N
 
 
 def _length_row(model, windows, length, batch_tokens, chunk_tokens, name, progress, device) -> dict:
-    """Score the (N, L + 1) windows: mean loss, each window's mean loss, loss by position, time and memory."""
+    """Score the (N, L + 1) windows: mean loss, each window's mean loss and its means over the last two position
+    buckets (the AVnorm post's metric, retrofit.evaluate.tail), loss by position, time and memory."""
     batch = max(1, batch_tokens // length)
     position_sum = torch.zeros(length, dtype=torch.float64)  # summed over windows
-    window_sums = []  # (b,) per batch: each window's summed loss
+    window_sums, tails = [], []  # (b,) and (b, 2) per batch: each window's summed loss, its last two buckets' means
     bar = tqdm(total=windows.shape[0] * length, unit="tok", unit_scale=True, desc=f"{name} L={length}",
                disable=not progress, leave=True, dynamic_ncols=True)
     started = time.perf_counter()
@@ -127,6 +129,7 @@ def _length_row(model, windows, length, batch_tokens, chunk_tokens, name, progre
             losses = token_losses(model, windows[i:i + batch].to(device), chunk_tokens).double().cpu()  # (b, L)
             position_sum += losses.sum(0)
             window_sums.append(losses.sum(1))
+            tails.append(window_tails(losses))
             bar.update(losses.numel())
             bar.set_postfix(loss=f"{position_sum.sum().item() / (bar.n or 1):.3f}")
     seconds = time.perf_counter() - started
@@ -137,7 +140,8 @@ def _length_row(model, windows, length, batch_tokens, chunk_tokens, name, progre
             "peak_memory_mb": round(memory.peak_mb, 1), "start_memory_mb": round(memory.start_mb, 1),
             "windows_sha1": hashlib.sha1(windows.numpy().tobytes()).hexdigest(),
             "by_position": bucket_rows(position_sum, n, "loss"),
-            "window_losses": (torch.cat(window_sums) / length).tolist()}
+            "window_losses": (torch.cat(window_sums) / length).tolist(),
+            "tail_buckets": tail_buckets(length), "window_tails": torch.cat(tails).tolist()}
 
 
 @torch.inference_mode()

@@ -32,10 +32,11 @@ def _interval(row: dict, key: str):
     return proportion_interval(int(sum(scores)), len(scores)) if binary else mean_interval(scores)
 
 
-def rejudge(results: dict, reference=None) -> dict:
+def rejudge(results: dict, reference=None, margin: float | None = None) -> dict:
     """A copy of an evaluation's results with every ci95 recomputed (retrofit.evaluate.intervals), the paired
     differences to `reference` (default: the references it was compared with) and the summary over seeds afresh,
-    and settings.intervals naming the method (left out when no row kept its units: nothing was judged)."""
+    and settings.intervals naming the method (left out when no row kept its units: nothing was judged). margin: an
+    equivalence margin to declare (nats; kept in settings.equivalence_margin, so a later rejudge keeps it)."""
     results = copy.deepcopy(results)
     judged_any = False
     for model in results["models"]:
@@ -51,4 +52,4 @@ def rejudge(results: dict, reference=None) -> dict:
     else:
         settings.pop("intervals", None)
     references = reference if reference is not None else (comparison_references(results) or None)
-    return judged(results, references)
+    return judged(results, references, margin)

@@ -25,6 +25,7 @@ from .report_tables import (  # noqa: F401  (re-exported: experiment reports and
     CSV_COLUMNS,
     comparison_table_markdown,
     cost_table_markdown,
+    legend,
     loss_table_markdown,
     markdown_table,
     model_label,
@@ -36,6 +37,7 @@ from .report_tables import (  # noqa: F401  (re-exported: experiment reports and
     windows_table_markdown,
 )
 from .ruler_report import RULER_ROW, ruler_tables
+from .tail import tail_sections
 
 # ---- the schema (a JSON Schema subset; `validate` below checks it without extra dependencies) -----------------
 
@@ -54,7 +56,10 @@ _LENGTH_ROW = {
                    "tokens": _INT, "time_s": _NUM, "tokens_per_s": _NUM, "peak_memory_mb": _NUM,
                    "start_memory_mb": _NUM, "beyond_max_positions": {"type": "boolean"}, "windows_sha1": _STR,
                    "by_position": {"type": "array", "items": _BUCKET},
-                   "window_losses": _NUMS, "window_documents": _INTS, "windows_by_document": _INTS, "ci95": _CI95}}
+                   "window_losses": _NUMS, "window_documents": _INTS, "windows_by_document": _INTS, "ci95": _CI95,
+                   # each window's mean loss over its last two position buckets (retrofit.evaluate.tail)
+                   "tail_buckets": {"type": "array", "items": _INTS},
+                   "window_tails": {"type": "array", "items": _NUMS}}}
 _PASSKEY_ROW = {"type": "object", "required": ["length", "depth", "accuracy", "trials"],
                 "properties": {"length": _INT, "depth": {"type": "number", "minimum": 0, "maximum": 1},
                                "accuracy": {"type": "number", "minimum": 0, "maximum": 1}, "trials": _INT,
@@ -82,6 +87,7 @@ _COMPARISON_ROW = {"type": "object", "required": ["model", "length", "difference
                    "properties": {"reference": _STR, "model": _STR, "length": _INT, "difference": _NUM, "ci95": _CI95,
                                   "windows": _INT,
                                   "covers_zero": {"type": ["boolean", "null"]}, "paired": {"type": "boolean"},
+                                  "equivalent": {"type": ["boolean", "null"]},  # only under a declared margin
                                   "reason": _STR}}
 _COMPARISONS = {"type": "object", "required": ["reference", "rows"],
                 "properties": {"reference": _STR, "references": {"type": "array", "items": _STR},
@@ -304,6 +310,7 @@ def results_markdown(results: dict, plots=()) -> str:
     lines += _interval_lines(results)
     lm = [("Loss by context length", loss_table_markdown(results)),
           *_comparison_section(results),
+          *tail_sections(results),  # the AVnorm post's metric: the last position bucket [L/2, L), and its rise
           ("Windows per length and document", windows_table_markdown(results)),
           ("Time and memory per length", cost_table_markdown(results)),
           (f"Loss by position at length {max(results['lengths'], default=0)}", position_table_markdown(results))]
@@ -339,5 +346,5 @@ def _comparison_section(results: dict) -> list[tuple[str, str]]:
             shown = md_inline(reference)
             sections.append((f"Paired differences to {shown}", f"Mean loss minus {shown}'s on the same "
                              f"windows, with the paired 95% interval (negative = lower loss than {shown})."
-                             f"\n\n{table}\n\n{APPROX_LEGEND}"))
+                             f"\n\n{table}\n\n{legend(results)}"))
     return sections

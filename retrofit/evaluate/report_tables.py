@@ -11,6 +11,17 @@ from .intervals import bounds, covers_zero, plus_minus
 APPROX = "≈"
 APPROX_LEGEND = (f"{APPROX}: the interval covers 0 — no difference shown (a difference is called only when its "
                  "95% interval excludes 0); n: the units it stands on (windows; seeds in a seed table).")
+EQUIVALENT = "≡"
+
+
+def legend(results: dict) -> str:
+    """APPROX_LEGEND, and the equivalence mark's meaning when the results declare a margin."""
+    margin = (results.get("settings") or {}).get("equivalence_margin")
+    if margin is None:
+        return APPROX_LEGEND
+    return (APPROX_LEGEND + f" {EQUIVALENT}: equivalent within ±{margin:g} (the margin declared before judging: two "
+            f"one-sided t tests at 5%, i.e. the 90% interval lies inside ±{margin:g}; it may still exclude 0); only "
+            "these are 'matches'.")
 
 # ---- tables -------------------------------------------------------------------------------------------------
 
@@ -166,20 +177,39 @@ def comparison_table_markdown(results: dict, reference: str | None = None) -> st
     models = list(dict.fromkeys(c["model"] for c in found))
     cells = {(c["model"], c["length"]): _difference_cell(c) for c in found}
     rows = [[name] + [cells.get((name, n)) for n in lengths] for name in models]
-    return markdown_table([f"model − {reference}"] + lengths, rows)
+    return markdown_table([f"model − {reference}"] + lengths, rows) + "\n\n" + verdict_lines(found, "model", "windows")
 
 
 def _difference_cell(c: dict) -> str:
     if c.get("paired") is False:
         return f"{c['difference']:+.3f} (unpaired, n={c.get('windows')})"
-    return difference_cell(c["difference"], c.get("ci95"), c.get("windows"))
+    return difference_cell(c["difference"], c.get("ci95"), c.get("windows"), c.get("equivalent"))
 
 
-def difference_cell(difference: float, interval, n: int | None) -> str:
-    """'+0.012 ± 0.004 (n=3)', with ' ≈' when the interval covers 0 (no difference shown); '+0.012 (n=1)' without
-    an interval (nothing shown either way)."""
+def difference_cell(difference: float, interval, n: int | None, equivalent: bool | None = None) -> str:
+    """'+0.012 ± 0.004 (n=3)', with ' ≡' when it is shown to lie within the declared margin (`equivalent`), else ' ≈'
+    when the interval covers 0 (no difference shown); '+0.012 (n=1)' without an interval (nothing shown)."""
     text = ("+" if difference >= 0 else "") + plus_minus(difference, interval, n)
-    return text + (f" {APPROX}" if covers_zero(interval) else "")
+    return text + (f" {EQUIVALENT}" if equivalent else f" {APPROX}" if covers_zero(interval) else "")
+
+
+def verdict_lines(rows: list[dict], key: str, unit: str) -> str:
+    """What each row's model (or arm) shows across the lengths, generated so that no report says 'at every length'
+    unless every length's interval excludes 0: '- avnorm: higher at 256, 512; no difference shown at 1024'."""
+    lines = []
+    for name in dict.fromkeys(r[key] for r in rows):
+        found = {"higher": [], "lower": [], "within the margin": [], "no difference shown": [], "no interval": []}
+        for r in sorted((r for r in rows if r[key] == name), key=lambda r: r["length"]):
+            verdict = "within the margin" if r.get("equivalent") else "no interval" if r.get("ci95") is None \
+                else "no difference shown" if covers_zero(r["ci95"]) else "higher" if r["difference"] > 0 else "lower"
+            found[verdict].append(str(r["length"]))
+        total = sum(map(len, found.values()))
+        parts = [f"{what} at {'every length' if len(at) == total > 1 else ', '.join(at)}" for what, at in found.items()
+                 if at]
+        lines.append(f"- {name}: " + "; ".join(parts))
+    margin = f"; within the margin: equivalent, {EQUIVALENT}" if any("equivalent" in r for r in rows) else ""
+    return (f"By length (higher / lower: the 95% interval over {unit} excludes 0{margin}):\n\n"
+            + "\n".join(lines)) if lines else ""
 
 
 def windows_table_markdown(results: dict) -> str:
@@ -209,7 +239,7 @@ def seed_sections(results: dict) -> list[tuple[str, str]]:
                  + markdown_table(["arm"] + lengths, [[a] + [means.get((a, n)) for n in lengths] for a in arms]))]
     if summary["differences"]:
         control, shown = summary["control"], md_inline(summary["control"])  # a table's cells are escaped by it
-        cells = {(r["arm"], r["length"]): difference_cell(r["difference"], r["ci95"], r["seeds"])
+        cells = {(r["arm"], r["length"]): difference_cell(r["difference"], r["ci95"], r["seeds"], r.get("equivalent"))
                  for r in summary["differences"]}
         others = list(dict.fromkeys(r["arm"] for r in summary["differences"]))
         sections.append((f"Difference to {shown} over seeds",
@@ -218,5 +248,5 @@ def seed_sections(results: dict) -> list[tuple[str, str]]:
                          "seed would be expected to reproduce.\n\n"
                          + markdown_table([f"arm − {control}"] + lengths,
                                           [[a] + [cells.get((a, n)) for n in lengths] for a in others])
-                         + f"\n\n{APPROX_LEGEND}"))
+                         + "\n\n" + verdict_lines(summary["differences"], "arm", "seeds") + f"\n\n{legend(results)}"))
     return sections

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .intervals import as_list, covers_zero, mean_interval
+from .intervals import as_list, covers_zero, equivalent, mean_interval
 
 
 def seed_groups(results: dict) -> dict[str, dict[int, dict]]:
@@ -46,12 +46,13 @@ def _paired(row: dict, base: dict, task: str) -> float | None:
     return row[metric] - base[metric] if task == "lengths" else None
 
 
-def seed_summary(results: dict, control: str | None) -> dict | None:
+def seed_summary(results: dict, control: str | None, margin: float | None = None) -> dict | None:
     """{"control", "seeds", "metric", "arms": [...], "differences": [...]}: per (arm, length), the mean metric (loss,
     or counting L1) over seeds with its interval over seeds (`seeds` = n, `seed_values` in `seed_list` order, `units`
     per seed); per (arm other than the control, length), the difference to the control formed within each seed on
-    the same units, then its mean and interval over the seeds both ran (`seed_differences`). None when no entry
-    carries a seed."""
+    the same units, then its mean and interval over the seeds both ran (`seed_differences`); with a margin (nats of
+    loss; counting L1 has none), whether it lies within it over seeds (`equivalent`). None when no entry carries a
+    seed."""
     groups, task = seed_groups(results), _task(results)
     if not groups:
         return None
@@ -74,6 +75,8 @@ def seed_summary(results: dict, control: str | None) -> dict | None:
                 interval = as_list(mean_interval(list(paired.values())))
                 differences.append({"arm": arm, "length": length, "difference": float(np.mean(list(paired.values()))),
                                     "ci95": interval, "seeds": len(paired), "covers_zero": covers_zero(interval),
-                                    "seed_list": list(paired), "seed_differences": list(paired.values())})
+                                    "seed_list": list(paired), "seed_differences": list(paired.values())}
+                                   | ({"equivalent": equivalent(list(paired.values()), margin)}
+                                      if margin is not None and task == "lengths" else {}))
     return {"control": control, "seeds": sorted({s for g in groups.values() for s in g}), "metric": metric,
             "arms": arms, "differences": differences}

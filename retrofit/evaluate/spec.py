@@ -112,7 +112,8 @@ def check_variants(variants) -> list[dict]:
 
 
 def _eval_patch(patch, rope, calibration=None) -> dict | None:
-    """{"norm", "options", "rope"[, "layers", "heads", "nope", "calibrate"]} to apply at evaluation (None: nothing),
+    """{"norm", "options", "rope"[, "layers", "heads", "nope", "gate", "calibrate"]} to apply at evaluation (None:
+    nothing),
     checked (a PatchSpec) without loading a model. patch: a mapping {norm, **options} or a --patch string.
     norm None = --rope alone: softmax on an unpatched model, any norm on a patched one."""
     if patch is None and rope is None:
@@ -126,6 +127,6 @@ def _eval_patch(patch, rope, calibration=None) -> dict | None:
         flat["rope"] = rope
     spec = PatchSpec.from_flat({**flat, "norm": flat.get("norm") or baseline_norm()}, EVAL)
     wanted = {"norm": flat.get("norm"), "options": spec.all_options() if flat.get("norm") else {}, "rope": spec.rope}
-    extra = {"layers": spec.layers, "heads": spec.heads, "nope": True if spec.nope else None,
+    extra = {"layers": spec.layers, "heads": spec.heads, "nope": True if spec.nope else None, "gate": spec.gate,
              "calibrate": calibration or None}
     return {**wanted, **{k: v for k, v in extra.items() if v is not None}}

@@ -112,8 +112,7 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
     stage = _stage_recipe(recipe, arm_dir, patch=arm.patch, steps=exp.finetune_steps,
                           lr=arm.lr if arm.lr is not None else exp.finetune_lr, warmup=exp.finetune_warmup,
                           at_steps=at, source=base, recovery=arm.recovery, lengths=exp.recovery_lengths)
-    if arm.seed is not None:  # a replicate: its own data order (and init, from scratch), all else the same
-        stage.train = dataclasses.replace(stage.train, seed=arm.seed)
+    stage = arm.applied(stage)  # the arm's own seed (a replicate) and zero_init, all else the recipe's
     change = arm_change(arm_dir, stage, out)
     if change is not None:  # an edited arm: its old model (or checkpoints) would be reported under the new settings
         if not remove_owned(arm_dir, arms):

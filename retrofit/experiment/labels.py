@@ -16,15 +16,17 @@ def trained_patch(arm_dir: Path, arm: ArmSection) -> dict:
     schedule), for the report's labels; the recipe's settings when there is no checkpoint (a failed arm)."""
     config = arm_dir / "config.json"
     if not (config.is_file() and (arm_dir / "result.json").is_file()):
+        spec = arm.patch.spec()
         found = arm.patch.options | {"norm": arm.patch.norm, "nope": arm.patch.nope, "rope": arm.patch.rope,
-                                     "layers": arm.patch.layers, "heads": arm.patch.heads}
+                                     "layers": arm.patch.layers, "heads": arm.patch.heads,
+                                     "gate": spec.gate if spec else None}
     elif not isinstance(record := read_json(config).get("retrofit"), dict):
         return {"norm": None, "nope": False}  # an arm left unpatched
     else:
-        found = _trained_options(record) | {k: record.get(k) for k in ("norm", "layers", "heads")} | {
+        found = _trained_options(record) | {k: record.get(k) for k in ("norm", "layers", "heads", "gate")} | {
             "nope": bool(record.get("nope")),
             "rope": _trained_rope(record["rope"], arm.patch.rope) if record.get("rope") is not None else None}
-    return {k: v for k, v in found.items() if v is not None or k not in ("rope", "layers", "heads")}
+    return {k: v for k, v in found.items() if v is not None or k not in ("rope", "layers", "heads", "gate")}
 
 
 def _trained_options(record: dict) -> dict:

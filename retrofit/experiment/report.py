@@ -17,7 +17,8 @@ from ..atomic import atomic_write_text
 from ..escape import md_code, md_inline
 from ..evaluate.compare import comparison_references
 from ..evaluate.intervals import plus_minus
-from ..evaluate.report import APPROX_LEGEND, comparison_table_markdown, line_plot, markdown_table, seed_sections
+from ..evaluate.report import comparison_table_markdown, legend, line_plot, markdown_table, seed_sections
+from ..evaluate.tail import tail_sections
 from ..recipe import seeded_name
 from .reference import direction_markdown
 
@@ -215,7 +216,7 @@ def write_experiment_report(results: dict, out) -> Path:
              "longest length's value divided by the trained length's.", "", comparison_table(results), ""]
     lines += _paired_gap_lines(evaluation)
     lines += _train_vs_heldout_lines(results)
-    for title, table in seed_sections(evaluation):  # an experiment with seeds: means and differences over seeds
+    for title, table in seed_sections(evaluation) + tail_sections(evaluation):  # over seeds; the post's metric
         lines += [f"### {title}", "", table, ""]
     if _metric(evaluation)[0] == "counting":
         lines += ["### L1 relative to the mean true count", "",
@@ -267,5 +268,5 @@ def _paired_gap_lines(evaluation: dict) -> list[str]:
         if table:
             lines += [f"### Gap to {md_code(reference)} by length (paired, same windows)", "",
                       f"Mean loss minus {md_code(reference)}'s on the same windows, with the 95% interval of the "
-                      "per-window differences (negative = better than it).", "", table, "", APPROX_LEGEND, ""]
+                      "per-window differences (negative = better than it).", "", table, "", legend(evaluation), ""]
     return lines

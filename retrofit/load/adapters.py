@@ -285,7 +285,7 @@ def _refuse_gguf_folder(base: str, folder: Path) -> None:
 
 
 def _same_patch(a: dict, b: dict) -> bool:
-    return all(a.get(k) == b.get(k) for k in ("norm", "options", "nope", "layers", "heads"))
+    return all(a.get(k) == b.get(k) for k in ("norm", "options", "nope", "layers", "heads", "gate"))
 
 
 def adapter_patch_keys(folder: Path) -> set:

@@ -94,7 +94,8 @@ def _record_facts(record: dict | None) -> dict:
         return {"norm": None}
     return {"norm": record["norm"], "options": record.get("options") or {}, "nope": bool(record.get("nope")),
             "layers": describe_selection(record.get("layers")), "heads": describe_selection(record.get("heads")),
-            "rope": describe_rope(record.get("rope")), "attention": record.get("base_attn_implementation"),
+            "rope": describe_rope(record.get("rope")), "gate": record.get("gate"),
+            "attention": record.get("base_attn_implementation"),
             "calibration": record.get("calibration"), "retrofit_version": record.get("retrofit_version")}
 
 
@@ -150,9 +151,14 @@ def _moved(facts: dict, tensors: dict) -> str:
     shape = AttentionShape(facts["num_heads"], facts["num_kv_heads"], facts["head_dim"],
                            facts["max_position_embeddings"])
     fresh = get_norm(facts["norm"])(options, shape).state_dict()
-    changed = sorted({n.rsplit(".", 1)[-1] for n, t in tensors.items()
-                      if (f := fresh.get(n.rsplit(".", 1)[-1])) is None or f.shape != t.shape
-                      or not bool((f.to(t.dtype) == t).all())})
+
+    def initial(key: str, tensor) -> bool:
+        if key.startswith("gate."):  # retrofit.gate: weight and bias start at zero
+            return not bool(tensor.any())
+        f = fresh.get(key)
+        return f is not None and f.shape == tensor.shape and bool((f.to(tensor.dtype) == tensor).all())
+
+    changed = sorted({key for n, t in tensors.items() if not initial(key := n.split(MARKER, 1)[-1], t)})
     if not changed:
         return "initial (not calibrated, not trained)"
     return ("calibrated" if facts.get("calibration") else "changed") + f" ({', '.join(changed)} moved from the " \

@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import RetrofitError
+from ..families import mlp_output_projections, output_projection
 from ..patch import attention_modules, is_patched, patch, patch_record, unpatch
 from ..readers import read_json
 from ..recipe import PatchSection, Recipe, load_recipe
@@ -163,11 +164,32 @@ def load_base(recipe: Recipe):
         cfg = dict(m.config)
         model = model_from_config(cfg.pop("model_type"), attn_implementation=m.attn_implementation,
                                   seed=recipe.train.seed, **cfg)
+        zero_projections(model, m.zero_init)
         model.to(training_dtype(m.dtype))
     else:  # model.dtype auto: float32 master weights, whatever the source was saved in (see training_dtype)
         model = load(m.source, dtype=training_dtype(m.dtype), attn_implementation=m.attn_implementation,
                      revision=m.revision)
     return model, recipe_tokenizer(recipe)
+
+
+def zero_projections(model: nn.Module, parts) -> int:
+    """model.zero_init: the output projections named in `parts` (attention_output, mlp_output) start at zero, weight
+    and bias; returns how many were zeroed. A part the model has none of is refused in one line."""
+    found = {"attention_output": [output_projection(m) for _, m in attention_modules(model)],
+             "mlp_output": mlp_output_projections(model)}
+    zeroed = 0
+    for part in parts:
+        projections = [p for p in found[part] if p is not None]
+        if not projections or len(projections) < len(found["attention_output"]):
+            raise RetrofitError(f"model.zero_init: {part}: {type(model).__name__} has a layer without an output "
+                                f"projection retrofit knows (families.py); drop {part}")
+        with torch.no_grad():
+            for projection in projections:
+                for tensor in (projection.weight, getattr(projection, "bias", None)):
+                    if isinstance(tensor, torch.Tensor):
+                        tensor.zero_()
+        zeroed += len(projections)
+    return zeroed
 
 
 def recipe_tokenizer(recipe: Recipe):
@@ -188,7 +210,7 @@ def recipe_tokenizer(recipe: Recipe):
 
 
 def apply_patch(model: nn.Module, section: PatchSection):
-    """Patch as the recipe says; a model that already carries this exact patch (norm, options, nope, rope) keeps
+    """Patch as the recipe says; a model that already carries this exact patch (norm, options, nope, rope, gate) keeps
     it (and its trained parameters); a different patch replaces it. patch.norm null leaves the model as loaded."""
     spec = section.spec()
     if spec is None:
@@ -197,7 +219,7 @@ def apply_patch(model: nn.Module, section: PatchSection):
     record = patch_record(lm)
     if record and record.get("norm") == spec.norm and record.get("nope") == spec.nope \
             and record.get("options") == spec.all_options() and same_rope(record.get("rope"), spec.rope) \
-            and _same_selection(lm, record, spec):
+            and _same_selection(lm, record, spec) and record.get("gate") == spec.gate:
         return None
     if is_patched(lm):
         unpatch(lm)

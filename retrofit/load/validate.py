@@ -28,7 +28,7 @@ from ..bounds import check_heads, key_name
 from ..errors import RetrofitError, shown
 from ..norms import available_norms, make_options
 from ..patch_spec import PatchSpec
-from ..record import FIELDS, FORMAT
+from ..record import FIELDS, FORMAT, OPTIONAL_FIELDS
 
 # Sizes and counts config.json may hold (transformers' names; GPT-2's n_head etc. map onto them): each an integer
 # in [1, SIZE_LIMIT]. 2**24 is above every released model's vocabulary (262,144) and context (Llama 4: 10M);
@@ -133,8 +133,9 @@ RECORD_TYPES = {
              "null or a mapping with 'parameters'"),
     "layers": (_indices, "null or a list of indices >= 0"),
     "heads": (_indices, "null or a list of indices >= 0"),
+    "gate": (lambda v: v is None or isinstance(v, dict), "null or a mapping {kind, start, inputs}"),
 }
-assert RECORD_TYPES.keys() == FIELDS.keys(), "every record field has a type"
+assert RECORD_TYPES.keys() == FIELDS.keys() | OPTIONAL_FIELDS.keys(), "every record field has a type"
 
 
 def check_record(record: dict, where: str) -> None:
@@ -143,10 +144,10 @@ def check_record(record: dict, where: str) -> None:
     if _is(int, record.get("format")) and record["format"] > FORMAT:  # its fields may be new: say so first
         raise RetrofitError(f"{where}: this checkpoint was written by a newer retrofit (format {record['format']}); "
                             "upgrade retrofit")
-    unknown = sorted(set(record) - set(FIELDS))
+    unknown = sorted(set(record) - set(FIELDS) - set(OPTIONAL_FIELDS))
     if unknown:
         raise RetrofitError(f"{where}: retrofit has no field {', '.join(map(shown, unknown))}; its fields: "
-                            f"{', '.join(FIELDS)}")
+                            f"{', '.join([*FIELDS, *OPTIONAL_FIELDS])}")
     for key, value in record.items():
         test, what = RECORD_TYPES[key]
         if not test(value):

@@ -113,6 +113,9 @@ def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
     recipe = build(Recipe, core, "")
     recipe.extras = extras
     check_schedule_endpoints(recipe.patch, extras.get("recovery"))
+    for section in extras.values():  # a registered section may check itself against the rest of the recipe
+        if callable(getattr(section, "check_recipe", None)):
+            section.check_recipe(recipe)
     return recipe
 
 

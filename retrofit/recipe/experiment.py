@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import RetrofitError
 from ..norms import baseline_norm
+from .model import ZERO_INIT
 from .schema import setting
 from .sections import PatchSection, RecoverySection
 
@@ -72,10 +73,25 @@ class ArmSection:
     recovery: RecoverySection | None = setting(None, "this arm's recovery (schedule, distillation, patch_lr; see the "
                                                      "recovery section); null = plain finetune. The top-level recovery "
                                                      "section is not applied to arms: each arm says its own")
+    zero_init: list[str] | None = setting(None, "from scratch: this arm's model.zero_init (attention_output, "
+                                                "mlp_output; [] = none), e.g. to ablate it; null = model.zero_init")
 
     def __post_init__(self):
         check_arm_name(self.name)
         check_lr(self.lr, f"experiment arm {self.name} lr")
+        for part in self.zero_init or []:
+            if part not in ZERO_INIT:
+                raise RetrofitError(f"experiment arm {self.name} zero_init: unknown part {part!r}; choose from "
+                                    f"{', '.join(ZERO_INIT)}")
+
+    def applied(self, stage):
+        """`stage` (the arm's Recipe) with what this arm sets itself: its seed (a replicate: its own data order, and
+        init from scratch) and its zero_init."""
+        if self.seed is not None:
+            stage.train = dataclasses.replace(stage.train, seed=self.seed)
+        if self.zero_init is not None:
+            stage.model = dataclasses.replace(stage.model, zero_init=list(self.zero_init))
+        return stage
 
 
 @dataclass
@@ -137,6 +153,14 @@ class ExperimentSection:
                                                               for n in self.recovery_lengths)):
             raise RetrofitError(f"experiment.recovery_lengths must be a non-empty list of lengths >= 2, "
                                 f"got {self.recovery_lengths}")
+
+    def check_recipe(self, recipe) -> None:
+        """An arm's own zero_init initializes a model built from model.config, with no base: refused otherwise."""
+        own = [a.name for a in self.arms if a.zero_init]
+        if own and (recipe.model.source is not None or self.base_steps > 0):
+            raise RetrofitError(f"experiment arm {own[0]} sets zero_init, which initializes a model built from "
+                                "model.config; these arms start from a base (model.source or experiment.base_steps): "
+                                "drop the arm's zero_init")
 
     def _check_seeds(self, names: list[str]) -> None:
         if self.seeds is None:

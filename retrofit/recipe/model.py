@@ -14,6 +14,8 @@ from ..bounds import check_heads
 from ..errors import RetrofitError, closest, shown
 from .schema import need, setting
 
+ZERO_INIT = ("attention_output", "mlp_output")  # model.zero_init: which projections start at zero
+
 
 @dataclass
 class ModelSection:
@@ -32,6 +34,11 @@ class ModelSection:
                 "mixed precision")
     attn_implementation: Literal["sdpa", "eager"] = setting("sdpa", "kernel the patch wraps; sdpa is faster, eager "
                                                                    "for models without an sdpa path")
+    zero_init: list[str] = setting(factory=list, doc="with config (from scratch): start these projections at zero, "
+                                                     "weight and bias: attention_output (each attention module's "
+                                                     "output projection), mlp_output (each MLP's down projection), as "
+                                                     "the AVnorm post's model (modded-nanogpt) does; every layer then "
+                                                     "starts as the identity on the residual stream")
 
     def __post_init__(self):
         need(self.source is None or self.config is None,
@@ -40,6 +47,12 @@ class ModelSection:
               "model: set source (Hub id, folder or .gguf) or config (model_type and sizes) to pretrain from scratch")
         if self.config is not None:
             _check_model_config(self.config)
+        for part in self.zero_init:
+            need(part in ZERO_INIT, f"model.zero_init: unknown part {shown(part)}{closest(str(part), ZERO_INIT)}; "
+                                    f"choose from {', '.join(ZERO_INIT)}")
+        need(not self.zero_init or self.source is None,
+             "model.zero_init initializes a model built from model.config; a pretrained source keeps its weights: "
+             "drop model.zero_init")
 
 
 def _check_model_config(config: dict) -> None:

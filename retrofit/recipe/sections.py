@@ -45,6 +45,10 @@ class PatchSection:
                                                     "':4' (every 4th), [16, 17]; null = every layer")
     heads: str | int | list | None = setting(None, "avnorm/ssmax/softmax1: act on these query heads only (same "
                                                    "syntax); null = every head")
+    gate: str | dict | None = setting(None, "output gate (retrofit.gate), each head's output times 2s*sigmoid(W x + b) "
+                                            "from the layer input: head | element[:START[:INPUTS]], e.g. head (the "
+                                            "identity at start: retrofits), head:0.5:12 (the AVnorm post's); null = "
+                                            "none")
     options: dict = setting(factory=dict, doc="the norm's options, written flat beside `norm` (patch.p: 2); see "
                                               "`retrofit norms`; unset = the norm's default")
 
@@ -57,8 +61,8 @@ class PatchSection:
         if self.norm is None:
             given = list(self.options)
             need(not given and not self.nope and not self.calibrate_tokens and self.rope is None
-                 and self.layers is None and self.heads is None,
-                 f"patch: {', '.join(given) or 'nope/calibrate_tokens/rope'} given but patch.norm is null; set "
+                 and self.layers is None and self.heads is None and self.gate is None,
+                 f"patch: {', '.join(given) or 'nope/calibrate_tokens/rope/gate'} given but patch.norm is null; set "
                  "patch.norm (softmax keeps attention unchanged)")
             return
         self.options = self.spec().options  # every rule of the patch is checked there; options typed (p: 2 -> 2.0)
@@ -74,7 +78,7 @@ class PatchSection:
         if self.norm is None:
             return None
         return PatchSpec(self.norm, self.options, nope=self.nope, rope=self.rope, layers=self.layers,
-                         heads=self.heads, spelling=RECIPE)
+                         heads=self.heads, gate=self.gate, spelling=RECIPE)
 
     def tokens_to_calibrate(self, pretrained: bool) -> int:
         """patch.calibrate_tokens, or its default: 8192 for a norm calibrated by default (AVNorm: Norm.

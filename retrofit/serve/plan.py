@@ -12,6 +12,7 @@ Decided here, before vLLM builds a module, so nothing is ever served as somethin
 - RoPE extensions (yarn, linear, llama3): config.json already carries the extended `rope_parameters`, which vLLM's
   own rope reads. dynamic and longrope: refused (vLLM computes them differently: ROPE_REFUSED).
 - psoftmax: refused (PSOFTMAX_REFUSED). A model family outside ARCHITECTURES: refused.
+- an output gate (retrofit.gate), with any norm: refused (GATE_REFUSED).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ PSOFTMAX_REFUSED = ("p-softmax is not served by vLLM: it rescales each row by ex
                     "attention returns no log-sum-exp; run it with retrofit.from_pretrained or `retrofit eval`")
 SINKS_REFUSED = ("softmax1 is not served by this vLLM build: its attention backend ({backend}) takes no attention "
                  "sinks; run it with retrofit.from_pretrained or `retrofit eval`, or serve on a backend with sinks")
+GATE_REFUSED = ("its output gate is not served by vLLM: the gate reads each attention layer's input, which vLLM's "
+                "attention layer does not hand retrofit's module; run it with retrofit.from_pretrained or `retrofit "
+                "eval`")
 # RoPE types vLLM's get_rope builds from rope_parameters as transformers does (tests/serve/test_serve_vllm.py: yarn,
 # linear, llama3 within 1e-5), and the ones it builds differently, refused.
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -89,6 +93,8 @@ def serve_plan(config, where: str = "this checkpoint") -> ServePlan | None:
         raise RetrofitError(f"{where}: {PSOFTMAX_REFUSED}")
     if norm not in SERVED:
         raise RetrofitError(f"{where}: retrofit's vLLM plugin serves {', '.join(SERVED)}, not {norm!r}")
+    if record.get("gate"):
+        raise RetrofitError(f"{where}: {GATE_REFUSED}")
     rope = record.get("rope")
     original = _original_positions(config, rope)
     if rope:

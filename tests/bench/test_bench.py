@@ -79,3 +79,24 @@ def test_bench_eval_chunked_and_naive_score_the_same_window(tmp_path, capsys):
     for r in rows.values():
         assert r["peak_memory_mb"] >= r["start_memory_mb"] > 0 and r["tokens_per_s"] > 0
     assert "| chunked | 256 |" in capsys.readouterr().out
+
+
+def test_bench_train_memory_labels_the_model_it_measured(tmp_path):
+    """Issue 55: rows of `--memory --model SmolLM2` were labelled model_type 'gpt2' (--model-type's default, which
+    --model replaces). The child's row names the loaded model's type; the spec, none."""
+    import argparse
+
+    from retrofit.bench import train as bench_train
+    from retrofit.bench import train_memory
+    from tests.tiny import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path / "m")
+    parser = argparse.ArgumentParser()
+    bench_train.add_arguments(parser)  # `retrofit bench train`'s options, --memory's among them
+    args = parser.parse_args(["--memory", "--model", str(tmp_path / "m"), "--threads", "1", "--batch", "1"])
+    assert args.model_type == "gpt2"  # the CLI's default: what the old rows carried
+    spec = train_memory._spec(args, "retrofit", 16) | {"steps": 2}
+    assert spec["model_type"] is None
+    train_memory.child(spec, tmp_path / "row.json")
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row["model_type"] == "llama" and row["model"] == str(tmp_path / "m") and row["peak_mb"] > 0

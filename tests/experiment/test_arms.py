@@ -196,3 +196,47 @@ def test_tables_label_an_arm_from_its_checkpoint(tmp_path):
     rows = [line for line in (tmp_path / "run" / "report.md").read_text().splitlines()
             if line.startswith("| psoftmax | ") and "norm=psoftmax" in line]
     assert rows and all("p=1.5" in row and "p=2.0" not in row for row in rows), rows
+
+
+def _scratch_recipe(**experiment_extra):
+    from retrofit.recipe import recipe_from_dict
+
+    return recipe_from_dict({
+        "model": {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "vocab_size": 16}, "zero_init": ["mlp_output"]},
+        "data": {"task": "counting", "seq_len": 16}, "train": {"steps": 1},
+        "experiment": {"finetune_steps": 2, "arms": [
+            {"name": "both", "patch": {"norm": "softmax", "gate": "head:0.5:12"}},
+            {"name": "gate-only", "patch": {"norm": "softmax", "gate": "head:0.5:12"}, "zero_init": []},
+            {"name": "attention-zero", "patch": {"norm": "softmax"}, "zero_init": ["attention_output"]}],
+            **experiment_extra}})
+
+
+def test_an_arm_sets_its_own_zero_init_for_the_ablation(tmp_path, monkeypatch):
+    """Issue 55's ablation: arms of one from-scratch experiment differ in model.zero_init (and the gate)."""
+    recipe = _scratch_recipe()
+    exp, seen = recipe.section("experiment"), {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_train(stage, **kwargs):
+        seen[stage.output.dir] = (stage.model.zero_init, stage.patch.spec().gate)
+        raise Stop
+
+    monkeypatch.setattr(experiment, "train", fake_train)
+    for arm in exp.arms:
+        with pytest.raises(Stop):
+            experiment.run_arm(recipe, exp, arm, None, tmp_path / "exp")
+    gate = {"kind": "head", "start": 0.5, "inputs": 12}
+    assert {k.rsplit("/", 1)[-1]: v for k, v in seen.items()} == {
+        "both": (["mlp_output"], gate), "gate-only": ([], gate), "attention-zero": (["attention_output"], None)}
+
+
+def test_an_arm_zero_init_needs_a_model_built_from_its_config():
+    with pytest.raises(RetrofitError, match="experiment arm attention-zero sets zero_init.*drop the arm's zero_init"):
+        _scratch_recipe(base_steps=5)
+    from retrofit.recipe import recipe_from_dict
+    with pytest.raises(RetrofitError, match="experiment arm x zero_init: unknown part 'mlp'"):
+        recipe_from_dict({"model": {"config": {"model_type": "llama"}}, "data": {"task": "counting"},
+                          "experiment": {"arms": [{"name": "x", "zero_init": ["mlp"]}]}})

@@ -46,7 +46,8 @@ def peft_on_patched(tmp_path, family="llama", norm="avnorm", nope=False, train_p
 
 
 @pytest.mark.parametrize("family,norm,nope,options", [("llama", "avnorm", False, {}),
-                                                      ("gpt2", "softmax1", True, {"learnable": True})])
+                                                      ("gpt2", "softmax1", True, {"learnable": True}),
+                                                      ("llama", "avnorm", False, {"gate": "head"})])  # issue 55
 def test_adapter_round_trips_with_trained_patch(tmp_path, family, norm, nope, options):
     model, patched_logits, ids = peft_on_patched(tmp_path, family, norm, nope, **options)
     with torch.no_grad():

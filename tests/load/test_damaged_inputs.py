@@ -41,6 +41,8 @@ def _record(norm="avnorm", **options):
     ("rope", {"factor": 4}, r"retrofit.rope must be null or a mapping with 'parameters'"),
     ("calibration", "yes", r"retrofit.calibration must be null or a mapping"),
     ("surprise", 1, r"retrofit has no field 'surprise'"),
+    ("gate", "head", r"retrofit.gate must be null or a mapping \{kind, start, inputs\}, got 'head'"),
+    ("gate", {"kind": "head", "start": -1}, r"gate start must be a number > 0"),  # the spec's own check
 ])
 def test_a_record_field_of_the_wrong_type_is_refused_naming_it(field, value, match):
     record = _record()
@@ -69,6 +71,7 @@ def test_a_wrong_typed_option_is_refused_never_coerced(norm, key, value, match):
 @pytest.mark.parametrize("norm,kwargs", [
     ("avnorm", {"floor": float("inf")}), ("avnorm", {"mode": "beyond"}), ("psoftmax", {"p": 2.0, "gain": 1.0}),
     ("ssmax", {"layers": "1", "heads": "0,2"}), ("softmax1", {"learnable": True}), ("softmax", {"rope": "yarn:2"}),
+    ("avnorm", {"gate": "head:0.5:12"}), ("psoftmax", {"p": 2.0, "gate": "element"}),
 ])
 def test_every_record_retrofit_writes_passes_and_round_trips(norm, kwargs, tmp_path):
     model = tiny_model("llama")

@@ -52,6 +52,20 @@ def test_info_tells_moved_patch_parameters_and_a_model_in_memory(checkpoint, tmp
     assert (facts["kind"], facts["norm"], facts["parameters_added"]) == ("model", None, 0)
 
 
+def test_info_reads_a_gate_and_whether_it_moved(tmp_path):
+    """A gated checkpoint (issue 55): its gate in the facts, its zero-initialized weights 'initial' until they move."""
+    model = tiny_model("llama")
+    retrofit.patch(model, "softmax", gate="head:0.5:12")
+    model.save_pretrained(tmp_path / "fresh")
+    facts = retrofit.info(str(tmp_path / "fresh"))
+    assert facts["gate"] == {"kind": "head", "start": 0.5, "inputs": 12}
+    assert facts["patch_parameters"].startswith("initial") and facts["parameters_added"] == 2 * (4 * 12 + 4)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.retrofit.gate.bias.add_(1.0)
+    assert retrofit.info(model)["patch_parameters"] == "changed (gate.bias moved from the initial values: trained " \
+                                                      "or calibrated)"
+
+
 def test_retrofit_info_prints_lines_or_json(checkpoint, capsys):
     _, folder = checkpoint
     assert main(["info", str(folder)]) == 0

@@ -1,9 +1,10 @@
 """The norm contract (issue 41 item 2): every registered norm, with its example options, passes the same checks on a
 tiny Llama — causal, KV cache, left padding, reload, unpatch, torch.compile (aot_eager), bf16, and its own `weights`
 hook against its forward. A new norm is tested by being registered (docs/adding-a-norm.md); nothing here names one.
+Every norm runs each check ungated and under both output gates (retrofit.gate, issue 55: head and element).
 
-The patch's parameters are randomized first (gains, sinks, s in [0.5, 1.5]), so a check cannot pass because a fresh
-patch happens to be the identity."""
+The patch's parameters are randomized first (gains, sinks, s, gate weights in [0.5, 1.5]), so a check cannot pass
+because a fresh patch happens to be the identity."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ from retrofit.norms import Norm, available_norms, get_norm
 from tests.tiny import random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-NORMS = available_norms()
 T = 12
+GATES = {"": None, "-gate-head": "head", "-gate-element": "element:0.5:12"}  # ungated, and each gate kind
+NORMS = [(norm, gate) for norm in available_norms() for gate in GATES.values()]
+IDS = [f"{norm}{suffix}" for norm in available_norms() for suffix in GATES]
 
 
-def _patched(norm: str, **config):
+def _patched(norm: str, gate: str | None = None, **config):
     model = tiny_model("llama", **config)
-    retrofit.patch(model, norm, **get_norm(norm).example_options)
+    retrofit.patch(model, norm, gate=gate, **get_norm(norm).example_options)
     g = torch.Generator().manual_seed(3)
     for name, p in model.named_parameters():
         if ".retrofit." in name:
@@ -34,10 +37,10 @@ def _logits(model, ids, **kwargs) -> torch.Tensor:
         return model(input_ids=ids, use_cache=False, **kwargs).logits
 
 
-@pytest.mark.parametrize("norm", NORMS)
-def test_causal(norm):
+@pytest.mark.parametrize("norm, gate", NORMS, ids=IDS)
+def test_causal(norm, gate):
     """Changing the tokens after position t changes no logit up to t."""
-    model, ids = _patched(norm), random_ids(1, T)
+    model, ids = _patched(norm, gate), random_ids(1, T)
     changed = ids.clone()
     changed[:, T // 2:] = (changed[:, T // 2:] + 7) % model.config.vocab_size
     a, b = _logits(model, ids), _logits(model, changed)
@@ -45,10 +48,10 @@ def test_causal(norm):
     assert not torch.allclose(a[:, T // 2:], b[:, T // 2:])  # the check can fail: the later logits did move
 
 
-@pytest.mark.parametrize("norm", NORMS)
-def test_kv_cache_decoding_equals_the_full_forward(norm):
+@pytest.mark.parametrize("norm, gate", NORMS, ids=IDS)
+def test_kv_cache_decoding_equals_the_full_forward(norm, gate):
     """A prefill of half the tokens, then one token at a time through the cache: the full forward's logits."""
-    model, ids = _patched(norm), random_ids(1, T)
+    model, ids = _patched(norm, gate), random_ids(1, T)
     full = _logits(model, ids)
     with torch.no_grad():
         out = model(input_ids=ids[:, :T // 2], use_cache=True)
@@ -60,10 +63,10 @@ def test_kv_cache_decoding_equals_the_full_forward(norm):
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("norm", NORMS)
-def test_left_padding_changes_nothing(norm):
+@pytest.mark.parametrize("norm, gate", NORMS, ids=IDS)
+def test_left_padding_changes_nothing(norm, gate):
     """A row left-padded in a batch has the logits it has alone, on its real tokens."""
-    model, ids = _patched(norm), random_ids(2, T)
+    model, ids = _patched(norm, gate), random_ids(2, T)
     pad = 4
     mask = torch.ones(2, T, dtype=torch.long)
     mask[1, :pad] = 0
@@ -74,42 +77,44 @@ def test_left_padding_changes_nothing(norm):
     torch.testing.assert_close(batch[1:, pad:], alone, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("norm", NORMS)
-def test_reload_gives_the_same_logits(norm, tmp_path):
+@pytest.mark.parametrize("norm, gate", NORMS, ids=IDS)
+def test_reload_gives_the_same_logits(norm, gate, tmp_path):
     """save_pretrained, then retrofit.from_pretrained: the same patch, the same (randomized) parameter values."""
-    model, ids = _patched(norm), random_ids(2, T)
+    model, ids = _patched(norm, gate), random_ids(2, T)
     model.save_pretrained(tmp_path / "m")
     again = retrofit.from_pretrained(str(tmp_path / "m")).eval()
-    assert retrofit.patch_record(again)["norm"] == norm
+    assert retrofit.patch_record(again)["norm"] == norm and retrofit.patch_record(again).get("gate") == \
+        retrofit.patch_record(model).get("gate")
     torch.testing.assert_close(_logits(again, ids), _logits(model, ids), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("norm", NORMS)
-def test_unpatch_gives_the_original_model_bitwise(norm):
+@pytest.mark.parametrize("norm, gate", NORMS, ids=IDS)
+def test_unpatch_gives_the_original_model_bitwise(norm, gate):
     ids = random_ids(2, T)
     original = _logits(tiny_model("llama").eval(), ids)
-    model = _patched(norm)
+    model = _patched(norm, gate)
     retrofit.unpatch(model)
     assert not retrofit.is_patched(model) and not any(isinstance(m, Norm) for m in model.modules())
+    assert not any(m._forward_pre_hooks for m in model.modules())  # the gate's input hook went with it
     torch.testing.assert_close(_logits(model, ids), original, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("norm", NORMS)
-def test_compiled_equals_eager(norm):
+@pytest.mark.parametrize("norm, gate", NORMS, ids=IDS)
+def test_compiled_equals_eager(norm, gate):
     """torch.compile (aot_eager: traced by Dynamo and AOTAutograd, no C compiler needed) computes what eager does."""
     torch._dynamo.reset()
-    model, ids = _patched(norm), random_ids(2, T)
+    model, ids = _patched(norm, gate), random_ids(2, T)
     eager = _logits(model, ids)
     compiled = torch.compile(model, backend="aot_eager")
     torch.testing.assert_close(_logits(compiled, ids), eager, atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("norm", NORMS)
-def test_bf16_autocast_is_finite_and_close_to_fp32(norm):
+@pytest.mark.parametrize("norm, gate", NORMS, ids=IDS)
+def test_bf16_autocast_is_finite_and_close_to_fp32(norm, gate):
     """Under bf16 autocast (q, k in fp32 from RoPE, v in bf16) the loss is finite, within 2% of fp32's, and every
     trainable parameter gets a finite gradient."""
-    model, ids = _patched(norm), random_ids(2, T)
+    model, ids = _patched(norm, gate), random_ids(2, T)
     model.train()
     with torch.no_grad():
         fp32 = float(model(input_ids=ids, labels=ids).loss)
@@ -120,14 +125,14 @@ def test_bf16_autocast_is_finite_and_close_to_fp32(norm):
     assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize("norm", NORMS)
-def test_the_weights_hook_matches_the_forward(norm):
+@pytest.mark.parametrize("norm, gate", NORMS, ids=IDS)
+def test_the_weights_hook_matches_the_forward(norm, gate):
     """What diagnose rebuilds from the norm's own `weights` hook, times the values, is what its forward computes
     (a norm acting inside attention); a norm acting on the heads' outputs keeps softmax weights, so there the
     rebuilt average is the wrapped kernel's output and the norm's output differs from it."""
     from retrofit.diagnose.capture import capture_rows
 
-    model, ids = _patched(norm), random_ids(1, T)
+    model, ids = _patched(norm, gate), random_ids(1, T)
     rows = []
     with capture_rows(model, torch.arange(T), rows.append), torch.no_grad():
         model(input_ids=ids, use_cache=False)
@@ -164,7 +169,7 @@ def _norm_names_in(path) -> list[str]:
     import ast
 
     return [f"{path}:{node.lineno} {node.value!r}" for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Constant) and node.value in NORMS]
+            if isinstance(node, ast.Constant) and node.value in available_norms()]
 
 
 def test_no_norm_is_named_outside_its_file():

@@ -24,6 +24,9 @@ CASES = {
     "avnorm-heads": ("avnorm", {"heads": [0, 1]}),
     # the kernel norms change config._attn_implementation, on which Dynamo guards exactly: one stands for all
     "softmax1": ("softmax1", {}),
+    # a gated patch runs retrofit's attention function and a pre-hook on each attention module (issue 55)
+    "avnorm-gate": ("avnorm", {"gate": "head"}),
+    "softmax-gate-post": ("softmax", {"gate": "head:0.5:12"}),
 }
 
 

@@ -122,12 +122,33 @@ def test_every_entry_point_builds_the_same_spec(tmp_path):
         ("softmax1", wanted.all_options(), "1-2", "0+1")
 
 
+def test_every_entry_point_builds_the_same_gated_spec():
+    """The gate (issue 55) as the CLI's --gate, the recipe's patch.gate, --patch's gate= and Python's gate=."""
+    from retrofit.commands.patch import add_arguments
+    from retrofit.diagnose.spec import parse_patches
+    from retrofit.evaluate.spec import EvalSpec
+    from retrofit.recipe import PatchSection
+
+    wanted = PatchSpec("avnorm", {"kind": "layer"}, layers="1-2", gate={"kind": "head", "start": 0.5, "inputs": 12})
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["src", "--norm", "avnorm", "--kind", "layer", "--layers", "1-2", "--gate", "head:0.5:12"])
+    assert PatchSpec(args.norm, {"kind": args.kind}, layers=args.layers, gate=args.gate, spelling=CLI) == wanted
+    assert PatchSection(norm="avnorm", options={"kind": "layer"}, layers="1-2", gate="head:0.5:12").spec() == wanted
+    assert parse_patches(["avnorm:kind=layer,layers=1-2,gate=head:0.5:12"]) == [wanted]
+    [(_, patch)] = EvalSpec(lengths=[8], patch="avnorm:kind=layer,layers=1-2,gate=head:0.5:12").patches
+    assert patch["gate"] == wanted.gate and PatchSpec("avnorm", {"kind": "layer"}, layers="1-2") != wanted
+    with pytest.raises(RetrofitError, match="patch.gate gates every head.*drop patch.heads or patch.gate"):
+        PatchSection(norm="avnorm", heads="0", gate="head")
+
+
 # ---- the spec's single home ------------------------------------------------------------------------------------------
 HOME = ROOT / "patch_spec.py"
 # The spec's rules, by the words of their errors: a second module raising one of them is checking the rule again.
 RULE_WORDS = ("together make no sense", "has no per-head parameters", "removes positions from the whole model",
-              "options are key=value", "takes a PatchSpec alone", "needs a norm: one of")
-PATCH_FIELDS = {"nope", "rope", "layers", "heads"}
+              "options are key=value", "takes a PatchSpec alone", "needs a norm: one of",
+              "gates every head of the patched layers")
+PATCH_FIELDS = {"nope", "rope", "layers", "heads", "gate"}
 
 
 def home_violations(source: str, where: str, patch_module: bool = False) -> list[str]:

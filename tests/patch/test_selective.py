@@ -236,7 +236,8 @@ def test_an_experiment_arm_reports_its_selection(tmp_path):
     (dict(norm="avnorm", layers="1..3"), "patch.layers: cannot read '1..3'"),
     (dict(norm="avnorm", layers=[]), "patch.layers: the selection [] is empty"),
     (dict(norm="avnorm", layers="1", nope=True), "patch: nope removes positions from the whole model"),
-    (dict(norm=None, layers="1"), "patch: nope/calibrate_tokens/rope given but patch.norm is null"),
+    (dict(norm=None, layers="1"), "patch: nope/calibrate_tokens/rope/gate given but patch.norm is null"),
+    (dict(norm=None, gate="head"), "patch: nope/calibrate_tokens/rope/gate given but patch.norm is null"),
 ])
 def test_bad_recipe_selection(section, message):
     from retrofit.recipe import PatchSection

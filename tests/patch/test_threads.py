@@ -11,7 +11,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 THREAD_NORMS = [("avnorm", {"kind": "rms"}), ("avnorm", {"kind": "layer", "affine": True}),
-                ("avnorm", {"floor": 2.0}), ("psoftmax", {"p": 2.0}), ("ssmax", {}), ("softmax1", {"learnable": True})]
+                ("avnorm", {"floor": 2.0}), ("psoftmax", {"p": 2.0}), ("ssmax", {}), ("softmax1", {"learnable": True}),
+                ("avnorm", {"kind": "layer", "gate": "head"}), ("softmax", {"gate": "element:0.5"})]  # issue 55
 
 
 def randomized(model_type: str, norm: str, options: dict):

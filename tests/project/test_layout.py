@@ -21,7 +21,7 @@ RANKS = {
     "selection": 1, "atomic": 1, "memory": 1, "logit_head": 1, "record": 1, "escape": 1, "readers": 1,
     "kernels": 2, "families": 2, "bounds": 2,
     "positions": 3, "lengths": 3,
-    "rope": 4, "norms": 4,
+    "rope": 4, "norms": 4, "gate": 4,
     "patch_spec": 5,  # the one PatchSpec every way of writing a patch builds (tests/patch/test_patch_spec.py)
     "patch": 6,
     "calibrate": 7, "costs": 7, "recipe": 7, "recovery": 7,

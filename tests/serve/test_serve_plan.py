@@ -65,6 +65,8 @@ def test_a_selection_the_model_does_not_have_is_refused(key, value, message, tmp
     ("softmax", "llama", {"rope": "dynamic:4"}, "rope dynamic is not served by vLLM: vLLM's dynamic NTK fixes"),
     ("ssmax", "llama", {"rope": {"rope_type": "longrope", "factor": 4.0, "short_factor": [1.5] * 4,
                                  "long_factor": [3.0] * 4}}, "rope longrope is not served by vLLM"),
+    ("avnorm", "llama", {"gate": "head"}, "its output gate is not served by vLLM: the gate reads"),  # issue 55
+    ("softmax", "llama", {"gate": "element:0.5:12"}, "its output gate is not served by vLLM"),
 ])
 def test_refused_in_one_line(norm, model_type, options, message, tmp_path):
     config = saved_config(tmp_path, norm, model_type, **options)

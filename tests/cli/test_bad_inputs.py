@@ -273,7 +273,7 @@ def build_planted_run(root: Path, w: dict) -> None:
     raw["train"]["steps"], raw["output"] = 2, {"dir": str(run), "save_every": 1}
     train(recipe_from_dict(raw))
     (run / "result.json").unlink()
-    step = run / checkpoint.FOLDER / "step-0000001"
+    step = sorted((run / checkpoint.FOLDER).glob("step-*"))[-1]  # the one a resume reads (the run's last step)
     torch.save(Canary(root / "ran"), step / "random_states_0.pkl")
     checkpoint.write_manifest(step)
     w["run_planted"] = str(run)
@@ -676,7 +676,7 @@ CASES = [
      r"--patch 'avnorm:kind=rms,kind=layer': kind is given twice \('rms', then 'layer'\); give it once$"),
     # issue 51 (code on resume): a planted pickle in a run's checkpoint is refused as data, never run
     ("train-resume-planted-pickle", "train {run_planted}/recipe.yaml --resume {run_planted}",
-     r"step-0000001/random_states_0.pkl is not data retrofit can read as training state \(Unsupported global: "
+     r"step-\d+/random_states_0.pkl is not data retrofit can read as training state \(Unsupported global: "
      r"GLOBAL exec was not an allowed global by default\); it was not written by retrofit"),
     ("adopt-marker-is-a-link", "adopt {marker_link}",
      r"marker_link/.retrofit-owned is a symbolic link; .*never writes through a link"),
@@ -697,9 +697,11 @@ def argv(template: str | list, world: dict, out: Path) -> list[str]:
 
 def snapshot(root: Path) -> dict:
     """Every path under root with its size and modification time: what a failed command must not change. A run's
-    .lock holds the pid of whoever took it last (a resume refused after taking it rewrites it): its time is left out."""
+    .lock holds the pid of whoever took it last (a resume refused after taking it rewrites it): its time is left out;
+    and a folder's own time moves when that lock is made and removed inside it (a finished run keeps no .lock), so
+    folders are compared by what they hold, every entry listed here with its own size and time."""
     return {str(p): (p.is_dir(), p.lstat().st_size if not p.is_dir() else 0,
-                     None if p.name == ".lock" else p.lstat().st_mtime_ns)
+                     None if p.name == ".lock" or p.is_dir() else p.lstat().st_mtime_ns)
             for p in sorted(root.rglob("*"))}
 
 

@@ -69,3 +69,5 @@ def test_the_guides_cpu_launch_line_starts_two_processes(launcher, tmp_path, tor
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
     assert (result["processes"], result["steps"]) == (2, 6)
+    assert result["engine"] == {"name": "ddp", "world": 2, "backend": "gloo", "nodes": 1, "stage": None,
+                                "sequence_parallel": 1}

@@ -67,12 +67,13 @@ def make_accelerator(train: TrainSection, run_dir, trackers=()):
     engine.check_compile(os.environ, train.compile)
     precision = engine.check_precision(os.environ, train.precision)
     gpu = torch.cuda.is_available() and not train.cpu
-    plugin, handlers = None, []
+    plugin, handlers, parallelism = None, [], None
     if asked.engine == "deepspeed":
         plugin = zero.make_plugin(asked.config)
         data_parallel = world // train.sequence_parallel
         zero.configure(plugin, train, accumulation(train, data_parallel), data_parallel, cpu=not gpu)
         cpu, handlers = False, ([] if gpu else [InitProcessGroupKwargs(backend="gloo")])
+        parallelism = zero.parallelism_config(train.sequence_parallel)  # ALST for train.sequence_parallel N
     else:
         cpu = train.cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or (
             world > 1 and not torch.cuda.is_available())
@@ -82,7 +83,7 @@ def make_accelerator(train: TrainSection, run_dir, trackers=()):
     accelerator = Accelerator(
         cpu=cpu, mixed_precision=resolve_precision(precision, not gpu), project_dir=str(run_dir),
         log_with=[JsonlTracker(Path(run_dir) / "log.jsonl"), *trackers], deepspeed_plugin=plugin,
-        kwargs_handlers=handlers, dynamo_backend="inductor" if train.compile else "no",
+        kwargs_handlers=handlers, parallelism_config=parallelism, dynamo_backend="inductor" if train.compile else "no",
     )
     if accelerator.num_processes != world:
         raise RetrofitError(f"WORLD_SIZE is {world} but accelerate runs {accelerator.num_processes} process(es): "

@@ -57,7 +57,7 @@ def requested(env, train) -> Asked:
         if _flag(env, name):
             raise RetrofitError(f"the accelerate config asks for {what}, which retrofit's loop does not run: launch "
                                 "with a DDP, FSDP or DeepSpeed config")
-    _check_parallelism_config(env, train)
+    _check_parallelism_config(env, train, _flag(env, "ACCELERATE_USE_DEEPSPEED") or bool(train.deepspeed))
     from_accelerate = _flag(env, "ACCELERATE_USE_DEEPSPEED")
     if train.deepspeed and from_accelerate:
         raise RetrofitError("DeepSpeed is configured twice: by the accelerate config and by train.deepspeed; keep one "
@@ -72,8 +72,6 @@ def requested(env, train) -> Asked:
         if train.cpu and torch.cuda.is_available():
             raise RetrofitError("train.cpu with DeepSpeed: DeepSpeed picks its device itself (DS_ACCELERATOR=cpu "
                                 "runs it on the CPU); drop train.cpu")
-        if train.sequence_parallel > 1:
-            raise RetrofitError("train.sequence_parallel with DeepSpeed is not built yet: drop one of them")
         return Asked("deepspeed", train.deepspeed)
     if deepspeed_launcher(env):
         raise RetrofitError("the deepspeed launcher started this run but no DeepSpeed config is named: set "
@@ -89,18 +87,22 @@ def requested(env, train) -> Asked:
     return Asked(None)
 
 
-def _check_parallelism_config(env, train) -> None:
-    """accelerate's parallelism_config (PARALLELISM_CONFIG_* from its launcher): retrofit runs none of its
-    dimensions itself; train.sequence_parallel is retrofit's sequence parallelism."""
+def _check_parallelism_config(env, train, deepspeed: bool) -> None:
+    """accelerate's parallelism_config (PARALLELISM_CONFIG_* from its launcher): its sp_size under DeepSpeed is
+    DeepSpeed's ALST, which train.sequence_parallel runs (they must agree); no other dimension is run."""
     if not _flag(env, "ACCELERATE_USE_PARALLELISM_CONFIG"):
         return
     sizes = {dim: int(env.get(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", "1") or 1)
              for dim in ("tp", "cp", "sp", "dp_shard", "dp_replicate")}
-    used = [f"{dim}_size {n}" for dim, n in sizes.items() if n > 1]
+    used = [f"{dim}_size {n}" for dim, n in sizes.items() if n > 1 and dim != "sp"]
     if used:
-        hint = " (for sequence parallelism set train.sequence_parallel: N)" if sizes["sp"] > 1 else ""
         raise RetrofitError(f"the accelerate config's parallelism_config asks for {', '.join(used)}, which "
-                            f"retrofit's loop does not run{hint}: remove it from the config")
+                            "retrofit's loop does not run: remove it from the config")
+    sp = sizes["sp"]
+    if sp > 1 and (not deepspeed or sp != train.sequence_parallel):
+        raise RetrofitError(f"the accelerate config's parallelism_config asks for sp_size {sp}: set "
+                            f"train.sequence_parallel: {sp} (under DeepSpeed it runs ALST; without, retrofit's own "
+                            "Ulysses) and drop sp_size from the config unless DeepSpeed is configured")
 
 
 def check_precision(env, precision: str) -> str:

@@ -41,6 +41,7 @@ from ..memory import return_freed_memory
 from ..recipe import Recipe, flat, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, knob_values, record_knob
 from . import build, checkpoint, engine, fsdp, zero
+from .alst import preparing
 from .engine import Engine
 from .runlog import ENGINE_KEY
 from .sequence_parallel import check_recipe
@@ -136,7 +137,8 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
 # ---- before the first step -----------------------------------------------------------------------------------------
 
 def _split(recipe: Recipe, acc) -> Split:
-    layout = check_recipe(recipe)  # train.sequence_parallel: N processes share each row (None when 1)
+    deepspeed = acc.distributed_type.name == "DEEPSPEED"  # then DeepSpeed's ALST moves the heads
+    layout = check_recipe(recipe, alst=deepspeed)  # train.sequence_parallel: N processes share each row (None when 1)
     fsdp.check_recipe(recipe, acc.distributed_type.name)
     zero.check_recipe(recipe, zero.stage_of(acc))
     rank, world = (layout.data_rank, layout.data_size) if layout else (acc.process_index, acc.num_processes)
@@ -168,7 +170,8 @@ def _build(recipe: Recipe, acc, run_dir: Path, split: Split, *, model, tokenizer
     if recipe.train.fsdp:  # FSDP2 over every process, then the optimizer on the shards
         model, optimizer = fsdp.prepare(model, lambda m: build.make_optimizer(m, recipe.train, rec), acc)
     else:
-        model, optimizer = acc.prepare(model, build.make_optimizer(model, recipe.train, rec))
+        with preparing(model, split.layout):  # DeepSpeed's ALST registers in prepare()
+            model, optimizer = acc.prepare(model, build.make_optimizer(model, recipe.train, rec))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return Run(recipe=recipe, acc=acc, run_dir=run_dir, split=split, model=model, optimizer=optimizer, data=data,
                tokenizer=tokenizer, recovery=rec, schedule=schedule, callbacks=tuple(callbacks),

@@ -111,6 +111,9 @@ def check_recipe(recipe, stage: int | None) -> None:
                             "act on gradients and weights DeepSpeed holds): drop one of them")
     if recipe.train.compile:
         raise RetrofitError("DeepSpeed with train.compile is not built yet: drop one of them")
+    if recipe.train.sequence_parallel > 1 and recipe.train.init_len is not None:
+        raise RetrofitError("DeepSpeed's sequence parallelism (ALST) takes a fixed micro batch of rows, which a staged "
+                            "length (train.init_len) changes: drop train.init_len or train.sequence_parallel")
     peft = recipe.train.peft
     if stage == 3 and peft is not None and peft.save != "adapter":
         raise RetrofitError(f"ZeRO-3 with LoRA saves the adapter only (train.peft.save is {peft.save!r}): set "
@@ -137,6 +140,25 @@ def whole_model(accelerator):
         live = getattr(accelerator.state.deepspeed_plugin, "dschf", None)
         if live is not None:
             set_hf_deepspeed_config(live)
+
+
+def parallelism_config(sequence_parallel: int):
+    """accelerate's ParallelismConfig for train.sequence_parallel N under DeepSpeed (None for 1): its prepare() then
+    registers DeepSpeed's ALST (UlyssesSPAttentionHF) around retrofit's adapter (sequence_parallel.alst_attention)
+    and hands ALST's groups to the engine."""
+    if sequence_parallel == 1:
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    from .alst import reset_alst
+    from .sequence_parallel import ALST_NAME
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+    # accelerate accepts only the names of kernels it knows; the core ALST wraps is retrofit's adapter, which runs
+    # the model's own implementation (sdpa, eager or a retrofit norm) on the rank's heads
+    handler.sp_attn_implementation = ALST_NAME
+    reset_alst()
+    return ParallelismConfig(sp_backend="deepspeed", sp_size=sequence_parallel, sp_handler=handler)
 
 
 def stage_of(accelerator) -> int | None:

@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO through `accelerate launch --config_file` on 2 CPU processes (DeepSpeed's CPU accelerator, gloo):
 ZeRO-3 logs one process's losses (rel 1e-4) for softmax, p-softmax, SSMax, AVNorm and softmax+1, saves the gathered
 model (one process's weights), trains LoRA (adapter = one process's) and the counting head (GPT-2, tied embeddings);
+with train.sequence_parallel: 2 (DeepSpeed's ALST sharing each row, ZeRO-3 beneath) every norm logs the same losses;
 a killed ZeRO-3 run resumes bitwise, reading DeepSpeed's files with weights_only; ZeRO-2 trains like one process.
 Three launches of the ZeRO-3 config (every run, the kill, the resume) and one of ZeRO-2."""
 
@@ -79,6 +80,8 @@ def zero3(tmp_path_factory):
     the counting head and SSMax with a checkpoint every 2 steps (the uninterrupted run of the resume test)."""
     folder = write_corpus(tmp_path_factory.mktemp("zero3"))
     recipes = [norm_recipe(folder, norm, patch) for norm, patch in NORMS.items()]
+    recipes += [norm_recipe(folder, f"alst-{norm}", patch, sequence_parallel=2, micro_batch_size=4)
+                for norm, patch in NORMS.items()]  # ALST: both processes share each row
     recipes.append(norm_recipe(folder, "lora", NORMS["softmax1"], peft={"r": 4, "save": "adapter"}))
     recipes.append(recipe_file(folder, "counting", counting_recipe(folder / "counting", steps=6, save_every=0)))
     ckpt = norm_recipe(folder, "ckpt", NORMS["ssmax"])
@@ -92,10 +95,16 @@ def zero3(tmp_path_factory):
     return folder, config, done
 
 
+ALONE = {}  # (folder, name) -> the one-process run, trained once for the tests that compare with it
+
+
 def one_process(folder: Path, name: str):
-    """The same recipe trained by one process (no launcher) into folder/NAME-one."""
-    raw = yaml.safe_load((folder / f"{name}.yaml").read_text())
-    return train(load_recipe(recipe_file(folder, f"{name}-one", raw)))
+    """The same recipe trained by one process (no launcher, whole rows, accumulating) into folder/NAME-one."""
+    if (folder, name) not in ALONE:
+        raw = yaml.safe_load((folder / f"{name}.yaml").read_text())
+        raw["train"].update(sequence_parallel=1, micro_batch_size=2)
+        ALONE[folder, name] = train(load_recipe(recipe_file(folder, f"{name}-one", raw)))
+    return ALONE[folder, name]
 
 
 def same_losses(folder: Path, name: str, one, rel: float = 1e-4) -> None:
@@ -120,6 +129,21 @@ def test_zero3_on_two_processes_logs_one_process_losses_and_saves_its_weights(no
     assert saved.keys() == alone.keys() and any(".retrofit." in k for k in saved) == (norm != "softmax")
     for name, weight in alone.items():  # gathered from both partitions: every weight whole
         torch.testing.assert_close(saved[name], weight, rtol=0, atol=1e-4, msg=f"{norm}: {name}")
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_alst_under_zero3_logs_one_process_losses_and_saves_its_weights(norm, zero3):
+    """train.sequence_parallel: 2 under DeepSpeed: ALST shares each row between the two processes (retrofit's
+    adapter slicing the norm's per-head tensors), ZeRO-3 partitions the weights; one process's losses and weights."""
+    folder, _, _ = zero3
+    one = one_process(folder, norm)
+    same_losses(folder, f"alst-{norm}", one)
+    engine = json.loads((folder / f"alst-{norm}" / "result.json").read_text())["engine"]
+    assert (engine["name"], engine["stage"], engine["sequence_parallel"]) == ("deepspeed", 3, 2)
+    saved, alone = (load_file(folder / run / "model.safetensors") for run in (f"alst-{norm}", f"{norm}-one"))
+    assert saved.keys() == alone.keys()
+    for name, weight in alone.items():
+        torch.testing.assert_close(saved[name], weight, rtol=0, atol=1e-4, msg=f"alst {norm}: {name}")
 
 
 def test_zero3_trains_lora_and_the_counting_head_like_one_process(zero3):

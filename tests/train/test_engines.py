@@ -51,6 +51,8 @@ def train_section(**keys):
     (LAUNCHED, {}, Asked(None)),                                              # torchrun / accelerate --multi_gpu
     ({**LAUNCHED, "ACCELERATE_USE_DEEPSPEED": "true"}, {}, Asked("deepspeed")),
     (LAUNCHED, {"deepspeed": "ds.json"}, Asked("deepspeed", "ds.json")),
+    ({**LAUNCHED, "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+      "PARALLELISM_CONFIG_SP_SIZE": "2"}, {"sequence_parallel": 2}, Asked("deepspeed")),  # ALST, as the recipe says
     ({**LAUNCHED, "CROSS_SIZE": "1", "LOCAL_SIZE": "2"}, {"deepspeed": "ds.json"}, Asked("deepspeed", "ds.json")),
 ])
 def test_what_each_launch_asks_for(env, keys, asked):
@@ -65,6 +67,10 @@ def test_what_each_launch_asks_for(env, keys, asked):
      "parallelism_config asks for tp_size 2"),
     ({**LAUNCHED, "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"}, {},
      "asks for cp_size 2"),
+    ({**LAUNCHED, "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2"}, {},
+     "asks for sp_size 2: set train.sequence_parallel: 2"),
+    ({**LAUNCHED, "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2",
+      "ACCELERATE_USE_DEEPSPEED": "true"}, {"sequence_parallel": 4}, "asks for sp_size 2: set train.sequence_parallel"),
     ({**LAUNCHED, "CROSS_SIZE": "1", "LOCAL_SIZE": "2"}, {}, "deepspeed launcher started this run but no DeepSpeed"),
     ({**LAUNCHED, "ACCELERATE_USE_DEEPSPEED": "true"}, {"deepspeed": "ds.json"}, "DeepSpeed is configured twice"),
     ({**LAUNCHED, "ACCELERATE_USE_DEEPSPEED": "true"}, {"fsdp": True}, "train.fsdp shards the model itself and "),
@@ -210,3 +216,18 @@ def test_accelerate_launch_with_an_fsdp_config_is_refused_by_every_process(corpu
     assert done.returncode != 0 and not (corpus / "fsdp").exists()
     errors = [x for x in done.stderr.splitlines() if x.startswith("retrofit train: error:")]
     assert len(errors) == 2 and all("accelerate's FSDP config needs GPUs" in x for x in errors)
+
+
+def test_what_the_loop_does_not_run_under_deepspeed_is_refused(tmp_path):
+    from retrofit.train.zero import check_recipe
+    raw = lm_recipe(tmp_path, tmp_path / "run")
+    check_recipe(recipe_from_dict(raw), None)  # not DeepSpeed: nothing to refuse
+    check_recipe(recipe_from_dict({**raw, "train": {**raw["train"], "peft": {"r": 4}}}), 2)  # ZeRO-2: whole weights
+    for train_keys, stage, message in [
+            ({"compile": True}, 3, "train.compile is not built yet"),
+            ({"sequence_parallel": 2, "init_len": 16, "double_every": 2}, 3, "staged length"),
+            ({"peft": {"r": 4}}, 3, "ZeRO-3 with LoRA saves the adapter only")]:
+        with pytest.raises(RetrofitError, match=message):
+            check_recipe(recipe_from_dict({**raw, "train": {**raw["train"], **train_keys}}), stage)
+    with pytest.raises(RetrofitError, match="recovery section is not built yet"):
+        check_recipe(recipe_from_dict({**raw, "recovery": {"lm_weight": 0.5, "kl_weight": 0.5}}), 3)

@@ -1,7 +1,7 @@
 """DeepSpeed's ALST (Arctic Long Sequence Training) as the engine's sequence parallelism: train.sequence_parallel N
 under train.deepspeed or an accelerate DeepSpeed config.
 
-    accelerator = Accelerator(..., parallelism_config=zero.parallelism_config(N))   # registers ALST in prepare()
+    accelerator = Accelerator(..., parallelism_config=zero.parallelism_config(N, world))   # ALST in prepare()
     with preparing(model, layout):                 # ALST checks it wraps the model's own implementation
         model, optimizer = accelerator.prepare(model, optimizer)
     with sharded(model, layout):                   # each training forward and backward, as under retrofit's Ulysses

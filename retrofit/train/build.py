@@ -73,7 +73,7 @@ def make_accelerator(train: TrainSection, run_dir, trackers=()):
         data_parallel = world // train.sequence_parallel
         zero.configure(plugin, train, accumulation(train, data_parallel), data_parallel, cpu=not gpu)
         cpu, handlers = False, ([] if gpu else [InitProcessGroupKwargs(backend="gloo")])
-        parallelism = zero.parallelism_config(train.sequence_parallel)  # ALST for train.sequence_parallel N
+        parallelism = zero.parallelism_config(train.sequence_parallel, world)  # ALST for train.sequence_parallel
     else:
         cpu = train.cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or (
             world > 1 and not torch.cuda.is_available())

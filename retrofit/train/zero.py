@@ -142,10 +142,11 @@ def whole_model(accelerator):
             set_hf_deepspeed_config(live)
 
 
-def parallelism_config(sequence_parallel: int):
+def parallelism_config(sequence_parallel: int, world: int):
     """accelerate's ParallelismConfig for train.sequence_parallel N under DeepSpeed (None for 1): its prepare() then
-    registers DeepSpeed's ALST (UlyssesSPAttentionHF) around retrofit's adapter (sequence_parallel.alst_attention)
-    and hands ALST's groups to the engine."""
+    registers DeepSpeed's ALST (UlyssesSPAttentionHF) around retrofit's adapter (alst.alst_attention) and hands
+    ALST's groups to the engine. The world / N sequence groups are its data-parallel replicas (accelerate sizes
+    DeepSpeed's train_batch_size from them)."""
     if sequence_parallel == 1:
         return None
     from accelerate.parallelism_config import ParallelismConfig
@@ -158,7 +159,8 @@ def parallelism_config(sequence_parallel: int):
     # the model's own implementation (sdpa, eager or a retrofit norm) on the rank's heads
     handler.sp_attn_implementation = ALST_NAME
     reset_alst()
-    return ParallelismConfig(sp_backend="deepspeed", sp_size=sequence_parallel, sp_handler=handler)
+    return ParallelismConfig(sp_backend="deepspeed", sp_size=sequence_parallel, sp_handler=handler,
+                             dp_replicate_size=world // sequence_parallel)
 
 
 def stage_of(accelerator) -> int | None:

@@ -3,7 +3,7 @@ ZeRO-3 logs one process's losses (rel 1e-4) for softmax, p-softmax, SSMax, AVNor
 model (one process's weights), trains LoRA (adapter = one process's) and the counting head (GPT-2, tied embeddings);
 with train.sequence_parallel: 2 (DeepSpeed's ALST sharing each row, ZeRO-3 beneath) every norm logs the same losses;
 a killed ZeRO-3 run resumes bitwise, reading DeepSpeed's files with weights_only; ZeRO-2 trains like one process.
-Three launches of the ZeRO-3 config (every run, the kill, the resume) and one of ZeRO-2."""
+Three launches of the ZeRO-3 config (every run, the kill, the resume), one of ZeRO-2, one of 4 processes."""
 
 from __future__ import annotations
 
@@ -144,6 +144,21 @@ def test_alst_under_zero3_logs_one_process_losses_and_saves_its_weights(norm, ze
     assert saved.keys() == alone.keys()
     for name, weight in alone.items():
         torch.testing.assert_close(saved[name], weight, rtol=0, atol=1e-4, msg=f"alst {norm}: {name}")
+
+
+def test_two_alst_groups_of_two_train_like_one_process(zero3):
+    """4 processes, train.sequence_parallel: 2: two ALST groups of two, data parallel between them (accelerate sizes
+    DeepSpeed's batch from the groups: without that, DeepSpeed refused the batch sizes); one process's losses."""
+    folder, _, _ = zero3
+    config = yaml.safe_load((folder / "ds_zero3-json.yaml").read_text())
+    config["num_processes"] = 4
+    (folder / "ds_zero3-4.yaml").write_text(yaml.safe_dump(config))
+    recipe = norm_recipe(folder, "alst-groups", NORMS["ssmax"], sequence_parallel=2)
+    done = launch(folder / "ds_zero3-4.yaml", [recipe])
+    assert done.returncode == 0, done.stderr[-4000:]
+    same_losses(folder, "alst-groups", one_process(folder, "ssmax"))
+    engine = json.loads((folder / "alst-groups" / "result.json").read_text())["engine"]
+    assert (engine["world"], engine["sequence_parallel"]) == (4, 2)
 
 
 def test_zero3_trains_lora_and_the_counting_head_like_one_process(zero3):

@@ -16,7 +16,10 @@ DDP, exit 0, with nothing saying so. Now every request is honored or refused (ex
     train.deepspeed: ds_config.json                DeepSpeed               yes (any launcher, `deepspeed` too)
     accelerate config: FSDP                        accelerate's FSDP       refused: needs GPUs; train.fsdp instead
     accelerate config: Megatron-LM, TP, CP         -                       refused
+    accelerate config: sp_size N with DeepSpeed    DeepSpeed's ALST        yes, when train.sequence_parallel is N
     the `deepspeed` launcher without a config      -                       refused: name train.deepspeed
+
+The table per launcher and what each cell's test is: docs/many-gpus.md, tests/train/test_engines.py.
 """
 
 from __future__ import annotations

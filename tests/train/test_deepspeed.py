@@ -55,7 +55,9 @@ def accelerate_config(folder: Path, stage: int, json_file: bool = False) -> Path
 def launch(config: Path, recipes: list[Path], mode: str = "full") -> subprocess.CompletedProcess:
     accelerate = Path(sys.executable).parent / "accelerate"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    command = [str(accelerate), "launch", "--config_file", str(config), str(WORKER), ",".join(map(str, recipes)), mode]
+    from tests.train.test_launchers import free_port  # accelerate's default port would be shared by parallel launches
+    command = [str(accelerate), "launch", "--config_file", str(config), "--main_process_port", str(free_port()),
+               str(WORKER), ",".join(map(str, recipes)), mode]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=config.parent)
 
 

@@ -32,6 +32,7 @@ from retrofit.train import train
 from retrofit.train.engine import Asked, check_compile, check_precision, requested
 from retrofit.train.zero import configure
 from tests.train.test_deepspeed import accelerate_config
+from tests.train.test_launchers import free_port
 from tests.train.test_train import lm_recipe, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,7 +195,8 @@ def test_torchrun_with_train_deepspeed_runs_zero3(corpus):
 
 def test_the_deepspeed_launcher_runs_its_config_and_refuses_none(corpus):
     out = corpus / "deepspeed-launcher"
-    line = ["deepspeed", "--num_gpus", "2", "--master_port", "29593", "--module", "retrofit", "train", "lm.yaml"]
+    line = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "retrofit", "train",
+            "lm.yaml"]
     done = run([*line, f"train.deepspeed={ds_json(corpus, 2)}", "--out", str(out)], corpus)
     assert done.returncode == 0, done.stderr[-4000:]
     assert engine_of(out)["name"] == "deepspeed" and engine_of(out)["stage"] == 2
@@ -211,8 +213,8 @@ def test_accelerate_launch_with_an_fsdp_config_is_refused_by_every_process(corpu
     raw.update(distributed_type="FSDP",
                fsdp_config={"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
     config.write_text(yaml.safe_dump(raw))
-    done = run(["accelerate", "launch", "--config_file", str(config), "-m", "retrofit", "train", "lm.yaml", "--out",
-                str(corpus / "fsdp")], corpus)
+    done = run(["accelerate", "launch", "--config_file", str(config), "--main_process_port", str(free_port()), "-m",
+                "retrofit", "train", "lm.yaml", "--out", str(corpus / "fsdp")], corpus)
     assert done.returncode != 0 and not (corpus / "fsdp").exists()
     errors = [x for x in done.stderr.splitlines() if x.startswith("retrofit train: error:")]
     assert len(errors) == 2 and all("accelerate's FSDP config needs GPUs" in x for x in errors)

@@ -103,6 +103,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                             f"examples.\nInstall: {INSTALL}",
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"retrofit {VERSION} ({DISTRIBUTION})")
+    # `deepspeed --module retrofit train ...` starts `python -m retrofit --local_rank=N train ...` (unless
+    # --no_local_rank); the rank is in LOCAL_RANK too, which is what accelerate reads: taken, not used
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     parser.verbs = {}

@@ -122,11 +122,21 @@ def head_loss_sum(model, hidden: torch.Tensor, labels: torch.Tensor, *, teacher_
     B, T = labels.shape
     total = hidden.new_zeros((), dtype=torch.float32)
     grad = torch.is_grad_enabled() and hidden.requires_grad
+    # ZeRO-3 empties a parameter's storage after each module call and refills it before the module's backward, so a
+    # recomputed chunk sees the frozen head weight (LoRA) empty, which checkpoint's metadata check takes for a
+    # different tensor; the backward itself reads it refilled. Only that check is off, and only under ZeRO-3.
+    check = "none" if _partitioned(inner.get_output_embeddings().weight) else "default"
     for part in chunk_slices(B, T, chunk_tokens):
         t_h = teacher_hidden[:, part] if teacher_hidden is not None else None
         args = (inner, hidden[:, part], t_h, labels[:, part], lm_weight, kl_weight, temperature)
-        total = total + (checkpoint(_chunk_sum, *args, use_reentrant=False) if grad else _chunk_sum(*args))
+        total = total + (checkpoint(_chunk_sum, *args, use_reentrant=False, determinism_check=check) if grad
+                         else _chunk_sum(*args))
     return total
+
+
+def _partitioned(weight) -> bool:
+    """A DeepSpeed ZeRO-3 parameter (its tensor is a placeholder outside a gather; the module's hooks fill it)."""
+    return hasattr(weight, "ds_id")
 
 
 @torch.no_grad()
@@ -160,8 +170,9 @@ def _liger():
 
 def _fused_cross_entropy(model, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
     """The summed cross-entropy by Liger's fused kernel (head projection and loss in one pass, no logits kept) on
-    CUDA, or None where it does not apply: no CUDA, Liger not installed, a head bias or a transform other than
-    soft-capping. Its parity with the chunked path is tests/train/test_chunked_loss.py's CUDA test."""
+    CUDA, or None where it does not apply: no CUDA, Liger not installed, a head bias, a transform other than
+    soft-capping, or a head weight DeepSpeed ZeRO-3 partitions. Its parity with the chunked path is
+    tests/train/test_chunked_loss.py's CUDA test."""
     if not hidden.is_cuda or _liger() is None:
         return None
     head = model.get_output_embeddings()
@@ -169,5 +180,7 @@ def _fused_cross_entropy(model, hidden: torch.Tensor, labels: torch.Tensor) -> t
     values = {name: v for name, v in values.items() if v is not None and not isinstance(v, bool)}
     if getattr(head, "bias", None) is not None or set(values) - {"final_logit_softcapping"}:
         return None
+    if _partitioned(head.weight):  # ZeRO-3: outside the head's own call its weight is an empty placeholder; the
+        return None                # chunked loss calls the head module, whose hooks gather the weight for it
     return _liger()(hidden.flatten(0, 1), head.weight, labels.flatten(), ignore_index=-100, reduction="sum",
                     softcap=values.get("final_logit_softcapping")).float()

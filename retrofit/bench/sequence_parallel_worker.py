@@ -26,6 +26,8 @@ def worker(args, workdir: Path) -> None:
     rank, processes = int(os.environ.get("RANK", "0")), args.sequence_parallel
     knobs = {"gradient_checkpointing": args.gradient_checkpointing, "loss_chunk_tokens": args.loss_chunk_tokens,
              "fsdp": args.fsdp and processes > 1}
+    if getattr(args, "engine", "retrofit") == "deepspeed" and processes > 1:  # ALST over ZeRO-3 (train/alst.py)
+        knobs["deepspeed"] = str(workdir / "zero3.json")
     model = load_model({"model": args.model, "model_type": args.model_type, "norm": args.norm,  # in `start`
                         "random_init": args.random_init})
     rows = torch.randint(0, model.config.vocab_size, (args.batch * args.steps, args.seq_len),
@@ -36,7 +38,8 @@ def worker(args, workdir: Path) -> None:
     with PeakMemory(device) as memory:  # from here: what training holds at its peak (FSDP2 frees the full weights)
         stamps = run_retrofit(args, rows, workdir / f"run-{processes}", model, **knobs)  # (step, time) at each log
     (first_step, first), (last_step, last) = stamps[0], stamps[-1]
-    atomic_write_text(workdir / f"measure-{processes}-{rank}.json", json.dumps({
+    ran = json.loads((workdir / f"run-{processes}" / "result.json").read_text())["engine"]
+    atomic_write_text(workdir / f"measure-{processes}-{rank}.json", json.dumps({"engine": ran,
         "rank": rank, "start_mb": memory.start_mb, "peak_mb": memory.peak_mb, "added_mb": memory.added_mb,
         "tokens_per_s": (last_step - first_step) * args.batch * args.seq_len / (last - first),
         "threads": torch.get_num_threads(), "method": memory.method}))

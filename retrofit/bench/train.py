@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "vs N sharing each row: peak memory per process, tokens/s (bench/sequence_parallel.py)")
     parser.add_argument("--fsdp", action="store_true", help="--sequence-parallel: the N processes also shard weights, "
                         "gradients and AdamW state (train.fsdp)")
+    parser.add_argument("--engine", default="retrofit", choices=["retrofit", "deepspeed"],
+                        help="--sequence-parallel: retrofit's Ulysses (DDP, or FSDP2 with --fsdp), or DeepSpeed: ALST "
+                             "sharing each row over ZeRO-3 (train.deepspeed), against the same one-process loop")
 
     parser.add_argument("--memory", action="store_true", help="peak memory instead: each loop and length in a fresh "
                         "process (retrofit/bench/train_memory.py); also writes a markdown table beside --out")
@@ -72,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
     args.batch, args.steps = args.batch or 4, args.steps or 12
     if getattr(args, "fsdp", False) and args.sequence_parallel == 1:
         raise RetrofitError("--fsdp is measured with --sequence-parallel N > 1 (one process against N sharded)")
+    if getattr(args, "engine", "retrofit") != "retrofit" and (args.sequence_parallel == 1 or args.fsdp):
+        raise RetrofitError("--engine deepspeed is measured with --sequence-parallel N > 1 and without --fsdp "
+                            "(ZeRO-3 already shards weights, gradients and AdamW state)")
     if args.sequence_parallel > 1:
         from .sequence_parallel import run as run_sequence_parallel
         return run_sequence_parallel(args)

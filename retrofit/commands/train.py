@@ -3,6 +3,7 @@
     retrofit train recipes/train-tiny-counting.yaml
     retrofit train recipes/demo.yaml train.steps=200 patch.norm=psoftmax patch.p=2
     accelerate launch -m retrofit train recipes/gpt2-avnorm-retrofit.yaml   # DDP / FSDP / DeepSpeed
+    deepspeed --num_gpus 8 --module retrofit train RECIPE train.deepspeed=ds.json  # DeepSpeed's own launcher
     retrofit train RECIPE --resume runs/x                                   # continue where it stopped
     retrofit train --resume runs/x train.steps=30                           # its own recipe, extended to 30 steps
     retrofit train RECIPE data.seq_len=16384 --dry-run [--plan-for cuda:80]  # predicted peak memory; fits?

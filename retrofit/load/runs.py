@@ -254,6 +254,7 @@ def save_model(model: nn.Module, run_dir, *, tokenizer=None, peft_save: str | No
     when the merged form was written). Call on the main process with the unwrapped model."""
     run_dir = Path(run_dir)
     lm = language_model(model)
+    gathered = state_dict
     if state_dict is not None and isinstance(model, CountingModel):
         state_dict = {k[3:]: v for k, v in state_dict.items() if k.startswith("lm.")}
     if peft_save is not None:
@@ -267,7 +268,7 @@ def save_model(model: nn.Module, run_dir, *, tokenizer=None, peft_save: str | No
     else:
         lm.save_pretrained(run_dir, state_dict=state_dict)
     if isinstance(model, CountingModel):
-        save_file(model.task_state(), str(run_dir / HEAD_FILE))
+        save_file(model.task_state(gathered), str(run_dir / HEAD_FILE))
         (run_dir / TASK_FILE).write_text(json.dumps({"task": "counting", "head": "linear",
                                                      "hidden_size": model.head.in_features,
                                                      "first_token": model.first_token is not None}, indent=2))

@@ -49,11 +49,16 @@ class CountingModel(nn.Module):
         if norm is not None:  # read past (see above): no gradient reaches it
             norm.requires_grad_(False)
 
-    def task_state(self) -> dict:
-        """What the run folder saves beside the model (task_head.safetensors): the head, and the first-token table."""
-        state = {k: v for k, v in self.head.state_dict().items()}
-        if self.first_token is not None:
-            state |= {f"first_token.{k}": v for k, v in self.first_token.state_dict().items()}
+    def task_state(self, gathered: dict | None = None) -> dict:
+        """What the run folder saves beside the model (task_head.safetensors): the head, and the first-token table.
+        gathered: the whole model's state dict as a sharded run gathers it (FSDP2, ZeRO-3), read instead of the
+        modules, whose own tensors hold this process's shard only."""
+        if gathered is not None:
+            state = {k.removeprefix("head."): v for k, v in gathered.items() if k.startswith(("head.", "first_token."))}
+        else:
+            state = {k: v for k, v in self.head.state_dict().items()}
+            if self.first_token is not None:
+                state |= {f"first_token.{k}": v for k, v in self.first_token.state_dict().items()}
         return {k: v.detach().contiguous().cpu() for k, v in state.items()}
 
     def load_task_state(self, state: dict) -> None:

@@ -221,6 +221,9 @@ class TrainSection:
     fsdp: bool = setting(False, "FSDP2 over every process (retrofit.train.fsdp.shard_model): weights, gradients and "
                                 "AdamW state sharded instead of DDP's copies, checkpoints per process; LoRA saves "
                                 "the adapter")
+    deepspeed: str | None = setting(None, "a DeepSpeed JSON config (ZeRO stage ...): DeepSpeed under torchrun or the "
+                                          "deepspeed launcher; its \"auto\"s come from this section, conflicts are "
+                                          "refused; null = none (accelerate launch --config_file may still ask)")
     log_every: int = setting(10, "steps between log lines (loss is averaged over them)")
     progress: bool = setting(True, "show a progress bar (loss, tokens/s, ETA)")
     cpu_release_memory: bool = setting(True, "CPU: freed tensors of 1 MiB or more go back to the OS at once (glibc's "

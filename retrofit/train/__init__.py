@@ -11,8 +11,10 @@
 
 Modules: loop (the loop, step by step), state (the Run it carries), update (one optimizer update), build
 (accelerator, task wrapper, LoRA, optimizer, schedule), losses (each task's loss), validation (the periodic
-metrics), checkpoint (atomic resumable state), runlog (log.jsonl), fsdp (FSDP2 units),
-sequence_parallel (train.sequence_parallel: Ulysses, N processes per row). Loading the model and
+metrics), checkpoint (atomic resumable state), runlog (log.jsonl), engine (what the launch asks for: honored or
+refused; what ran), fsdp (FSDP2 units), zero (DeepSpeed ZeRO through accelerate, CPU processes too),
+sequence_parallel (train.sequence_parallel: Ulysses, N processes per row), alst (the same under DeepSpeed: its ALST
+around retrofit's head slicing). Loading the model and
 saving the final one is retrofit.load; the CLI is retrofit/commands/train.py.
 """
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import InitProcessGroupKwargs
 from torch import nn
 
 from ..calibrate import calibrate
@@ -37,6 +38,7 @@ from ..recipe import PeftSection, Recipe, RecoverySection, TrainSection
 from ..recovery import is_patch_parameter, knob_norms
 from ..recovery.probe import schedule_costs
 from ..recovery.schedule import endpoints
+from . import engine, zero
 from .runlog import JsonlTracker
 
 # ---- processes -------------------------------------------------------------------------------------------------------
@@ -52,27 +54,43 @@ def resolve_precision(precision: str, cpu: bool) -> str:
 
 
 def make_accelerator(train: TrainSection, run_dir, trackers=()):
-    """An Accelerator that cannot silently run N independent copies.
+    """An Accelerator that runs the engine the launch asks for (engine.py: honored or refused in one line, before any
+    process group) and cannot silently run N independent copies.
 
-    Under torchrun / `accelerate launch --multi_gpu` on a machine without CUDA, a plain Accelerator()
-    ignores WORLD_SIZE and every process trains alone (measured; tests/train/test_fsdp.py trains 2 CPU processes through
-    here); so cpu=True is forced there (gloo), and the process count accelerate sees must equal WORLD_SIZE.
+    Under torchrun / `accelerate launch --multi_gpu` on a machine without CUDA, a plain Accelerator() ignores
+    WORLD_SIZE and every process trains alone (measured; tests/train/test_fsdp.py trains 2 CPU processes through
+    here); so cpu=True is forced there (gloo), and the process count accelerate sees must equal WORLD_SIZE. DeepSpeed
+    is the exception: accelerate runs it only with cpu=False, so on CPU processes it gets cpu=False and a gloo group
+    (DeepSpeed's CPU accelerator does the rest; zero.py).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cpu = train.cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or (
-        world > 1 and not torch.cuda.is_available())
+    asked = engine.requested(os.environ, train)
+    engine.check_compile(os.environ, train.compile)
+    precision = engine.check_precision(os.environ, train.precision)
+    gpu = torch.cuda.is_available() and not train.cpu
+    plugin, handlers, parallelism = None, [], None
+    if asked.engine == "deepspeed":
+        plugin = zero.make_plugin(asked.config)
+        data_parallel = world // train.sequence_parallel
+        zero.configure(plugin, train, accumulation(train, data_parallel), data_parallel, cpu=not gpu)
+        cpu, handlers = False, ([] if gpu else [InitProcessGroupKwargs(backend="gloo")])
+        parallelism = zero.parallelism_config(train.sequence_parallel, world)  # ALST for train.sequence_parallel
+    else:
+        cpu = train.cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or (
+            world > 1 and not torch.cuda.is_available())
     # Several runs in one process (tests, the experiment driver) each choose their own precision.
     AcceleratorState._reset_state()
     GradientState._reset_state()
     accelerator = Accelerator(
-        cpu=cpu, mixed_precision=resolve_precision(train.precision, cpu), project_dir=str(run_dir),
-        log_with=[JsonlTracker(Path(run_dir) / "log.jsonl"), *trackers],
-        dynamo_backend="inductor" if train.compile else "no",
+        cpu=cpu, mixed_precision=resolve_precision(precision, not gpu), project_dir=str(run_dir),
+        log_with=[JsonlTracker(Path(run_dir) / "log.jsonl"), *trackers], deepspeed_plugin=plugin,
+        kwargs_handlers=handlers, parallelism_config=parallelism, dynamo_backend="inductor" if train.compile else "no",
     )
     if accelerator.num_processes != world:
         raise RetrofitError(f"WORLD_SIZE is {world} but accelerate runs {accelerator.num_processes} process(es): "
                             "launch with torchrun --nproc_per_node N or "
                             "accelerate launch --multi_gpu --num_processes N")
+    engine.check_ran(asked, engine.what_ran(accelerator, train))
     return accelerator
 
 

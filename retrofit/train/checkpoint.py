@@ -32,7 +32,7 @@ from pathlib import Path
 from ..atomic import MARKER, atomic_write_text, owned_folder, remove_owned
 from ..errors import RetrofitError, write_failure
 from ..readers import expect, read_json
-from . import fsdp
+from . import fsdp, zero
 
 FOLDER, PREFIX, TMP, MANIFEST = "checkpoints", "step-", ".tmp-", "manifest.json"
 
@@ -179,12 +179,16 @@ def resume_checkpoint(accelerator, run_dir, recipe_flat: dict, sharded=None) -> 
 def write_state(accelerator, folder: Path, sharded=None) -> None:
     """accelerate's save_state (a seam the tests use to simulate a crash mid-write). Under train.fsdp
     (sharded = (model, optimizer)) accelerate would write the optimizer from the main process alone, which holds
-    1/world of it: every process writes its own shards (torch.distributed.checkpoint), accelerate the RNG states."""
+    1/world of it: every process writes its own shards (torch.distributed.checkpoint), accelerate the RNG states.
+    Under DeepSpeed (sharded = (engine, optimizer)) every process writes its partition (DeepSpeed's files, zero.py)."""
     if sharded is None:
         accelerator.save_state(str(folder))
         return
     from accelerate.checkpointing import save_accelerator_state
-    fsdp.save_shards(folder, *sharded)
+    if zero.is_engine(sharded[0]):
+        zero.save_state(folder, sharded[0])
+    else:
+        fsdp.save_shards(folder, *sharded)
     save_accelerator_state(str(folder), [], [], [], [], accelerator.process_index, accelerator.step,
                            accelerator.scaler if accelerator.is_main_process else None)
 
@@ -220,7 +224,10 @@ def load_checkpoint(accelerator, path: Path, recipe_flat: dict, sharded=None) ->
         accelerator.load_state(str(path), load_kwargs={"weights_only": True})
     else:
         from accelerate.checkpointing import load_accelerator_state
-        fsdp.load_shards(path, *sharded)
+        if zero.is_engine(sharded[0]):  # DeepSpeed's own files, in a subfolder, read weights-only (zero.py)
+            zero.load_state(path, sharded[0])
+        else:
+            fsdp.load_shards(path, *sharded)
         restored = load_accelerator_state(str(path), [], [], [], [], accelerator.process_index, accelerator.scaler,
                                           load_kwargs={"weights_only": True})
         for key, value in restored.items():  # what load_state sets too (its step counter)

@@ -41,8 +41,10 @@ from ..memory import return_freed_memory
 from ..readers import read_json
 from ..recipe import Recipe, flat, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, knob_values, record_knob
-from . import build, checkpoint, fsdp
-from .runlog import check_trackers
+from . import build, checkpoint, engine, fsdp, zero
+from .alst import preparing
+from .engine import Engine
+from .runlog import ENGINE_KEY, check_trackers
 from .sequence_parallel import check_recipe
 from .state import Divergence, LogWindow, Run, Split, StepStats, TrainResult
 from .update import train_step
@@ -132,13 +134,12 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
 # ---- before the first step -----------------------------------------------------------------------------------------
 
 def _split(recipe: Recipe, acc) -> Split:
-    layout = check_recipe(recipe)  # train.sequence_parallel: N processes share each row (None when 1)
+    deepspeed = acc.distributed_type.name == "DEEPSPEED"  # then DeepSpeed's ALST moves the heads
+    layout = check_recipe(recipe, alst=deepspeed)  # train.sequence_parallel: N processes share each row (None when 1)
     fsdp.check_recipe(recipe, acc.distributed_type.name)
+    zero.check_recipe(recipe, zero.stage_of(acc))
     rank, world = (layout.data_rank, layout.data_size) if layout else (acc.process_index, acc.num_processes)
-    accum = build.accumulation(recipe.train, world)
-    if acc.distributed_type.name == "DEEPSPEED" and accum != 1:
-        raise RetrofitError("with DeepSpeed set train.micro_batch_size = batch_size / processes (no accumulation)")
-    return Split(layout, rank, world, accum)
+    return Split(layout, rank, world, build.accumulation(recipe.train, world))
 
 
 def _finished(recipe: Recipe, acc, run_dir: Path) -> bool:
@@ -169,7 +170,8 @@ def _say_extension(acc, run_dir: Path, old: int, new: int) -> None:
 def _build(recipe: Recipe, acc, run_dir: Path, split: Split, *, model, tokenizer, data, callbacks) -> Run:
     """setup(), the recovery schedule, the optimizer and accelerate's wrapping, gathered into one Run."""
     from_recipe = model is None
-    model, tokenizer, data = setup(recipe, acc, model=model, tokenizer=tokenizer, data=data)
+    with zero.whole_model(acc):  # under ZeRO-3 too: DeepSpeed partitions it in prepare() below
+        model, tokenizer, data = setup(recipe, acc, model=model, tokenizer=tokenizer, data=data)
     model.train()
     rec = recipe.section("recovery")  # retrofit.recovery: schedules, distillation, patch learning rate
     schedule = build.probe_schedule(model, data, recipe, rec.schedule if rec is not None else None)
@@ -179,14 +181,16 @@ def _build(recipe: Recipe, acc, run_dir: Path, split: Split, *, model, tokenizer
     if recipe.train.fsdp:  # FSDP2 over every process, then the optimizer on the shards
         model, optimizer = fsdp.prepare(model, lambda m: build.make_optimizer(m, recipe.train, rec), acc)
     else:
-        model, optimizer = acc.prepare(model, build.make_optimizer(model, recipe.train, rec))
+        with preparing(model, split.layout):  # DeepSpeed's ALST registers in prepare()
+            model, optimizer = acc.prepare(model, build.make_optimizer(model, recipe.train, rec))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return Run(recipe=recipe, acc=acc, run_dir=run_dir, split=split, model=model, optimizer=optimizer, data=data,
                tokenizer=tokenizer, recovery=rec, schedule=schedule, callbacks=tuple(callbacks),
                from_recipe=from_recipe, flat=flat(recipe), trainable=[p for _, p in trainable],
                base=[p for n, p in trainable if not is_patch_parameter(n)], result=TrainResult(run_dir, 0),
                window=LogWindow(torch.zeros((), dtype=torch.float64, device=acc.device)),
-               divergence=Divergence(torch.zeros((), dtype=torch.long, device=acc.device)))
+               divergence=Divergence(torch.zeros((), dtype=torch.long, device=acc.device)),
+               engine=engine.what_ran(acc, recipe.train, zero.stage_of(acc)))
 
 
 def _resume(run: Run) -> list[float] | None:
@@ -226,7 +230,9 @@ def _open_run(run: Run) -> None:
     if acc.is_main_process:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         save_recipe(recipe, run.run_dir / "recipe.yaml")
-    acc.init_trackers(recipe.output.project, config={k: ("null" if v is None else v) for k, v in run.flat.items()})
+    config = {k: ("null" if v is None else v) for k, v in run.flat.items()}
+    acc.init_trackers(recipe.output.project, config={ENGINE_KEY: run.engine.as_dict(), **config})
+    acc.print(run.engine.line())
     acc.print(f"{build.describe(run.model)} | {acc.num_processes} process(es) on {acc.device}, precision "
               f"{acc.mixed_precision} | {t.batch_size * recipe.data.seq_len} tokens/step, accumulation "
               f"{run.split.accum} | steps {run.result.steps}->{t.steps} | run {run.run_dir}")
@@ -263,7 +269,7 @@ def _check_finite(run: Run, step: int, weights: bool = False) -> None:
     """Raise if any process flagged a non-finite step; weights: check the trained parameters first (an update
     from a finite loss can still overflow them)."""
     if weights:
-        finite = [torch.isfinite(fsdp.local(p.detach())).all() for p in run.trainable]  # train.fsdp: this shard
+        finite = [torch.isfinite(_local(p)).all() for p in run.trainable]  # this process's shard
         run.divergence.note(step, torch.stack(finite).all())
     run.divergence.check(run.acc)
 
@@ -318,9 +324,15 @@ def _save_checkpoint(run: Run, done: int) -> None:
     run.notify("checkpoint", done, path=path)
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This process's values of a parameter: its FSDP2 shard, its ZeRO-3 partition, or the parameter."""
+    return zero.local(p) if zero.partitioned(p) else fsdp.local(p.detach())
+
+
 def _sharded(run: Run):
-    """(model, optimizer) under train.fsdp, whose checkpoints each process writes its own shards of; else None."""
-    return (run.model, run.optimizer) if run.recipe.train.fsdp else None
+    """(model, optimizer) under train.fsdp or DeepSpeed, whose checkpoints each process writes its own part of; else
+    None (accelerate's save_state)."""
+    return (run.model, run.optimizer) if run.recipe.train.fsdp or zero.is_engine(run.model) else None
 
 
 def _finish(run: Run) -> TrainResult:
@@ -331,21 +343,24 @@ def _finish(run: Run) -> TrainResult:
     if run.schedule is not None:
         record_knob(run.model)
     run.notify("end", result.steps, model=acc.unwrap_model(run.model))
-    result.model = save_final(acc, run.model, run.run_dir, run.tokenizer, run.recipe, result, run.from_recipe)
+    result.model = save_final(acc, run.model, run.run_dir, run.tokenizer, run.recipe, result, run.from_recipe,
+                              ran=run.engine)
     build.end_processes(acc)
     return result
 
 
 def save_final(acc, model, run_dir: Path, tokenizer, recipe: Recipe, result: TrainResult,
-               from_recipe: bool = True) -> nn.Module:
-    """The final model (save_pretrained, safetensors, patch in config.json) and result.json."""
+               from_recipe: bool = True, ran: Engine | None = None) -> nn.Module:
+    """The final model (save_pretrained, safetensors, patch in config.json) and result.json (with the engine that
+    trained it)."""
     acc.wait_for_everyone()
     unwrapped = acc.unwrap_model(model, keep_torch_compile=False)
-    sharded = acc.distributed_type.name in ("FSDP", "DEEPSPEED")
     peft = recipe.train.peft
-    state = acc.get_state_dict(model) if sharded and peft is None else None  # FSDP: gathered on every rank
+    state = acc.get_state_dict(model) if acc.distributed_type.name == "FSDP" and peft is None else None
     if recipe.train.fsdp:
-        state = fsdp.full_state_dict(model)
+        state = fsdp.full_state_dict(model)  # gathered on every rank
+    elif zero.is_engine(model):
+        state = zero.full_state_dict(model)  # ZeRO-3: gathered one module at a time, on the main process
     saved = unwrapped
     if acc.is_main_process:
         with _atomic_files(run_dir) as tmp:
@@ -356,7 +371,8 @@ def save_final(acc, model, run_dir: Path, tokenizer, recipe: Recipe, result: Tra
         summary = {"steps": result.steps, "final_loss": final_loss,
                    "eval": result.evals.get(last), "model_type": language_model(saved).config.model_type,
                    "retrofit": getattr(language_model(saved).config, "retrofit", None),
-                   "processes": acc.num_processes, "model_from_recipe": from_recipe}
+                   "processes": acc.num_processes, "model_from_recipe": from_recipe,
+                   "engine": ran.as_dict() if ran is not None else None}
         atomic_write_text(run_dir / "result.json", json.dumps(summary, indent=2, default=str))  # marks the run finished
     acc.wait_for_everyone()
     return saved

@@ -1,7 +1,7 @@
 """The run's log: an accelerate tracker that appends one JSON object per line to run/log.jsonl; the other trackers
 (output.trackers) checked before a run starts.
 
-    {"event": "config", "config": {"train.lr": 0.0003, ...}}
+    {"event": "config", "engine": {"name": "deepspeed", "stage": 3, "world": 2, ...}, "config": {"train.lr": 3e-4, ...}}
     {"step": 10, "loss": 2.31, "lr": 0.0003, "seq_len": 64, "tokens": 5120, "tokens_per_s": 41000.0, ...}
     {"step": 20, "eval/loss@64": 2.2}
 
@@ -33,6 +33,8 @@ def check_trackers(names) -> list[str]:
             raise RetrofitError(f"output.trackers has {name} but it is not installed: pip install {TRACKERS[name]}")
     return list(names)
 
+ENGINE_KEY = "engine"  # in init_trackers' config: the engine that runs (train/engine.py), written beside the config
+
 
 class JsonlTracker(GeneralTracker):
     name = "jsonl"
@@ -59,7 +61,8 @@ class JsonlTracker(GeneralTracker):
         self.file.flush()
 
     def store_init_configuration(self, values: dict):
-        self._write({"event": "config", "time": time.time(), "config": values})
+        config = {k: v for k, v in values.items() if k != ENGINE_KEY}
+        self._write({"event": "config", "time": time.time(), ENGINE_KEY: values.get(ENGINE_KEY), "config": config})
 
     def log(self, values: dict, step: int | None = None, **kwargs):
         self._write({"step": step, **{k: _plain(v) for k, v in values.items()}})

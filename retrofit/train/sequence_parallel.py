@@ -21,10 +21,13 @@ model's own sinks) are sliced to the rank's heads as views, so their gradients f
 parameter. AVNorm (mode=always) acts per token on the output projection's input: it needs nothing.
 GQA: key/value heads are repeated (the fewest times) until the ranks divide them.
 
-Why not an engine: accelerate 1.15's `ParallelismConfig(sp_backend="deepspeed")` runs DeepSpeed's
-UlyssesSPAttentionHF, which needs the DeepSpeed engine (not installed here, CUDA in practice); torch's own
-context parallel is CUDA ring attention. Both all-to-alls here are `torch.distributed.all_to_all_single`
-(gloo on CPU, NCCL on GPU) in a five-line autograd function: an all-to-all of equal chunks is its own adjoint.
+Two all-to-alls do the moving. Under DDP and train.fsdp, retrofit's own: `torch.distributed.all_to_all_single`
+(gloo on CPU, NCCL on GPU) in a five-line autograd function (an all-to-all of equal chunks is its own adjoint).
+Under DeepSpeed (train.deepspeed or an accelerate DeepSpeed config), DeepSpeed's ALST: accelerate's
+`ParallelismConfig(sp_backend="deepspeed")` registers UlyssesSPAttentionHF around `alst_attention` (train/alst.py),
+which adds only what ALST lacks, the norm's per-head tensors sliced to the rank's heads. ALST runs only inside a
+DeepSpeed engine (its groups go to deepspeed.initialize), so retrofit's all-to-all stays for the other two engines;
+torch's own context parallel is ring attention, without a per-row hook for a norm's correction.
 Seam: an attention implementation registered with transformers (as retrofit.patch does) and, under the same
 name, a mask function that lets only plain causal rows through (a padding or packed-document mask over a shard
 would be wrong, silently).
@@ -48,7 +51,8 @@ from ..errors import RetrofitError
 from ..norms.base import CHILD, SINK_KWARGS
 from ..patch import attention_modules, eager_attention_of
 
-NAME = "retrofit_ulysses"     # the attention implementation while a model runs sharded
+NAME = "retrofit_ulysses"     # the attention implementation while a model runs sharded (retrofit's all-to-all)
+ALST_NAME = "retrofit_alst"   # ... under DeepSpeed: ALST's all-to-all around alst_attention
 STATE = "_retrofit_sequence"  # on each attention module while sharded: (layout, the implementation it wraps)
 
 
@@ -61,6 +65,7 @@ class SequenceLayout:
     data_rank: int                 # which sequence group: the data-parallel index
     data_size: int                 # how many groups (data-parallel processes)
     group: object = None           # the process group of this sequence group
+    alst: bool = False             # DeepSpeed's ALST moves the heads (its own groups), not retrofit's all-to-all
 
     def part(self, length: int) -> slice:
         """This rank's tokens of a row of `length` tokens."""
@@ -71,8 +76,9 @@ class SequenceLayout:
         return slice(self.rank * n, (self.rank + 1) * n)
 
 
-def sequence_layout(size: int) -> SequenceLayout | None:
-    """Groups of `size` consecutive ranks (one node's GPUs share a row); None when size is 1."""
+def sequence_layout(size: int, alst: bool = False) -> SequenceLayout | None:
+    """Groups of `size` consecutive ranks (one node's GPUs share a row); None when size is 1. alst: under
+    DeepSpeed, whose ALST makes the same groups itself (parallel_state_sp: consecutive ranks)."""
     if size == 1:
         return None
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -80,6 +86,8 @@ def sequence_layout(size: int) -> SequenceLayout | None:
         raise RetrofitError(f"train.sequence_parallel {size} does not divide the {world} process(es): launch "
                             f"a multiple of {size} (torchrun --nproc_per_node {size})")
     rank = dist.get_rank()
+    if alst:
+        return SequenceLayout(size, rank % size, rank // size, world // size, alst=True)
     if size == world:  # one group: the default one (DDP's collectives share it, as SyncBatchNorm's do)
         return SequenceLayout(size, rank, 0, 1, dist.group.WORLD)
     # Several groups: every rank creates every group. torch names groups by a counter it resets when the default
@@ -89,8 +97,9 @@ def sequence_layout(size: int) -> SequenceLayout | None:
     return SequenceLayout(size, rank % size, rank // size, world // size, groups[rank // size])
 
 
-def check_recipe(recipe) -> SequenceLayout | None:
-    """The layout train.sequence_parallel asks for (None when 1), after refusing what it cannot run (one line)."""
+def check_recipe(recipe, alst: bool = False) -> SequenceLayout | None:
+    """The layout train.sequence_parallel asks for (None when 1), after refusing what it cannot run (one line);
+    alst: DeepSpeed runs the model (its ALST moves the heads)."""
     size = recipe.train.sequence_parallel
     if size == 1:
         return None
@@ -108,7 +117,7 @@ def check_recipe(recipe) -> SequenceLayout | None:
         if length % size:
             raise RetrofitError(f"data.seq_len / train.init_len {length} is not a multiple of "
                                 f"train.sequence_parallel {size}")
-    return sequence_layout(size)
+    return sequence_layout(size, alst)
 
 
 # ---- the batch -------------------------------------------------------------------------------------------------------
@@ -144,7 +153,7 @@ def sharded(model: nn.Module, layout: SequenceLayout | None):
     if layout is None:
         yield model
         return
-    inner = _unwrap(model)
+    inner = inner_model(model)
     config = inner.config
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         raise RetrofitError(f"train.sequence_parallel does not support {config.model_type}'s sliding-window "
@@ -157,18 +166,21 @@ def sharded(model: nn.Module, layout: SequenceLayout | None):
     if heads % layout.size:
         raise RetrofitError(f"{heads} attention heads cannot be split over train.sequence_parallel "
                             f"{layout.size} processes: choose a divisor of {heads}")
+    groups = [m.__dict__.get("num_key_value_groups") for m in modules]  # ALST sets them for repeated KV heads
     for module in modules:
         module.__dict__[STATE] = (layout, wrapped)
-    config._attn_implementation = NAME
+    config._attn_implementation = ALST_NAME if layout.alst else NAME
     try:
         yield model
     finally:
         config._attn_implementation = wrapped
-        for module in modules:
+        for module, before in zip(modules, groups):
             module.__dict__.pop(STATE, None)
+            if before is not None:
+                module.num_key_value_groups = before
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def inner_model(model: nn.Module) -> nn.Module:
     """The module whose config the attention modules read, inside DDP and a task wrapper (CountingModel.lm)."""
     model = getattr(model, "module", model)  # DDP
     return getattr(model, "lm", model)
@@ -212,26 +224,51 @@ def sequence_from_heads(x: torch.Tensor, layout: SequenceLayout) -> torch.Tensor
     return x.permute(1, 2, 0, 3, 4).reshape(b, t // n, n * h, d)
 
 
-class _Heads(nn.Module):
-    """Holds a norm child so torch.func.functional_call can swap its per-head tensors for slices during `call`."""
+def _per_head(name_tensor, num_heads: int) -> bool:
+    _, t = name_tensor
+    shape = getattr(t, "ds_shape", t.shape)  # a ZeRO-3 parameter is an empty placeholder outside its gather
+    return len(shape) == 1 and shape[0] == num_heads
 
-    def __init__(self, child: nn.Module):
-        super().__init__()
-        self.child = child
 
-    def forward(self, call):
-        return call()
+def _shadow(module: nn.Module, names: list[str], heads: slice) -> None:
+    """The slices in the instance __dict__, where attribute lookup finds them before nn.Module's parameters and
+    buffers: `norm.s` reads the slice while `norm._parameters["s"]` stays the parameter every wrapper sees."""
+    for name in names:
+        full = module._parameters[name] if name in module._parameters else module._buffers[name]
+        module.__dict__[name] = full[heads]
+
+
+def _unshadow(module: nn.Module, names: list[str]) -> None:
+    for name in names:
+        module.__dict__.pop(name, None)
 
 
 def on_heads(module: nn.Module, heads: slice, num_heads: int, call):
     """`call()` with the module's norm child seeing only `heads` of its per-head (H,) tensors; slices are views,
-    so gradients reach the full parameters."""
+    so gradients reach the full parameters. A ZeRO-3 parameter is sliced once DeepSpeed has gathered it for its
+    module's call (a pre-hook registered after DeepSpeed's), so it stays the parameter DeepSpeed's hooks know."""
     child = module._modules.get(CHILD)
     if child is None:
         return call()
-    tensors = [*child.named_parameters(), *child.named_buffers()]
-    sliced = {f"child.{n}": t[heads] for n, t in tensors if t.dim() == 1 and t.shape[0] == num_heads}
-    return torch.func.functional_call(_Heads(child), sliced, (call,)) if sliced else call()
+    now, gathered, handles = [], [], []
+    for owner in child.modules():
+        tensors = [*owner._parameters.items(), *owner._buffers.items()]
+        names = [n for n, t in tensors if t is not None and _per_head((n, t), num_heads)]
+        late = [n for n in names if hasattr(owner._parameters.get(n), "ds_id")]
+        now.append((owner, [n for n in names if n not in late]))
+        if late:
+            gathered.append((owner, late))
+            handles.append(owner.register_forward_pre_hook(lambda m, args, late=late: _shadow(m, late, heads)))
+            handles.append(owner.register_forward_hook(lambda m, args, out, late=late: _unshadow(m, late)))
+    try:
+        for owner, names in now:
+            _shadow(owner, names, heads)
+        return call()
+    finally:
+        for handle in handles:
+            handle.remove()
+        for owner, names in now + gathered:
+            _unshadow(owner, names)
 
 
 def _base_function(module: nn.Module, name: str):
@@ -256,19 +293,19 @@ def _kv_groups(module: nn.Module, groups: int):
         module.num_key_value_groups = before
 
 
-def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
-    """transformers' attention-function signature; query (B, H, T/N, D), key/value (B, Hkv, T/N, D) ->
-    ((B, T/N, H, D), None): the wrapped implementation runs on (B, H/N, T, D) for this rank's heads."""
+def layout_of(module: nn.Module, name: str):
     state = module.__dict__.get(STATE)
     if state is None:
-        raise RetrofitError(f"{NAME} runs only inside retrofit.train.sequence_parallel.sharded(model, layout)")
-    layout, wrapped = state
-    n, heads, kv_heads = layout.size, query.shape[1], key.shape[1]
-    repeat = n // math.gcd(kv_heads, n)  # the fewest copies of each KV head that N divides
-    if repeat > 1:
-        key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
-    q, k, v = (heads_from_sequence(x, layout) for x in (query, key, value))
-    mine = slice(layout.rank * heads // n, (layout.rank + 1) * heads // n)
+        raise RetrofitError(f"{name} runs only inside retrofit.train.sequence_parallel.sharded(model, layout)")
+    return state
+
+
+def on_my_heads(module, q, k, v, kwargs: dict, rank: int, size: int, wrapped: str) -> torch.Tensor:
+    """The wrapped implementation on this rank's heads of the whole row: q (B, H/N, T, D), k/v (B, Hkv', T, D) ->
+    (B, T, H/N, D). The rank's heads are the N-th block `rank` of H (both all-to-alls, retrofit's and DeepSpeed's,
+    hand them out so); per-head tensors (the norm's, a model's own sinks) are sliced to it."""
+    local = q.shape[1]
+    heads, mine = local * size, slice(rank * local, (rank + 1) * local)
     for name in SINK_KWARGS:  # a model's own per-head sinks (gpt_oss)
         if kwargs.get(name) is not None:
             kwargs[name] = kwargs[name][mine]
@@ -278,8 +315,21 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
         length = q.shape[2]
         mask = torch.full((length, length), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)
         mask = mask[None, None]                                    # (1, 1, T, T) additive
-    with _kv_groups(module, heads // (kv_heads * repeat)):
+    with _kv_groups(module, local // k.shape[1]):
         out, _ = on_heads(module, mine, heads, lambda: base(module, q, k, v, mask, **kwargs))  # (B, T, H/N, D)
+    return out
+
+
+def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' attention-function signature; query (B, H, T/N, D), key/value (B, Hkv, T/N, D) ->
+    ((B, T/N, H, D), None): the wrapped implementation runs on (B, H/N, T, D) for this rank's heads."""
+    layout, wrapped = layout_of(module, NAME)
+    n, kv_heads = layout.size, key.shape[1]
+    repeat = n // math.gcd(kv_heads, n)  # the fewest copies of each KV head that N divides
+    if repeat > 1:
+        key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+    q, k, v = (heads_from_sequence(x, layout) for x in (query, key, value))
+    out = on_my_heads(module, q, k, v, kwargs, layout.rank, n, wrapped)
     return sequence_from_heads(out, layout), None
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..errors import RetrofitError
 from ..recipe import Recipe
+from .engine import Engine
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Run:
     result: TrainResult
     window: LogWindow
     divergence: Divergence
+    engine: Engine                     # what trains the run (engine.py): result.json and the log's first line name it
 
     def notify(self, event: str, step: int, **info) -> None:
         """Call the callbacks: fn(event, step, info), info holding the accelerator too."""

@@ -81,6 +81,8 @@ def _update(run: Run, step: int) -> torch.Tensor | None:
             p.grad = None  # fused AdamW skips a parameter without a gradient: no update, no moment change
     grad_norm = run.acc.clip_grad_norm_(run.trainable, t.grad_clip) if t.grad_clip > 0 else None
     grad_norm = fsdp.whole(grad_norm)  # train.fsdp: a DTensor
+    if grad_norm is not None and not torch.is_tensor(grad_norm):  # DeepSpeed: the norm its step clipped, a float
+        grad_norm = torch.tensor(float(grad_norm), dtype=torch.float64)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     if run.schedule is not None:

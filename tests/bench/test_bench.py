@@ -38,6 +38,7 @@ def test_bench_attention_writes_table_and_json(tmp_path, capsys):
     (["attention", "--impl", "sdpa,fast"], "unknown --impl"),
     (["attention", "--p", "0"], "--p must be > 0"),
     (["train", "--fsdp"], "--fsdp is measured with --sequence-parallel N > 1"),
+    (["train", "--engine", "deepspeed"], "--engine deepspeed is measured with --sequence-parallel N > 1"),
     (["train", "--sequence-parallel", "2", "--seq-len", "129"], "129 is not a multiple of --sequence-parallel 2"),
     (["train", "--sequence-parallel", "3", "--model-type", "llama", "--seq-len", "129"],
      "4 attention heads cannot be split over --sequence-parallel 3"),
@@ -100,3 +101,19 @@ def test_bench_train_memory_labels_the_model_it_measured(tmp_path):
     train_memory.child(spec, tmp_path / "row.json")
     row = json.loads((tmp_path / "row.json").read_text())
     assert row["model_type"] == "llama" and row["model"] == str(tmp_path / "m") and row["peak_mb"] > 0
+
+
+def test_bench_train_sequence_parallel_deepspeed_runs_alst_over_zero3(tmp_path, capsys):
+    """`retrofit bench train --sequence-parallel 2 --engine deepspeed` on a tiny Llama: one process, then two
+    processes under torchrun whose runs record DeepSpeed ZeRO-3 sharing each row (ALST); a table and its JSON."""
+    from retrofit.cli import main
+    out = tmp_path / "sp.json"
+    code = main(["bench", "train", "--sequence-parallel", "2", "--engine", "deepspeed", "--model-type", "llama",
+                 "--batch", "1", "--seq-len", "64", "--steps", "2", "--warmup", "1", "--threads", "1", "--out",
+                 str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["engine"] == {"name": "deepspeed", "world": 2, "backend": "gloo", "nodes": 1, "stage": 3,
+                                "sequence_parallel": 2}
+    assert [r["rank"] for r in result["processes"]] == [0, 1] and result["one_process"]["engine"]["name"] == "single"
+    assert "(DeepSpeed ALST + ZeRO-3)" in capsys.readouterr().out

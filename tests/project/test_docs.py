@@ -28,8 +28,12 @@ def test_the_readme_is_a_front_door():
     text = README.read_text()
     assert len(text.splitlines()) <= 150, "README.md is a front door: move the detail to a page under docs/"
     assert "pip install torch==2.13.0 && pip install -e . && retrofit demo\n" in text
-    assert f'pip install torch==2.13.0 && pip install -e ".[test]" && {TEST_COMMAND}\n' in text
-    assert f"\n{TEST_COMMAND}\n" in (ROOT / ".ci" / "run").read_text()  # CI runs exactly the README's command
+    install = "pip install torch==2.13.0 && pip install --no-build-isolation deepspeed==0.19.8 && "
+    assert f'{install}pip install -e ".[test]" && {TEST_COMMAND}\n' in text
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f"\n{TEST_COMMAND}\n" in ci  # CI runs exactly the README's command, after the same installs
+    assert "pip install --quiet --no-build-isolation deepspeed==0.19.8\n" in ci and '"deepspeed==0.19.8"' in (
+        ROOT / "pyproject.toml").read_text()
 
 
 @pytest.mark.parametrize("page", [README, *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)

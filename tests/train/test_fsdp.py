@@ -80,3 +80,33 @@ def test_every_norm_keeps_its_parameters_1d():
         model = tiny_model("llama")
         retrofit.patch(model, norm)
         assert all(p.dim() >= 1 for n, p in model.named_parameters() if ".retrofit." in n), norm
+
+
+def test_the_counting_head_under_train_fsdp_saves_the_gathered_head(tmp_path):
+    """`retrofit train` with train.fsdp and the counting task (GPT-2: tied embeddings; the head is its own FSDP2
+    leftover in the root unit): one process's losses, and task_head.safetensors holds the whole trained head (it
+    used to read this process's shard: "invalid python storage", .lock and .tmp-final left, no result.json)."""
+    import yaml
+
+    from retrofit.recipe import load_recipe
+    from retrofit.train import train
+    from tests.train.test_checkpoints import counting_recipe
+    from tests.train.test_train import losses_of
+    raw = counting_recipe(tmp_path / "fsdp", steps=6, save_every=0, fsdp=True)
+    (tmp_path / "fsdp.yaml").write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "retrofit", "train", str(tmp_path / "fsdp.yaml")], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "fsdp" / "result.json").is_file() and not (tmp_path / "fsdp" / ".tmp-final").exists()
+    raw = counting_recipe(tmp_path / "one", steps=6, save_every=0)
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump(raw))
+    one = train(load_recipe(tmp_path / "one.yaml"))
+    got = losses_of(tmp_path / "fsdp")
+    assert sorted(got) == list(range(1, 7)) and max(abs(got[s] - one.losses[s]) / one.losses[s] for s in got) <= 1e-5
+    from safetensors.torch import load_file
+    heads = [load_file(tmp_path / run / "task_head.safetensors") for run in ("fsdp", "one")]
+    assert heads[0].keys() == heads[1].keys() == {"weight", "bias"}
+    for name, weight in heads[1].items():
+        torch.testing.assert_close(heads[0][name], weight, rtol=0, atol=1e-5, msg=name)

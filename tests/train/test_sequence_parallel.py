@@ -1,9 +1,9 @@
 """Ulysses sequence parallelism on CPU (2 processes, gloo): for every norm, GQA with fewer KV heads than ranks,
 eager, GPT-2's learned positions and LoRA + gradient checkpointing, the sharded forward's logits and gradients
-equal one process's (fp32, 1e-5); `retrofit train` with train.sequence_parallel: 2 under train.fsdp logs one
-process's losses, saves an unsharded model, and a killed run resumes bitwise from its sharded checkpoint; 2 groups
-of 2 train like one process under DDP, FSDP2 and FSDP2 + LoRA. Four launches (the first also runs every parity
-case)."""
+equal one process's (fp32, 1e-5), under retrofit's all-to-all and under DeepSpeed's ALST around retrofit's adapter;
+`retrofit train` with train.sequence_parallel: 2 under train.fsdp logs one process's losses, saves an unsharded
+model, and a killed run resumes bitwise from its sharded checkpoint; 2 groups of 2 train like one process under DDP,
+FSDP2 and FSDP2 + LoRA. Five launches (the first also runs every parity case; one runs them under ALST)."""
 
 from __future__ import annotations
 
@@ -91,15 +91,33 @@ def sharded(launched):
     return torch.load(launched / "sharded.pt")
 
 
+@pytest.fixture(scope="module")
+def alst_sharded(tmp_path_factory):
+    """One launch: every parity case sharded by DeepSpeed's ALST around retrofit's adapter (the engine's sequence
+    parallelism under train.deepspeed or an accelerate DeepSpeed config)."""
+    out = tmp_path_factory.mktemp("alst")
+    proc = launch(out, "", "alst")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out / "alst.pt")
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_sharded_logits_and_gradients_equal_one_process(case, sharded):
+    same_as_one_process(case, sharded[case])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_alst_sharded_logits_and_gradients_equal_one_process(case, alst_sharded):
+    same_as_one_process(case, alst_sharded[case])
+
+
+def same_as_one_process(case: str, got: dict) -> None:
     torch.set_num_threads(1)
     model = build(case)
     loss = loss_sum(model, batch(), "lm")
     loss.backward()
     with torch.no_grad():
         logits = model(input_ids=batch()["input_ids"], use_cache=False).logits
-    got = sharded[case]
     # fp32: 1e-5. bf16: one bf16 rounding (2^-8 relative) where a sum runs over T/N rows and two halves, not T
     half = case.startswith("bf16")
     tol = dict(rtol=2e-2, atol=2e-2) if half else dict(rtol=0, atol=1e-5)

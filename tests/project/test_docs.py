@@ -28,7 +28,8 @@ def test_the_readme_is_a_front_door():
     text = README.read_text()
     assert len(text.splitlines()) <= 150, "README.md is a front door: move the detail to a page under docs/"
     assert "pip install torch==2.13.0 && pip install -e . && retrofit demo\n" in text
-    install = "pip install torch==2.13.0 && pip install --no-build-isolation deepspeed==0.19.8 && "
+    # setuptools and wheel: deepspeed's build without isolation needs them, which a fresh venv of Python >= 3.12 lacks
+    install = "pip install torch==2.13.0 setuptools wheel && pip install --no-build-isolation deepspeed==0.19.8 && "
     assert f'{install}pip install -e ".[test]" && {TEST_COMMAND}\n' in text
     ci = (ROOT / ".ci" / "run").read_text()
     assert f"\n{TEST_COMMAND}\n" in ci  # CI runs exactly the README's command, after the same installs

@@ -231,7 +231,8 @@ def _open_run(run: Run) -> None:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         save_recipe(recipe, run.run_dir / "recipe.yaml")
     config = {k: ("null" if v is None else v) for k, v in run.flat.items()}
-    acc.init_trackers(recipe.output.project, config={ENGINE_KEY: run.engine.as_dict(), **config})
+    # the engine as JSON text: TensorBoard's hparams take scalars only (log.jsonl reads it back as a mapping)
+    acc.init_trackers(recipe.output.project, config={ENGINE_KEY: json.dumps(run.engine.as_dict()), **config})
     acc.print(run.engine.line())
     acc.print(f"{build.describe(run.model)} | {acc.num_processes} process(es) on {acc.device}, precision "
               f"{acc.mixed_precision} | {t.batch_size * recipe.data.seq_len} tokens/step, accumulation "

@@ -62,7 +62,9 @@ class JsonlTracker(GeneralTracker):
 
     def store_init_configuration(self, values: dict):
         config = {k: v for k, v in values.items() if k != ENGINE_KEY}
-        self._write({"event": "config", "time": time.time(), ENGINE_KEY: values.get(ENGINE_KEY), "config": config})
+        engine = values.get(ENGINE_KEY)  # JSON text (train/loop.py), so that every tracker takes it
+        self._write({"event": "config", "time": time.time(), ENGINE_KEY: json.loads(engine) if isinstance(engine, str)
+                     else engine, "config": config})
 
     def log(self, values: dict, step: int | None = None, **kwargs):
         self._write({"step": step, **{k: _plain(v) for k, v in values.items()}})

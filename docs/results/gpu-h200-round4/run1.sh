@@ -2,13 +2,7 @@
 # Round 4 (issue #50), device call 1 of 2: the standalone repro of the memory-efficient backward's crash and the
 # parity of flex / cuda_efficient / decode + blockwise / triton + dispatch on CUDA, in parallel processes (none of
 # them timed: they are compile-bound), then the attention timing table alone on the GPU.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/../../.."
-t0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/whl/*.whl \
-  > /tmp/pip.txt 2>&1 || { cat /tmp/pip.txt; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD
+. "$(dirname "$0")/setup.sh"
 R=/tmp/run1 && mkdir -p $R
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,temperature.gpu --format=csv > $R/smi.txt
 python3 -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__,

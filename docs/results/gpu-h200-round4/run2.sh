@@ -2,13 +2,7 @@
 # Round 4 (issue #50), device call 2 of 2: the longest sequence that trains on one GPU per norm beside the planner
 # (retrofit bench gpu --parts longest, SmolLM2-135M's architecture with random weights), then the CUDA tests that
 # check this round's fixes (the memory-efficient backward's `out` layout, SSMax's d s on Triton).
-set -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/../../.."
-t0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/whl/*.whl \
-  > /tmp/pip.txt 2>&1 || { cat /tmp/pip.txt; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD
+. "$(dirname "$0")/setup.sh"
 R=/tmp/run2 && mkdir -p $R
 timeout 260 python3 -m retrofit bench gpu --parts longest --model .device/smollm2-135m --random-init \
   --budgets longest=210 --out $R/longest > $R/longest.log 2>&1

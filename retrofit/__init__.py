@@ -20,8 +20,6 @@ do not pay for torch and transformers.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING
 
 from .version import DISTRIBUTION
@@ -29,38 +27,26 @@ from .version import VERSION as __version__
 
 # public name -> the module that defines it
 _PUBLIC = {
-    "PatchReport": "patch", "is_patched": "patch", "observe": "patch", "patch": "patch", "patch_record": "patch",
-    "unpatch": "patch", "calibrate": "calibrate", "RetrofitError": "errors", "from_pretrained": "load",
-    "available_norms": "norms", "describe_norms": "norms", "patch_bypassed": "recovery", "extend_rope": "rope",
-    "info": "load.info", "peft_config": "load.adapters", "PatchSpec": "patch_spec",
+    "PatchReport": "patching", "is_patched": "patching", "patch": "patching", "patch_record": "patching",
+    "unpatch": "patching", "observe": "attention_seam", "calibrate": "calibration", "RetrofitError": "errors",
+    "from_pretrained": "load", "available_norms": "norms", "describe_norms": "norms", "patch_bypassed": "recovery",
+    "extend_rope": "rope", "info": "load.info", "peft_config": "load.adapters", "PatchSpec": "patch_spec",
     "enable": "integrations.auto_classes", "disable": "integrations.auto_classes",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first use
-    from .calibrate import calibrate
+    from .attention_seam import observe
+    from .calibration import calibrate
     from .errors import RetrofitError
     from .integrations.auto_classes import disable, enable
     from .load import from_pretrained
     from .load.adapters import peft_config
     from .load.info import info
     from .norms import available_norms, describe_norms
-    from .patch import PatchReport, is_patched, observe, patch, patch_record, unpatch
     from .patch_spec import PatchSpec
+    from .patching import PatchReport, is_patched, patch, patch_record, unpatch
     from .recovery import patch_bypassed
     from .rope import extend_rope
-
-
-class _Package(types.ModuleType):
-    """Importing the submodule retrofit.patch (or retrofit.calibrate) sets the package's attribute of that name to
-    the module; the public API's name is the function. Keep the function: the module stays in sys.modules."""
-
-    def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and _PUBLIC.get(name) == name:
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str):

@@ -1,4 +1,4 @@
-"""Zero-shot cost of a patch per layer and per head, so a user can choose `layers=` / `heads=` (issue #30).
+"""Zero-shot cost of a patch per layer and per head, so a user can choose `layers=` / `heads=`.
 
     costs = layer_costs(model, ids)      # model patched (and calibrated) as it will be used; ids (1, T)
     costs = head_costs(model, ids)       # per-head norms (avnorm, ssmax, softmax1)
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention_seam import attention_modules
 from .errors import RetrofitError
 from .norms.base import CHILD, Norm
-from .patch import attention_modules
 
 
 @dataclass(frozen=True)

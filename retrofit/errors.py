@@ -64,7 +64,7 @@ def _short_repr() -> reprlib.Repr:
 _SHORT = _short_repr()  # configured once at import, never changed
 
 
-def shown(value, limit: int = 80) -> str:
+def quoted(value, limit: int = 80) -> str:
     """repr(value) cut to at most `limit` characters (with '...'): how an error message echoes a user's value."""
     text = _SHORT.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

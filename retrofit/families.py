@@ -44,7 +44,7 @@ FAMILIES: dict[str, Family] = {
     "gemma": Family("GemmaAttention", "rotary", "model.rotary_emb"),
     "gemma2": Family("Gemma2Attention", "rotary", "model.rotary_emb"),
     "phi3": Family("Phi3Attention", "rotary", "model.rotary_emb"),
-    # Issue #16. Read from transformers 5.23's modeling files; each is in tests/patch/test_families.py's matrix.
+    # Read from transformers 5.23's modeling files; each is in tests/patch/test_families.py's matrix.
     "qwen3": Family("Qwen3Attention", "rotary", "model.rotary_emb"),  # q/k RMSNorm before RoPE: in the module
     "qwen3_moe": Family("Qwen3MoeAttention", "rotary", "model.rotary_emb"),
     "qwen2_moe": Family("Qwen2MoeAttention", "rotary", "model.rotary_emb"),

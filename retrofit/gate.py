@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import RetrofitError, closest, shown
+from .errors import RetrofitError, closest, quoted
 
 KINDS = ("head", "element")
 GATE_INPUT = "retrofit_gate_input"  # the keyword that carries the attention module's input to the attention function
@@ -54,18 +54,18 @@ def normalize_gate(value, what: str = "gate") -> dict | None:
     if isinstance(value, str):
         parts = [p.strip() for p in value.split(":")]
         if len(parts) > 3 or not parts[0]:
-            raise RetrofitError(f"{what} {shown(value, 40)}: write KIND[:START[:INPUTS]], e.g. head, head:0.5:12")
+            raise RetrofitError(f"{what} {quoted(value, 40)}: write KIND[:START[:INPUTS]], e.g. head, head:0.5:12")
         value = dict(zip(KEYS, parts))
     if not isinstance(value, Mapping):
         raise RetrofitError(f"{what} must be head, element, KIND:START[:INPUTS] or a mapping {{kind, start, inputs}}, "
-                            f"got {shown(value)}")
+                            f"got {quoted(value)}")
     unknown = [k for k in value if k not in KEYS]
     if unknown:
-        raise RetrofitError(f"{what} has no key {shown(unknown[0])}{closest(str(unknown[0]), KEYS)}; its keys: "
+        raise RetrofitError(f"{what} has no key {quoted(unknown[0])}{closest(str(unknown[0]), KEYS)}; its keys: "
                             f"{', '.join(KEYS)}")
     kind = value.get("kind")
     if kind not in KINDS:
-        raise RetrofitError(f"{what} kind must be one of {', '.join(KINDS)}, got {shown(kind)}"
+        raise RetrofitError(f"{what} kind must be one of {', '.join(KINDS)}, got {quoted(kind)}"
                             f"{closest(str(kind), KINDS)}")
     return {"kind": kind, "start": _start(value.get("start", 1.0), what),
             "inputs": _inputs(value.get("inputs"), what)}
@@ -78,7 +78,7 @@ def _start(value, what: str) -> float:
         start = math.nan
     if isinstance(value, bool) or not (math.isfinite(start) and start > 0):
         raise RetrofitError(f"{what} start must be a number > 0 (the gate's value at step 0: 1 = the identity, for a "
-                            f"retrofit; 0.5 = the AVnorm post's), got {shown(value)}")
+                            f"retrofit; 0.5 = the AVnorm post's), got {quoted(value)}")
     return start
 
 
@@ -91,7 +91,7 @@ def _inputs(value, what: str) -> int | None:
         inputs = 0
     if isinstance(value, bool) or str(inputs) != str(value).strip() or inputs < 1:  # the model's width bounds it
         raise RetrofitError(f"{what} inputs must be a whole number of input channels >= 1 (the post's gate reads "
-                            f"12), or all, got {shown(value)}")
+                            f"12), or all, got {quoted(value)}")
     return inputs
 
 

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from .bounds import MOST, check_size
-from .errors import RetrofitError, shown
+from .errors import RetrofitError, quoted
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -40,9 +40,9 @@ def parse_lengths(text: str) -> list[int]:
     except ValueError:
         raise bad from None
     if span is not None:  # 2,3,...,100000000 would be 100 million lengths
-        check_size(len(head) + len(span), f"--lengths {shown(text, 40)}: the number of lengths", MOST["lengths"])
+        check_size(len(head) + len(span), f"--lengths {quoted(text, 40)}: the number of lengths", MOST["lengths"])
         lengths = head + list(span)
-    check_size(len(lengths), f"--lengths {shown(text, 40)}: the number of lengths", MOST["lengths"], least=0)
+    check_size(len(lengths), f"--lengths {quoted(text, 40)}: the number of lengths", MOST["lengths"], least=0)
     if not lengths or min(lengths) < 2:
         raise RetrofitError(f"--lengths {text!r}: give at least one length, each an integer >= 2")
     return sorted(set(lengths))

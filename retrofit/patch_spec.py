@@ -11,7 +11,7 @@ the harness's model arguments, `retrofit.patch()` and a checkpoint's `config.ret
 rules: a known norm with its own options (the norm's Options dataclass), rope xor nope, no layer selection with nope,
 heads only for norms that act per head, the selection syntax, a gate (retrofit.gate) never with heads. What needs
 the model (an index past its layers, RoPE it lacks, learned positions) is checked when the patch is applied
-(retrofit.patch). The errors name each field as the user wrote it (`spelling`): `--heads` on the command line,
+(retrofit.patch). The errors name each field as the user wrote it (`names`): `--heads` on the command line,
 `patch.heads` in a recipe, `heads` in Python.
 """
 
@@ -22,7 +22,7 @@ import math
 import re
 from dataclasses import InitVar, dataclass, field
 
-from .errors import RetrofitError, shown
+from .errors import RetrofitError, quoted
 from .gate import normalize_gate
 from .norms import NORMS, get_norm, make_options
 from .rope import normalize_rope
@@ -33,7 +33,7 @@ PATCH_KEYS = ("nope", "rope", "layers", "heads", "gate")  # a patch's keys besid
 
 
 @dataclass(frozen=True)
-class Spelling:
+class FieldNames:
     """How one place spells the spec's fields, so that its errors name what the user wrote there."""
 
     layers: str = "layers"
@@ -46,11 +46,11 @@ class Spelling:
     gate: str = "gate"
 
 
-PYTHON = Spelling()
-CLI = Spelling("--layers", "--heads", "--rope", "--nope", "--layers", "--heads", gate="--gate")
-RECIPE = Spelling("patch.layers", "patch.heads", "rope", "nope", "patch.layers", "patch.heads", "patch: ",
+PYTHON = FieldNames()
+CLI = FieldNames("--layers", "--heads", "--rope", "--nope", "--layers", "--heads", gate="--gate")
+RECIPE = FieldNames("patch.layers", "patch.heads", "rope", "nope", "patch.layers", "patch.heads", "patch: ",
                   gate="patch.gate")
-EVAL = Spelling("the evaluation patch's layers", "the evaluation patch's heads", gate="the evaluation patch's gate")
+EVAL = FieldNames("the evaluation patch's layers", "the evaluation patch's heads", gate="the evaluation patch's gate")
 
 
 def per_head_norms() -> list[str]:
@@ -69,17 +69,17 @@ class PatchSpec:
     layers: str | int | list | None = None        # the selection as written (retrofit.selection); None = all
     heads: str | int | list | None = None
     gate: str | dict | None = None                # output gating (retrofit.gate), normalized ({kind, start, inputs})
-    spelling: InitVar[Spelling] = PYTHON
+    names: InitVar[FieldNames] = PYTHON
 
-    def __post_init__(self, spelling: Spelling):
+    def __post_init__(self, names: FieldNames):
         get_norm(self.norm)  # unknown norm -> closest name
         if not isinstance(self.options, dict):
-            raise RetrofitError(f"the options of norm {self.norm!r} must be a mapping, got {shown(self.options)}")
+            raise RetrofitError(f"the options of norm {self.norm!r} must be a mapping, got {quoted(self.options)}")
         options = {k: v for k, v in self.options.items() if v is not None}  # None = the norm's default
         made = make_options(self.norm, **options)  # unknown option (closest key), bad value -> the norm's words
         object.__setattr__(self, "options", {k: getattr(made, k) for k in options})
         object.__setattr__(self, "nope", bool(self.nope))
-        s = spelling
+        s = names
         if self.rope is not None:
             object.__setattr__(self, "rope", normalize_rope(self.rope))
             if self.nope:
@@ -134,7 +134,7 @@ class PatchSpec:
         return cls(norm, options, nope=nope, rope=rope, layers=layers, heads=heads, gate=gate)
 
     @classmethod
-    def from_record(cls, record: dict, spelling: Spelling = PYTHON) -> PatchSpec:
+    def from_record(cls, record: dict, names: FieldNames = PYTHON) -> PatchSpec:
         """A spec from to_record's dict or a checkpoint's config.retrofit (whose rope is the applied plan: its
         `parameters` are the spec; its layers and heads the resolved indices)."""
         if not isinstance(record, dict) or "norm" not in record:
@@ -143,39 +143,39 @@ class PatchSpec:
         if isinstance(rope, dict) and "parameters" in rope:
             rope = rope["parameters"]
         return cls(record["norm"], dict(record.get("options") or {}), nope=bool(record.get("nope")), rope=rope,
-                   layers=record.get("layers"), heads=record.get("heads"), gate=record.get("gate"), spelling=spelling)
+                   layers=record.get("layers"), heads=record.get("heads"), gate=record.get("gate"), names=names)
 
     @classmethod
-    def from_flat(cls, mapping: dict, spelling: Spelling = PYTHON) -> PatchSpec:
+    def from_flat(cls, mapping: dict, names: FieldNames = PYTHON) -> PatchSpec:
         """{norm, nope, rope, layers, heads, gate, **options}: a patch written flat (eval's patch mapping, a
         variant)."""
         values = dict(mapping)
         fields = {k: values.pop(k) for k in PATCH_KEYS if k in values}
-        return cls(values.pop("norm"), values, **fields, spelling=spelling)
+        return cls(values.pop("norm"), values, **fields, names=names)
 
     @classmethod
-    def parse(cls, text: str, spelling: Spelling = PYTHON, what: str = "--patch") -> PatchSpec:
+    def parse(cls, text: str, names: FieldNames = PYTHON, what: str = "--patch") -> PatchSpec:
         """'avnorm', 'psoftmax:p=2', 'avnorm:kind=layer,affine=true,layers=16-29+3,heads=0+1', 'softmax:rope=yarn:4',
         'avnorm:gate=head:0.5:12':
         NORM[:KEY=VALUE,...]; '+' joins a selection's items (the options split on commas)."""
-        return cls.from_flat(parse_flat(text, what), spelling)
+        return cls.from_flat(parse_flat(text, what), names)
 
 
 def parse_flat(text: str, what: str = "--patch") -> dict:
     """NORM[:KEY=VALUE,...] -> {"norm": NORM, KEY: value, ...}; a value is true/false, null, a number or a word."""
     if not isinstance(text, str):
-        raise RetrofitError(f"{what} must be text like avnorm:kind=rms, got {shown(text)}")
+        raise RetrofitError(f"{what} must be text like avnorm:kind=rms, got {quoted(text)}")
     name, _, rest = text.partition(":")
     flat: dict = {"norm": name.strip()}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
         key = key.strip()
         if not eq or not key:
-            raise RetrofitError(f"{what} {shown(text, 40)}: options are key=value, e.g. avnorm:kind=layer")
+            raise RetrofitError(f"{what} {quoted(text, 40)}: options are key=value, e.g. avnorm:kind=layer")
         value = _value(value.strip(), key, text, what)
         if key in flat:  # either could be meant: the last one was taken, silently
-            raise RetrofitError(f"{what} {shown(text, 40)}: {key} is given twice ({shown(flat[key])}, then "
-                                f"{shown(value)}); give it once")
+            raise RetrofitError(f"{what} {quoted(text, 40)}: {key} is given twice ({quoted(flat[key])}, then "
+                                f"{quoted(value)}); give it once")
         flat[key] = value
     return flat
 
@@ -193,9 +193,9 @@ def _value(text: str, key: str, whole: str, what: str):
             continue
         return number if kind is int or not math.isnan(number) else text
     if not re.fullmatch(r"[\w.:+\-]+", text):  # a word (rms, yarn:4, 16-29+3); never a nested structure
-        raise RetrofitError(f"{what} {shown(whole, 40)}: {key}={shown(text, 40)} is not a value: a value is a number "
+        raise RetrofitError(f"{what} {quoted(whole, 40)}: {key}={quoted(text, 40)} is not a value: a value is a number "
                             "or a word, e.g. avnorm:kind=layer")
     return text
 
 
-__all__ = ["CLI", "EVAL", "PATCH_KEYS", "PYTHON", "RECIPE", "PatchSpec", "Spelling", "parse_flat", "per_head_norms"]
+__all__ = ["CLI", "EVAL", "PATCH_KEYS", "PYTHON", "RECIPE", "PatchSpec", "FieldNames", "parse_flat", "per_head_norms"]

@@ -18,7 +18,7 @@ import json
 
 import yaml
 
-from .errors import RetrofitError, read_utf8, shown
+from .errors import RetrofitError, quoted, read_utf8
 
 # ---- bounds -------------------------------------------------------------------------------------------------------
 # A recipe is a few levels of sections and keys and at most some thousands of values. Aliases (*a) share one node
@@ -159,7 +159,7 @@ def expect(value, kind: type, what: str):
     """`value` when it is of `kind` (dict, list), else the one-line error naming what it holds instead."""
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise RetrofitError(f"{what} holds {type_name(value)}, not {TYPES.get(kind, kind.__name__)}: "
-                            f"{shown(value, 40)}; it was not written by retrofit (restore it or write it again)")
+                            f"{quoted(value, 40)}; it was not written by retrofit (restore it or write it again)")
     return value
 
 

@@ -37,7 +37,7 @@ GATED_FORMAT = 3    # a record with a gate (format 2 readers would rebuild the p
 # (transformers would read "a/b" as a Hub kernel to fetch) and no "sdpa", "flash" or "flex" (its own checks).
 GUARD_KEY = "attn_implementation"
 GUARD = "retrofit checkpoint: load it with retrofit.from_pretrained(path), or call retrofit.enable() first"
-GUARDS = (GUARD, "retrofit.from_pretrained")  # as retrofit writes it, and as it wrote it before issue 53
+GUARDS = (GUARD, "retrofit.from_pretrained")  # as retrofit writes it, and as older retrofits wrote it
 FIELDS = {"format": 1, "retrofit_version": VERSION, "norm": None, "options": {}, "nope": False,
           "base_attn_implementation": None, "calibration": None, "rope": None, "layers": None, "heads": None}
 # Fields a record holds only when they are set (None removes them), so a record without them stays readable by the

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import RetrofitError, shown
+from .errors import RetrofitError, quoted
 
 _ITEM = re.compile(r"^(?:(\d+)|(\d+)-(\d*)|(\d+)-(\d+):(\d+)|:(\d+))$")
 SYNTAX = "N, A-B, A-, A-B:STEP or :STEP, joined by ',' or '+', e.g. 16-29 or 0,3 or :4"
@@ -44,7 +44,7 @@ def _expand(item, count: int | None, what: str) -> range | list[int]:
         return [item]
     longest = max(map(len, re.findall(r"\d+", item)), default=0) if isinstance(item, str) else 0
     if longest > MAX_DIGITS:  # bounded before int(): 4,301 digits raise inside it (0-99999999999 is fine: never listed)
-        raise RetrofitError(f"{what}: {shown(item, 40)} holds a number of {longest:,} digits; a selection's numbers "
+        raise RetrofitError(f"{what}: {quoted(item, 40)} holds a number of {longest:,} digits; a selection's numbers "
                             f"have at most {MAX_DIGITS}")
     match = _ITEM.match(item) if isinstance(item, str) else None
     if match is None:

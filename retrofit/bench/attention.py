@@ -265,7 +265,7 @@ def _plan(args) -> tuple[list[int], list[str]]:
 def _child(config: dict, timeout: int) -> dict:
     """measure(config) in a fresh interpreter that imports only torch, retrofit.kernels and this module."""
     root = str(Path(__file__).resolve().parents[2])
-    # retrofit/__init__ imports the model stack (transformers: seconds per child); the kernels need none of it.
+    # retrofit/__init__ imports the model stack (transformers: seconds per child); the kernels require none of it.
     code = ("import json, sys, types; pkg = types.ModuleType('retrofit'); pkg.__path__ = [sys.argv[1] + '/retrofit'];"
             " sys.modules['retrofit'] = pkg; from retrofit.bench.attention import measure;"
             " print(json.dumps(measure(json.loads(sys.argv[2]))))")

@@ -11,7 +11,7 @@ the same model and unpatched again after) runs prefill (one forward of the promp
 and then --new-tokens greedy steps of one token each, timed separately. avnorm runs uncalibrated
 (calibration sets gains, not speed); psoftmax uses --p. The arms alternate within each repeat, so a
 neighbour's burst on a shared machine hits all of them alike; each arm gets one short warm-up first, and
-the table reports medians over --repeats. Targets (issue 24): time per decoded token at most 1.15x the
+the table reports medians over --repeats. Targets: time per decoded token at most 1.15x the
 unpatched model's for psoftmax, 1.05x for the others.
 """
 
@@ -76,7 +76,7 @@ def _load(args):
     import torch
 
     from ..load import load
-    from ..patch import is_patched, unpatch
+    from ..patching import is_patched, unpatch
     from ..record import read_record
 
     model = load(args.model, task_head=False, dtype=torch.float32)
@@ -142,7 +142,7 @@ def _arm_options(norm: str, p: float) -> dict:
 
 def measure(model, prompt, arms: list[str], args) -> dict[str, dict]:
     """{arm: {"prefill_s": [...], "decode_s": [...]}}: arms alternate within each repeat, patched and unpatched."""
-    from ..patch import patch, unpatch
+    from ..patching import patch, unpatch
 
     times = {arm: {"prefill_s": [], "decode_s": []} for arm in arms}
     warm = set()

@@ -95,7 +95,7 @@ def finetune_arm(base, arm: str, args, sizes, batch=None, seq_len=None, steps=No
 
     from ..memory import PeakMemory
     from ..norms import get_norm
-    from ..patch import patch
+    from ..patching import patch
     from ..recipe import recipe_from_dict
     from ..train import train
     from .loops import RandomTokens

@@ -39,7 +39,7 @@ class RandomTokens:
 
 def bench_model(args):
     from ..load import model_from_config
-    from ..patch import patch
+    from ..patching import patch
     model = model_from_config(args.model_type, seed=0, **SIZES[args.model_type])
     if args.norm:
         patch(model, args.norm)

@@ -143,7 +143,7 @@ def load_model(spec: dict):
     else:
         model = load(spec["model"], dtype="float32")
     if spec["norm"]:
-        from ..patch import patch
+        from ..patching import patch
         patch(model, spec["norm"])
     return model
 

@@ -64,7 +64,7 @@ def add_arguments(parser):
             parser.add_argument(name, dest=flag, type=spec["type"], default=None, help=about)
     parser.add_argument("--calibration-text", metavar="FILE",
                         help="text file to calibrate per-head gains on (AVNorm; psoftmax with --gain)")
-    parser.add_argument("--calibrate", dest="calibration_text", help=argparse.SUPPRESS)  # its name before issue 27
+    parser.add_argument("--calibrate", dest="calibration_text", help=argparse.SUPPRESS)  # its older name
     parser.add_argument("--calibrate-tokens", type=int, default=8192,
                         help="tokens of --calibration-text to use (default 8192)")
     parser.add_argument("--check-text", metavar="FILE",
@@ -141,9 +141,10 @@ def _rank(model, ids, k: int | None, progress: bool = True, forward_s: float | N
     """Rank the patched layers (then heads, for per-head norms) by their zero-shot cost on `ids`, cheapest first,
     and suggest --layers / --heads for the k cheapest: one forward per layer or head, and one per suggestion.
     Says first how many forwards that is and, given one forward's time, about how long."""
+    from ..attention_seam import attention_modules
     from ..costs import describe_costs, head_costs, layer_costs, selection_loss, suggest
     from ..norms import NORMS
-    from ..patch import CHILD, attention_modules
+    from ..patching import CHILD
     from ..record import describe_selection, read_record
 
     per_head = NORMS[read_record(model)["norm"]].per_head
@@ -167,7 +168,7 @@ def _unpatch_parameter_free(model, source: str, nope: bool) -> str | None:
     """A checkpoint retrofit patched with a patch that has no parameters (softmax, ssmax scale=beyond, a RoPE
     extension: e.g. an experiment's control arm) is its finetuned weights under a function of them: replace that
     patch. One with trained patch parameters (gains, exponents, sinks) is refused: replacing would drop them."""
-    from ..patch import CHILD, is_patched, unpatch
+    from ..patching import CHILD, is_patched, unpatch
     from ..record import read_record
     from ..rope import describe_rope
     if not is_patched(model):
@@ -207,7 +208,7 @@ def _check_args(args):
     check_text_files([args.check_text] if args.check_text else [], "--check-text")
     options = {k: getattr(args, k) for k in NORM_FLAGS if getattr(args, k) is not None}
     spec = PatchSpec(args.norm, options, nope=args.nope, rope=args.rope, layers=args.layers, heads=args.heads,
-                     gate=args.gate, spelling=CLI)  # a bad norm, option, rope, selection or gate fails before loading
+                     gate=args.gate, names=CLI)  # a bad norm, option, rope, selection or gate fails before loading
     _check_selection_range(args)
     if args.calibration_text and not get_norm(spec.norm).calibrates(spec.norm_options):
         raise RetrofitError(f"--calibration-text sets per-head gains; it needs a norm that has them: "
@@ -239,10 +240,10 @@ def _warn_uncalibrated(args, spec) -> None:
 
 
 def run(args) -> int:
-    from ..calibrate import text_rows
-    from ..diagnose.sources import calibrate_with_progress
+    from ..calibration import text_rows
+    from ..diagnose.driver import calibrate_with_progress
     from ..load import load, load_tokenizer
-    from ..patch import patch
+    from ..patching import patch
 
     spec, positions = _check_args(args)
     model = load(args.source, task_head=False, dtype=args.dtype)
@@ -273,7 +274,7 @@ def run(args) -> int:
 
 def _check(model, check, before: float, positions, args) -> None:
     """--check-text: the loss before and after, the schedule positions' losses, the ranking."""
-    from ..recovery.probe import describe_spread, head_spread, knob_losses
+    from ..recovery.probe import describe_spread, head_spread, schedule_losses
 
     started = time.perf_counter()
     after = text_loss(model, check)
@@ -281,7 +282,7 @@ def _check(model, check, before: float, positions, args) -> None:
     print(f"loss on {args.check_text} ({check.numel()} tokens): original {before:.4f}, "
           f"patched {after:.4f} (ppl {math.exp(min(after, 50)):.2f})")
     if positions:
-        rows = knob_losses(model, check[None], positions, start=args.schedule_start, end=args.schedule_end)
+        rows = schedule_losses(model, check[None], positions, start=args.schedule_start, end=args.schedule_end)
         for t, value, loss in rows:
             print(f"  schedule position {t:g} ({args.norm} knob {value:g}): loss {loss:.4f} ({loss - before:+.4f})")
         even = [i / (len(positions) - 1) for i in range(len(positions))] if len(positions) > 1 else None

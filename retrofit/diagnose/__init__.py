@@ -17,7 +17,7 @@ Per model, per layer and head, as diagnose.json, report.md and PNG figures:
 
 Layout: measures.py (pure tensor math, equation numbers in docstrings) <- capture.py (the patcher's
 attention seam) <- collect.py (one forward, per-head reductions) <- summary.py (JSON) <- figures.py
-(plots) + markdown.py (report.md) <- sources.py (sources, text, patched variants, `diagnose`), whose settings
+(plots) + markdown.py (report.md) <- driver.py (sources, text, patched variants, `diagnose`), whose settings
 are spec.py (DiagnoseSpec, checked before any model loads).
 The CLI is retrofit/commands/diagnose.py.
 """
@@ -25,7 +25,7 @@ The CLI is retrofit/commands/diagnose.py.
 from __future__ import annotations
 
 from .collect import Plan, diagnose_model
-from .sources import diagnose, diagnose_sources
+from .driver import diagnose, diagnose_sources
 from .spec import DiagnoseSpec, parse_patches
 from .summary import summarize
 

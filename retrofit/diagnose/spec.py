@@ -14,11 +14,11 @@ from pathlib import Path
 
 from ..errors import RetrofitError
 from ..lengths import parse_lengths
-from ..patch_spec import PatchSpec, Spelling
+from ..patch_spec import FieldNames, PatchSpec
 from ..recipe.schema import setting
 
 # how diagnose's --patch names a selection in its errors
-DIAGNOSE = Spelling("--patch layers", "--patch heads")
+DIAGNOSE = FieldNames("--patch layers", "--patch heads")
 
 
 def parse_patches(patches) -> list[PatchSpec]:

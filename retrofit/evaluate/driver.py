@@ -18,17 +18,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..calibrate import calibrate, text_rows
+from ..calibration import calibrate, text_rows
 from ..data.read import read_tokens
 from ..errors import RetrofitError, check_token_ids
 from ..load import CountingModel, language_model, load, load_tokenizer
-from ..load.runs import same_rope
+from ..load.loader import same_rope
 from ..load.task_model import TASK_FILE
 from ..memory import PeakMemory
 from ..norms import baseline_norm
-from ..patch import patch as patch_model
-from ..patch import patch_record
 from ..patch_spec import EVAL, PATCH_KEYS, PatchSpec
+from ..patching import patch as patch_model
+from ..patching import patch_record
 from ..positions import position_limit
 from ..readers import expect, read_yaml
 from ..recipe import CountingOptions, build

@@ -34,8 +34,8 @@ from lm_eval.models.huggingface import HFLM
 from ..errors import RetrofitError
 from ..load import load, load_tokenizer
 from ..norms import baseline_norm, get_norm
-from ..patch import is_patched, patch
 from ..patch_spec import PatchSpec
+from ..patching import is_patched, patch
 from ..positions import position_limit
 
 

@@ -4,7 +4,7 @@ per-unit values results.json keeps (window losses, counting sequences' L1, passk
     results = rejudge(json.load(open("docs/results/x/results.json")))
     retrofit report docs/results/x          # the same, and the folder's reports rewritten (retrofit.commands.report)
 
-A row whose units were not kept (results written before #28) gets no interval: its value is shown with its n only.
+A row whose units were not kept (results older retrofits wrote) gets no interval: its value is shown with its n only.
 """
 
 from __future__ import annotations

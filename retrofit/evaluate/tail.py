@@ -36,7 +36,7 @@ def window_tails(losses: torch.Tensor) -> torch.Tensor:
 
 
 def _tails(row: dict) -> np.ndarray | None:
-    """(windows, 2) of a length row that kept them (rows written before issue 55 did not), else None."""
+    """(windows, 2) of a length row that kept them (rows older retrofits wrote did not), else None."""
     tails = row.get("window_tails")
     if not tails or len(tails[0]) < 2:
         return None

@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 
 from ..atomic import atomic_write_text, check_output, output_folder, owned_folder, remove_owned
-from ..errors import RetrofitError, shown
+from ..errors import RetrofitError, quoted
 from ..evaluate import EvalSpec, evaluate_models
 from ..evaluate.compare import with_comparisons
 from ..evaluate.report import write_report
@@ -37,7 +37,7 @@ from ..recipe import (
     PatchSection,
     Recipe,
     check_arm_name,
-    flat,
+    dotted_settings,
     load_recipe,
     save_recipe,
     seeded_name,
@@ -157,10 +157,10 @@ def arm_change(arm_dir: Path, stage: Recipe, out: Path) -> str | None:
     if not saved_path.is_file():
         return None
     try:
-        saved = flat(load_recipe(saved_path))
+        saved = dotted_settings(load_recipe(saved_path))
     except RetrofitError as err:
         return f"its recipe.yaml no longer loads: {err}"
-    current = flat(stage)
+    current = dotted_settings(stage)
     saved_out = Path(str(saved.get("output.dir"))).parent.parent  # DIR/arms/NAME -> DIR, where it was trained
     for values, root in ((saved, saved_out), (current, out)):
         if isinstance(values.get("model.source"), str):
@@ -169,7 +169,7 @@ def arm_change(arm_dir: Path, stage: Recipe, out: Path) -> str | None:
                   if not k.startswith(_SAME_MODEL) and saved.get(k) != current.get(k))
     if not keys:
         return None
-    return ", ".join(f"{k}: {shown(saved.get(k), 40)} -> {shown(current.get(k), 40)}" for k in keys[:3]) + \
+    return ", ".join(f"{k}: {quoted(saved.get(k), 40)} -> {quoted(current.get(k), 40)}" for k in keys[:3]) + \
         (", ..." if len(keys) > 3 else "")
 
 
@@ -239,7 +239,7 @@ def _previous_evaluation(path: Path, recipe: Recipe, exp: ExperimentSection) -> 
             and previous.get("settings", {}).get("max_tokens") == exp.eval_max_tokens
             and previous.get("train_len") == (exp.train_len or recipe.data.seq_len)
             and previous.get("settings", {}).get("counting") == _counting_options(exp)
-            # written before #28 (no intervals): capped windows were chosen another way, per-window losses absent
+            # older retrofits wrote no intervals: capped windows were chosen another way, per-window losses absent
             and "intervals" in previous.get("settings", {}))
     if not same:
         return None

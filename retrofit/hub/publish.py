@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..atomic import atomic_folder, output_path, owned_folder, remove_owned
-from ..errors import RetrofitError, read_utf8, shown
+from ..errors import RetrofitError, quoted, read_utf8
 from ..evaluate.report import line_plot
 from ..load.adapters import (
     ADAPTER_CONFIG,
@@ -47,7 +47,7 @@ from ..load.adapters import (
     read_record,
 )
 from ..load.checkpoint import patch_tensors
-from ..load.runs import check_finished
+from ..load.loader import check_finished
 from ..load.sources import check_model_files, is_hub_id
 from ..norms import AttentionShape, get_norm, make_options
 from ..readers import read_json
@@ -294,7 +294,7 @@ def _read_run_files(run: Path) -> tuple[str, dict]:
     text = read_utf8(path)  # a damaged file is a line naming it
     raw = load_yaml(text, str(path)) or {}
     if not isinstance(raw, dict):
-        raise RetrofitError(f"{path} is not a recipe (a YAML mapping of sections), it holds {shown(raw)}; restore "
+        raise RetrofitError(f"{path} is not a recipe (a YAML mapping of sections), it holds {quoted(raw)}; restore "
                             "it, or push the model folder alone")
     log = run / "log.jsonl"
     for number, line in enumerate(read_utf8(log).splitlines() if log.is_file() else [], 1):
@@ -305,7 +305,7 @@ def _read_run_files(run: Path) -> tuple[str, dict]:
         evals = {k: v for k, v in record.items() if k.startswith("eval/loss@")} if isinstance(record, dict) else {}
         if not isinstance(record, dict) or not isinstance(record.get("step", 0), int) or not all(
                 k.split("@", 1)[1].isdigit() and isinstance(v, (int, float)) for k, v in evals.items()):
-            raise RetrofitError(f"{log} line {number} is not a training log record ({shown(line)}); remove that "
+            raise RetrofitError(f"{log} line {number} is not a training log record ({quoted(line)}); remove that "
                                 "line or restore the file")
     return text, raw
 

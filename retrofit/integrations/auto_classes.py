@@ -30,9 +30,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from ..errors import RetrofitError
 from ..load.checkpoint import load_checkpoint
-from ..load.runs import loading_arguments
+from ..load.loader import loading_arguments
 from ..load.sources import refuse_remote_code
-from ..patch import patch_from_record
+from ..patching import patch_from_record
 from ..record import drop_record, read_record
 
 # Keywords the Auto classes add for the class they call (not the caller's): retrofit's loader takes none of them.

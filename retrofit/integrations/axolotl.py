@@ -24,8 +24,8 @@ from pydantic import BaseModel, Field, field_validator
 from ..errors import RetrofitError
 from ..load.adapters import has_patch_parameters, write_patch_files
 from ..norms import calibrated_norm_hints, get_norm
-from ..patch import patch, patch_record
 from ..patch_spec import PatchSpec
+from ..patching import patch, patch_record
 from ..recipe.sections import ScheduleSection
 from .auto_classes import enable
 from .trainer import RetrofitCallback
@@ -100,7 +100,7 @@ class RetrofitPlugin(BasePlugin):
         if not get_norm(spec.norm).calibrates(spec.norm_options):
             raise RetrofitError(f"retrofit_calibration_text sets per-head gains; it needs a norm that has them: "
                                 f"{calibrated_norm_hints()}")
-        from ..calibrate import calibrate
+        from ..calibration import calibrate
         from ..data.read import read_tokens
         from ..load import load_tokenizer
 

@@ -27,7 +27,7 @@ from transformers import TrainerCallback
 from ..errors import RetrofitError
 from ..evaluate.losses import evaluate_lengths
 from ..recipe.sections import ScheduleSection
-from ..recovery.schedule import apply_schedule, record_knob
+from ..recovery.schedule import apply_schedule, record_schedule
 
 
 class RetrofitCallback(TrainerCallback):
@@ -66,7 +66,7 @@ class RetrofitCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if self.schedule is not None:
-            record_knob(model)  # the final knob into config.retrofit: a saved model reloads as trained
+            record_schedule(model)  # the final knob into config.retrofit: a saved model reloads as trained
         if state.global_step not in self.history:
             self._evaluate(model, state)
 

@@ -24,10 +24,10 @@ call in this order (dispatch.py):
 `force_backend(name)` (a context manager; tests and benchmarks) routes the calls inside it to one backend;
 one that cannot compute a call raises ValueError (the fused CPU kernel with p != 1, Triton without CUDA
 or its interpreter). Softmax+1 is softmax with N = logaddexp(LSE, b_h), i.e. out = softmax_out *
-sigmoid(LSE - b_h); its gradient flows to q, k, v and the sink through the same backward (ops.py).
+sigmoid(LSE - b_h); its gradient flows to q, k, v and the sink through the same backward (custom_ops.py).
 
 Every call goes through one torch.library custom op, retrofit::attention, with a fake implementation and a
-registered backward op (ops.py): torch.compile(fullgraph=True) traces the norms with no graph break. Without
+registered backward op (custom_ops.py): torch.compile(fullgraph=True) traces the norms with no graph break. Without
 a graph to record (no_grad, inference), the implementation is called directly, skipping the op's dispatch.
 
 Dtypes as SDPA. Under autocast (for q's device), q, k and v are cast to the autocast dtype
@@ -55,7 +55,7 @@ import math
 
 import torch
 
-from . import blockwise, cpu_fused, decode, dispatch, flex, ops  # noqa: F401  (the backends, for tests and benchmarks)
+from . import blockwise, cpu_fused, custom_ops, decode, dispatch, flex  # noqa: F401  (the backends, for tests and benchmarks)
 from .dispatch import autocast_on, force_backend, triton_backend
 from .dispatch import choose as _choose
 from .dispatch import compute_dtype as _compute_dtype
@@ -103,10 +103,11 @@ def _attention(q, k, v, norm, p, sink, scale, causal, attn_mask, dropout_p, soft
     backend = _choose(as_computed, k, v, p, attn_mask, dropout_p > 0, softcap, bool(causal), norm)
     if backend == "flex":  # differentiable and traceable by itself: no custom op around it (flex.py)
         if q_scale is not None:
-            q = ops.scaled_query(q, q_scale, wide)
+            q = custom_ops.scaled_query(q, q_scale, wide)
         with dispatch.no_autocast(q.device.type):
             return flex.attention(q, k, v, sink, p, scale, bool(causal)).to(out_dtype)
-    out = ops.attention(q, k, v, sink, attn_mask, seed, q_scale, p, scale, bool(causal), backend, softcap, dropout_p)
+    out = custom_ops.attention(q, k, v, sink, attn_mask, seed, q_scale, p, scale, bool(causal), backend, softcap,
+                               dropout_p)
     return out.to(out_dtype)
 
 
@@ -149,7 +150,7 @@ def ssmax_attention(q, k, v, s_param, *, scale=None, causal=True, attn_mask=None
     wide = blockwise.compute_dtype(target)  # fp32 (fp64 for fp64): q * factor is rounded to target once
     factor = s_param.to(wide).view(H, 1) * torch.log(n.to(wide))  # (.., H, Tq)
     q_scale = (factor if factor.dim() == 3 else factor.unsqueeze(0)).contiguous()  # (B or 1, H, Tq)
-    # q * q_scale is formed inside the kernel op (ops.py), whose backward keeps its gradient in fp32 for d s_param
+    # q * q_scale is formed inside the kernel op (custom_ops.py), whose backward keeps d s_param's gradient in fp32
     return _attention(q, k, v, "ssmax", 1.0, None, scale, causal, attn_mask, dropout_p, softcap, q_scale)
 
 

@@ -278,7 +278,7 @@ def backward(dout, q, k, v, out, norm, p: float, scale: float, causal: bool, mas
              softcap: float | None = None):
     """Gradients (dq, dk, dv) of sum(dout * out) for out = A V with A = exp(s - norm); see the module docstring.
     dk and dv in their inputs' dtypes; dq in the compute dtype it accumulates in (fp32 for half inputs): the op
-    (ops.py) rounds it once, after SSMax's chain rule where there is one."""
+    (custom_ops.py) rounds it once, after SSMax's chain rule where there is one."""
     plan = _Plan(q, k, v, causal, mask, dropout)
     B, Hkv, G, Tq, D, Dv = plan.B, plan.Hkv, plan.G, plan.Tq, plan.D, plan.Dv
     ct, qg, kc, vc = _layout(q, k, v)

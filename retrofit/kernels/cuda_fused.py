@@ -7,7 +7,7 @@ Each backward recomputes P = exp(s - L) from the (out, L) it is handed and delta
 and returns dS = P * (dO v^T - delta) pushed through to dq, dk, dv. Handing it *our* out and normalizer
 N gives the norms (the identities of DESIGN.md, the same contract as cpu_fused.py):
 
-  softmax, SSMax (q pre-scaled), softmax+1 (N = logaddexp(L, b), ops.py): one forward, one backward.
+  softmax, SSMax (q pre-scaled), softmax+1 (N = logaddexp(L, b), custom_ops.py): one forward, one backward.
   p-softmax, p != 1: N = LSE(p s) / p is a second forward with scale p * scale; out = out_1 exp(L - N).
       Its gradient dS = A * (dO v^T) - A_p * delta (A = exp(s - N), A_p = exp(p s - LSE(p s))) is two
       backward calls: (dO, out = 0, N) gives A * (dO v^T) and dv; (dO, v = 0, out, LSE(p s), scale p * scale)

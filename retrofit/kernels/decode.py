@@ -6,7 +6,7 @@
 
 At Tq <= MAX_ROWS the scores are a few rows per head (O(Tk) memory, as blockwise), but the blockwise
 machinery (its plan, block loop, worker threads and per-block mask bias) costs more than the work: a
-decode step of p-softmax took ~2x SDPA's time through it (issue 24). Here it is two matmuls and a handful
+decode step of p-softmax took ~2x SDPA's time through it. Here it is two matmuls and a handful
 of elementwise ops, with no copies of k or v for fp32 inputs. The query heads that share a kv head are
 stacked as rows (q viewed (B, Hkv, G*Tq, D)), so GQA needs no repeat of k or v.
 

@@ -6,16 +6,15 @@
     tokenizer = load_tokenizer("./smollm2.gguf")  # None when the source ships none
     model = retrofit.from_pretrained("runs/avnorm")   # `load`'s transformers-shaped face: patched models only
 
-`load` (runs.py) is the one loader: it decides what a source is (run folder, adapter, retrofit checkpoint,
+`load` (loader.py) is the one loader: it decides what a source is (run folder, adapter, retrofit checkpoint,
 plain model) and forwards transformers' loading arguments; everything else here is its helpers.
 Modules, bottom up: sources (Hub id | folder | .gguf | pkg:), models (plain transformers loading),
 checkpoint (retrofit checkpoints), adapters (PEFT adapters with their patch), task_model (the counting
-head), runs (run folders, recipes' models, `load` and `from_pretrained`).
+head), loader (run folders, recipes' models, `load` and `from_pretrained`).
 """
 
 from .adapters import load_adapter, save_adapter
-from .models import load_config, load_tokenizer, model_from_config, training_dtype
-from .runs import (
+from .loader import (
     apply_patch,
     check_finished,
     from_pretrained,
@@ -24,6 +23,7 @@ from .runs import (
     recipe_tokenizer,
     save_model,
 )
+from .models import load_config, load_tokenizer, model_from_config, training_dtype
 from .sources import check_model_files, check_safetensors, is_hub_id, resolve_source, source_kind
 from .task_model import CountingModel, language_model
 

@@ -38,8 +38,8 @@ from torch import nn
 from transformers.utils import cached_file
 
 from ..atomic import atomic_folder
-from ..errors import RetrofitError, shown
-from ..patch import patch_from_record, patch_record
+from ..errors import RetrofitError, quoted
+from ..patching import patch_from_record, patch_record
 from ..readers import expect, read_json
 from .checkpoint import checkpoint_or_plain, listed
 from .sources import hub_error, hub_reachable, source_kind
@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # PEFT is imported where an adapter is loaded: its import cos
 RECORD, TENSORS = "retrofit.json", "retrofit.safetensors"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 FORMAT = 1
-MARKER = ".retrofit."  # patch tensors: children named `retrofit` of the attention modules (retrofit.patch.CHILD)
+MARKER = ".retrofit."  # patch tensors: children named `retrofit` of the attention modules (norms.base.CHILD)
 # Files an adapter repository on the Hub needs (tokenizer files ride along when present).
 ADAPTER_FILES = [ADAPTER_CONFIG, ADAPTER_WEIGHTS, RECORD, TENSORS, "tokenizer*", "special_tokens_map.json",
                  "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "README.md"]
@@ -112,7 +112,7 @@ def peft_config(model: nn.Module, config: PeftConfig) -> PeftConfig:
     """`config` (a PEFT config: LoraConfig, ...) with the patch's own modules added to its `modules_to_save`, so
     that `get_peft_model(model, peft_config(model, config))` trains (and PEFT's save_pretrained saves) the norm's
     parameters along with the adapter. A patch without parameters (softmax, psoftmax) leaves it unchanged."""
-    from ..patch import CHILD
+    from ..patching import CHILD
 
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
     if patch_record(core) is None:
@@ -129,7 +129,7 @@ def peft_config(model: nn.Module, config: PeftConfig) -> PeftConfig:
 def has_patch_parameters(model: nn.Module) -> bool:
     """Whether the patch's `retrofit` children hold parameters (AVNorm gains, SSMax s, sinks): what PEFT must keep
     training through modules_to_save."""
-    from ..patch import CHILD
+    from ..patching import CHILD
 
     return any(True for m in model.modules() if CHILD in m._modules for _ in m._modules[CHILD].parameters())
 
@@ -159,7 +159,7 @@ def read_record(folder, **hub) -> dict:
     if (folder / RECORD).is_file():
         meta = read_json(folder / RECORD)
         if not isinstance(meta.get("format", FORMAT), int) or meta.get("format", FORMAT) > FORMAT:
-            raise RetrofitError(f"{folder} was written by a newer retrofit (format {shown(meta['format'])}); "
+            raise RetrofitError(f"{folder} was written by a newer retrofit (format {quoted(meta['format'])}); "
                                 "upgrade retrofit")
         expect(meta.get("patch"), dict, f"{folder / RECORD}: patch")
         return meta
@@ -272,7 +272,7 @@ def check_adapter_tensors(model, folder: Path) -> None:
 
 
 def _refuse_gguf_folder(base: str, folder: Path) -> None:
-    """An adapter saved on a .gguf base by retrofits before issue 53 names the GGUF's folder (PEFT took
+    """An adapter saved on a .gguf base by older retrofits names the GGUF's folder (PEFT took
     transformers' name for the model): say which file to name instead, and where."""
     where = Path(os.path.expanduser(base))
     ggufs = sorted(where.glob("*.gguf")) if where.is_dir() and not (where / "config.json").is_file() else []

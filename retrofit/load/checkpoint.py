@@ -3,11 +3,11 @@
     model = load_checkpoint("runs/avnorm")   # the base model, then the patch from config.retrofit, then its tensors
     model = checkpoint_or_plain("gpt2")      # a checkpoint as above, anything else as transformers loads it
 
-Both are helpers of `retrofit.load.load` (runs.py), the one loader; callers outside load/ use that.
+Both are helpers of `retrofit.load.load` (loader.py), the one loader; callers outside load/ use that.
 
 Plain transformers would silently drop the norm's tensors and run the original attention, so the
 patch is rebuilt here: load the base with the recorded attention implementation, re-apply the patch
-(`retrofit.patch.patch_from_record`), then load the patch tensors (keys containing `.retrofit.`).
+(`retrofit.patching.patch_from_record`), then load the patch tensors (keys containing `.retrofit.`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from transformers.utils import cached_file
 
 from ..errors import RetrofitError
 from ..families import family_of
-from ..patch import CHILD, patch_from_record
+from ..patching import CHILD, patch_from_record
 from ..record import drop_record
 from .models import as_dtype, checked_config, load_config, plain_model
 from .sources import HUB_ARGS, call_loader, check_safetensors, hub_reachable, location, source_kind

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..errors import RetrofitError, one_line, shown
+from ..errors import RetrofitError, one_line, quoted
 from ..norms import get_norm, make_options
 from ..norms.base import AttentionShape
 from ..readers import read_json, read_yaml
@@ -75,7 +75,7 @@ def _recipe_base(path: Path) -> str | None:
         return None
     model = read_yaml(path / "recipe.yaml").get("model") or {}
     if not isinstance(model, dict):
-        raise RetrofitError(f"{path / 'recipe.yaml'}: model must be a mapping (source or config), got {shown(model)}")
+        raise RetrofitError(f"{path / 'recipe.yaml'}: model must be a mapping (source or config), got {quoted(model)}")
     return model.get("source") or ("built from model.config" if model.get("config") else None)
 
 

@@ -5,7 +5,7 @@
     tokenizer = load_tokenizer("gpt2")                   # None when the source ships none
     model = model_from_config("llama", hidden_size=64, num_hidden_layers=2)
 
-These know nothing about retrofit's patch; `retrofit.load.load` (load/runs.py) decides what a source is and
+These know nothing about retrofit's patch; `retrofit.load.load` (load/loader.py) decides what a source is and
 calls `plain_model` for a model that carries none. Every function forwards transformers' loading arguments
 (revision, token, cache_dir, local_files_only: sources.HUB_ARGS) to transformers unchanged.
 """

@@ -78,7 +78,7 @@ def source_kind(source: str) -> str:
 def refuse_custom_code(folder: Path, shown=None) -> None:
     """Refuse a folder whose config.json or tokenizer_config.json has an `auto_map`: transformers would import the
     folder's own Python for it (and, without trust_remote_code, ask on stdin whether to). Checked before any
-    transformers call sees the folder; every loader also passes trust_remote_code=False (issue 26)."""
+    transformers call sees the folder; every loader also passes trust_remote_code=False."""
     for name in CUSTOM_CODE_FILES:
         try:
             text = (folder / name).read_text(encoding="utf-8")
@@ -94,7 +94,7 @@ def refuse_custom_code(folder: Path, shown=None) -> None:
 
 
 def refuse_remote_code(trust_remote_code) -> None:
-    """retrofit never runs a model's own code (issue 26): trust_remote_code=True is refused in one line."""
+    """retrofit never runs a model's own code: trust_remote_code=True is refused in one line."""
     if trust_remote_code:
         raise RetrofitError("trust_remote_code=True: retrofit never runs a model's own code — leave it False and use "
                             "a model whose architecture transformers ships")

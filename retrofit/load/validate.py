@@ -1,4 +1,4 @@
-"""One rule for damaged inputs (issue 36): what a model folder says about itself is checked before anything is
+"""One rule for damaged inputs: what a model folder says about itself is checked before anything is
 built from it, and what was loaded is checked before anything runs.
 
     check_raw_config(folder, where)      # a folder's config.json as written: sizes, dtype
@@ -25,7 +25,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import logging as hf_logging
 
 from ..bounds import check_heads, key_name
-from ..errors import RetrofitError, shown
+from ..errors import RetrofitError, quoted
 from ..norms import available_norms, make_options
 from ..patch_spec import PatchSpec
 from ..record import FIELDS, FORMAT, OPTIONAL_FIELDS
@@ -50,7 +50,7 @@ DTYPE_KEYS = ("dtype", "torch_dtype")
 
 
 def _size_error(where: str, key: str, value) -> RetrofitError:
-    return RetrofitError(f"{where}: {key} must be an integer in 1..{SIZE_LIMIT:,}, got {shown(value)}")
+    return RetrofitError(f"{where}: {key} must be an integer in 1..{SIZE_LIMIT:,}, got {quoted(value)}")
 
 
 def _is_size(value) -> bool:
@@ -76,7 +76,7 @@ def check_raw_config(folder, where: str) -> None:
         value = raw.get(key)
         if value is not None and value != "auto" and not (isinstance(value, str) and _is_float_dtype(value)):
             raise RetrofitError(f"{where}: {key} must be a torch floating-point type (float32, bfloat16, float16, "
-                                f"...), got {shown(value)}")
+                                f"...), got {quoted(value)}")
 
 
 @contextlib.contextmanager
@@ -102,13 +102,13 @@ def check_config(config, where: str) -> None:
     dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str) and dtype != "auto" and not _is_float_dtype(dtype):
         raise RetrofitError(f"{where}: dtype must be a torch floating-point type (float32, bfloat16, float16, ...), "
-                            f"got {shown(dtype)}")
+                            f"got {quoted(dtype)}")
     rope = getattr(config, "rope_parameters", None)
     factor = rope.get("factor") if isinstance(rope, dict) and rope.get("rope_type", "default") != "default" else None
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
                                or not math.isfinite(factor) or not 1 <= factor <= SIZE_LIMIT):
         raise RetrofitError(f"{where}: rope_parameters.factor must be a number in 1..{SIZE_LIMIT:,} (the context "
-                            f"extension), got {shown(factor)}")
+                            f"extension), got {quoted(factor)}")
 
 
 def _is(kind, value) -> bool:
@@ -146,12 +146,12 @@ def check_record(record: dict, where: str) -> None:
                             "upgrade retrofit")
     unknown = sorted(set(record) - set(FIELDS) - set(OPTIONAL_FIELDS))
     if unknown:
-        raise RetrofitError(f"{where}: retrofit has no field {', '.join(map(shown, unknown))}; its fields: "
+        raise RetrofitError(f"{where}: retrofit has no field {', '.join(map(quoted, unknown))}; its fields: "
                             f"{', '.join([*FIELDS, *OPTIONAL_FIELDS])}")
     for key, value in record.items():
         test, what = RECORD_TYPES[key]
         if not test(value):
-            raise RetrofitError(f"{where}: retrofit.{key} must be {what}, got {shown(value)}")
+            raise RetrofitError(f"{where}: retrofit.{key} must be {what}, got {quoted(value)}")
     defaults = make_options(record["norm"]).__dict__
     for key, value in record.get("options", {}).items():
         default = defaults.get(key)  # unknown keys: make_options names the closest valid one below
@@ -159,7 +159,7 @@ def check_record(record: dict, where: str) -> None:
             kind = "true or false" if isinstance(default, bool) else "a number" if isinstance(default, (int, float)) \
                 else "a number or null" if default is None else "a string" if isinstance(default, str) \
                 else type(default).__name__
-            raise RetrofitError(f"{where}: retrofit.options.{key} must be {kind}, got {shown(value)}")
+            raise RetrofitError(f"{where}: retrofit.options.{key} must be {kind}, got {quoted(value)}")
     PatchSpec.from_record(record)  # the patch's rules; the options' ranges and unknown keys in the norm's own words
 
 

@@ -60,7 +60,8 @@ class AVNorm(Norm):
     formula = "y_h = g_h * norm_d(A_h V_h), norm = rms | layer (per head) | global (all heads)"
     acts_on_output = True  # a pre-hook on the output projection: any attention implementation (retrofit.patch)
     per_head = True  # heads= selects heads; the others pass through unchanged (Norm.keep_unselected)
-    knob, knob_identity = "floor", 8.0  # f = 8: within ~0.01 nats of the original on SmolLM2 (f = inf is exact)
+    # f = 8: within ~0.01 nats of the original on SmolLM2 (f = inf is exact)
+    scheduled_option, schedule_identity = "floor", 8.0
     card = ("softmax weights sum to 1, so a head that averages more values as the context grows outputs a smaller and "
             "smaller vector (its variance falls roughly as 1/L: variance collapse), and the layers after it see a "
             "scale they were never trained on. AVNorm normalizes each head's output per token, so its scale no "
@@ -142,13 +143,13 @@ class AVNorm(Norm):
             self.register_parameter("bias", bias)
         self.floor = options.floor  # the scheduled knob (a float: a schedule moves it between steps)
 
-    def set_knob(self, value: float) -> None:
+    def set_scheduled_value(self, value: float) -> None:
         if self.options.mode == "beyond":
             raise RetrofitError("avnorm mode=beyond has no floor to schedule (it is the original model inside L "
                                 "already): drop recovery.schedule")
         self.floor = _floor(value, self.options.kind)
 
-    def knob_value(self) -> float:
+    def scheduled_value(self) -> float:
         return self.floor
 
     def normalize(self, out: torch.Tensor) -> torch.Tensor:

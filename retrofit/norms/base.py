@@ -58,8 +58,8 @@ class Norm(nn.Module):
     acts_on_output: ClassVar[bool] = False
     # Identity-start schedules (retrofit.recovery): the option a schedule moves, and the value of that option at
     # which the norm is (or is within 1e-6 of) the original model. None: this norm has no such knob.
-    knob: ClassVar[str | None] = None
-    knob_identity: ClassVar[float | None] = None
+    scheduled_option: ClassVar[str | None] = None
+    schedule_identity: ClassVar[float | None] = None
     # True: the norm acts per head (per-head parameters or a per-head value), so `retrofit.patch(..., heads=)` can
     # select heads; the unselected heads keep the original attention (see select_heads).
     per_head: ClassVar[bool] = False
@@ -106,11 +106,11 @@ class Norm(nn.Module):
     def forward(self, module: nn.Module, query, key, value, attention_mask, *, base: Callable, **kwargs):
         raise NotImplementedError
 
-    def set_knob(self, value: float) -> None:
+    def set_scheduled_value(self, value: float) -> None:
         """Move the scheduled knob to `value` (the option named by `knob`); the norm reads it on its next call."""
         raise NotImplementedError(f"{self.name} has no scheduled knob")
 
-    def knob_value(self) -> float:
+    def scheduled_value(self) -> float:
         """The knob's current value (what `config.retrofit` records after training)."""
         raise NotImplementedError(f"{self.name} has no scheduled knob")
 

@@ -12,7 +12,7 @@ On a pretrained model p > 1 multiplies each head's output by exp(LSE(s) - LSE(p*
 apart per head. `gain` adds a per-head output gain g_h (1-D, H values) that `retrofit.calibrate` sets to
 mean RMS(softmax output) / mean RMS(p-softmax output), so the retrofit starts near the original function. A
 recovery schedule moves p from 1 to `p` (the knob); the gain follows geometrically (g^0 = 1 at p = 1). When the
-schedule ends elsewhere than `p`, `settle_knob` makes the end the norm's own p and folds g^u into the gain, so a
+schedule ends elsewhere than `p`, `settle_schedule` makes the end the norm's own p and folds g^u into the gain, so a
 reload (p = the end, full gain) is what was trained; with a gain, p = 1 has no schedule (u would divide by 0).
 
 A model's own learned sinks (gpt_oss) are kept at p = 1 (softmax+1's kernel with the model's sink) and refused
@@ -40,7 +40,7 @@ class PSoftmax(Norm):
     name = "psoftmax"
     summary = "exp(s) normalized by its Lp norm (p=2: variance-preserving L2 softmax)"
     formula = "a = exp(s) / ||exp(s)||_p"
-    knob, knob_identity = "p", 1.0
+    scheduled_option, schedule_identity = "p", 1.0
     card = ("exp(s) is divided by its Lp norm instead of its sum; with p = 2 the squared weights sum to 1, so a head "
             "averaging L values keeps their variance at every length instead of collapsing as 1/L.")
     diagnosis = ("weights exp(s)/||exp(s)||_p do not sum to 1: 1 reports the entropy of the renormalized row and "
@@ -85,7 +85,7 @@ class PSoftmax(Norm):
     def weights(self, logits: torch.Tensor, n: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         return softmax_rows(logits / temperature, float(self.p))
 
-    def set_knob(self, value: float) -> None:
+    def set_scheduled_value(self, value: float) -> None:
         value = _p(value)
         if self.gain is not None and self.options.p == 1.0 and value != 1.0:
             raise RetrofitError(f"psoftmax p=1 with a gain cannot move its p to {value:g}: the gain follows "
@@ -93,7 +93,7 @@ class PSoftmax(Norm):
                                 "target) or drop patch.gain or recovery.schedule")
         self.p = value
 
-    def settle_knob(self) -> None:
+    def settle_schedule(self) -> None:
         """Make the knob's current value the norm's own p (what config.retrofit records after a schedule): the
         gain's current power g^u is written into the gain, so the forward is unchanged (bitwise for fp32 gains)
         and a model rebuilt with p = the knob's value computes exactly this one."""
@@ -102,7 +102,7 @@ class PSoftmax(Norm):
                 self.gain.copy_(self._gain_now())
         self.options = dataclasses.replace(self.options, p=self.p)  # a new object: options may be shared by layers
 
-    def knob_value(self) -> float:
+    def scheduled_value(self) -> float:
         return self.p
 
     @classmethod
@@ -127,7 +127,7 @@ class PSoftmax(Norm):
     def _gain_now(self) -> torch.Tensor:
         """The gain at the current p, fp32 (H,): g^u, u = (p_now - 1) / (p - 1): 0 at p = 1 (the original), 1 at p."""
         gain = self.gain.float()
-        if self.p != self.options.p:  # mid-schedule (set_knob refuses this when options.p == 1)
+        if self.p != self.options.p:  # mid-schedule (set_scheduled_value refuses this when options.p == 1)
             gain = gain.pow((self.p - 1.0) / (self.options.p - 1.0))
         return gain
 

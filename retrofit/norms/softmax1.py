@@ -30,7 +30,7 @@ class Softmax1(Norm):
     name = "softmax1"
     summary = "softmax+1: a (optionally learned) sink logit in the denominator"
     formula = "a = exp(s) / (exp(b_h) + sum_j exp(s_j)), b_h = 0 or learned"
-    knob, knob_identity = "sink", -30.0
+    scheduled_option, schedule_identity = "sink", -30.0
     per_head = True  # heads= selects heads; the others keep plain softmax, no sink (patch: Norm.keep_unselected)
     card = ("softmax+1 puts a sink in the denominator, so a head can attend to nothing rather than being forced to "
             "spread its weight over irrelevant tokens of a long context.")
@@ -62,13 +62,13 @@ class Softmax1(Norm):
         else:
             self.register_buffer("sink", sink, persistent=False)
 
-    def set_knob(self, value: float) -> None:
+    def set_scheduled_value(self, value: float) -> None:
         if self.options.learnable:
             raise RetrofitError("softmax1 with learnable: true learns its sink (start it very negative with "
                                 "sink: -20); a schedule moves only a fixed sink")
         self.sink.fill_(_sink(value))
 
-    def knob_value(self) -> float:
+    def scheduled_value(self) -> float:
         return float(self.sink[0])
 
     @classmethod

@@ -53,7 +53,7 @@ class SSMax(Norm):
     summary = "Scalable-Softmax: logits times a function of n = visible keys (learned s*log n, or 1 inside L)"
     formula = "a = softmax(f(n) * q.k / sqrt(d)); f = s_h*log n | max(1, log n/log L) | 1 + beta*log(1+floor((n-1)/L))"
     scales_queries_by_position = True
-    knob, knob_identity = "blend", 0.0
+    scheduled_option, schedule_identity = "blend", 0.0
     per_head = True  # heads= selects heads; the others keep plain softmax logits (patch: Norm.keep_unselected)
     card = ("Scalable-Softmax multiplies the logits by s*log(n) (n = keys the query sees), so attention stays as "
             "peaked over many keys as over few, instead of flattening as the context grows.")
@@ -98,10 +98,10 @@ class SSMax(Norm):
         """(B, H, R, 1) visible keys -> the factor (B, H, R, 1) this norm's logits are multiplied by."""
         return self.blended(self.factor(n[..., 0])).unsqueeze(-1)
 
-    def set_knob(self, value: float) -> None:
+    def set_scheduled_value(self, value: float) -> None:
         self.blend = _blend(value)
 
-    def knob_value(self) -> float:
+    def scheduled_value(self) -> float:
         return self.blend
 
     def forward(self, module, query, key, value, attention_mask, *, base, **kwargs):

@@ -22,11 +22,11 @@ from pathlib import Path
 import yaml
 
 from ..atomic import atomic_write_text
-from ..errors import RetrofitError, closest, shown
+from ..errors import RetrofitError, closest, quoted
 from ..norms import NORMS, make_options
 from .experiment import ArmSection, ExperimentSection, ReferenceSection, check_arm_name, seeded_name
 from .model import ModelSection
-from .schema import apply_overrides, build, load_json, load_yaml, need, read_yaml_file, setting, to_plain
+from .schema import apply_overrides, build, load_json, load_yaml, read_yaml_file, require, setting, to_plain
 from .schema import documentation as _documentation
 from .sections import (
     CountingOptions,
@@ -47,7 +47,7 @@ EXTRA_SECTIONS: dict[str, type] = {}
 
 def register_section(name: str, cls: type) -> type:
     """Make `name:` a valid top-level recipe key, parsed into dataclass `cls` (found in recipe.extras[name])."""
-    need(dataclasses.is_dataclass(cls), f"recipe section {name!r} must be a dataclass")
+    require(dataclasses.is_dataclass(cls), f"recipe section {name!r} must be a dataclass")
     EXTRA_SECTIONS[name] = cls
     return cls
 
@@ -67,17 +67,17 @@ class Recipe:
         data, train = self.data, self.train
         if train.init_len is not None:
             ratio = data.seq_len / train.init_len
-            need(ratio >= 1 and ratio == 2 ** round(math.log2(ratio)),
+            require(ratio >= 1 and ratio == 2 ** round(math.log2(ratio)),
                   f"train.init_len {train.init_len} must be data.seq_len {data.seq_len} divided by a power of two")
         if self.model.config is not None and data.task == "counting":
             vocab = self.model.config.get("vocab_size")
-            need(vocab is None or vocab >= data.counting.alphabet,
+            require(vocab is None or vocab >= data.counting.alphabet,
                   f"model.config.vocab_size {vocab} is smaller than data.counting.alphabet {data.counting.alphabet}")
         if data.task != "counting" and self.model.source is None:
-            need(self.model.tokenizer is not None,
+            require(self.model.tokenizer is not None,
                   f"data.task {data.task} needs a tokenizer: set model.tokenizer (a Hub id or folder)")
         if data.task == "lm" and self.eval.lengths and data.val_files is None and data.val_split is None:
-            need(data.val_blocks >= 1, "data.val_blocks must be >= 1 to evaluate without val_files/val_split")
+            require(data.val_blocks >= 1, "data.val_blocks must be >= 1 to evaluate without val_files/val_split")
 
     def eval_lengths(self) -> list[int]:
         return list(self.eval.lengths or [self.data.seq_len])
@@ -100,14 +100,16 @@ SECTIONS = {f.name: f for f in dataclasses.fields(Recipe) if f.name not in ("nam
 
 
 def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
-    need(isinstance(raw, dict), "a recipe must be a YAML mapping of sections (model, patch, data, train, eval, output)")
+    require(isinstance(raw, dict),
+            "a recipe must be a YAML mapping of sections (model, patch, data, train, eval, output)")
     valid = ["name", *SECTIONS, *EXTRA_SECTIONS]
     for key in raw:
-        need(key in valid, f"unknown recipe section {shown(key)}{closest(key, valid)}; "
+        require(key in valid, f"unknown recipe section {quoted(key)}{closest(key, valid)}; "
                            f"valid sections: {', '.join(valid)}")
     core = {k: v for k, v in raw.items() if k not in EXTRA_SECTIONS}
     for key, value in core.items():
-        need(key == "name" or isinstance(value, dict), f"recipe section {key} must be a mapping, got {shown(value)}")
+        require(key == "name" or isinstance(value, dict),
+                f"recipe section {key} must be a mapping, got {quoted(value)}")
     core.setdefault("name", name)
     extras = {k: build(EXTRA_SECTIONS[k], v or {}, k) for k, v in raw.items() if k in EXTRA_SECTIONS}
     recipe = build(Recipe, core, "")
@@ -124,15 +126,15 @@ def check_schedule_endpoints(patch: PatchSection, recovery) -> None:
     recipe is read: an avnorm floor ending below 0 is a one-line error before any model loads."""
     schedule = getattr(recovery, "schedule", None)
     cls = NORMS.get(patch.norm) if schedule is not None and patch.norm else None
-    if cls is None or cls.knob is None:
+    if cls is None or cls.scheduled_option is None:
         return  # no schedule, or a norm without a knob: the training setup names the norms that have one
-    for key, default in (("start", cls.knob_identity), ("end", None)):
+    for key, default in (("start", cls.schedule_identity), ("end", None)):
         value = getattr(schedule, key)
         value = default if value is None else value
         if value is None:
             continue
         try:
-            make_options(patch.norm, **{**patch.options, cls.knob: value})
+            make_options(patch.norm, **{**patch.options, cls.scheduled_option: value})
         except RetrofitError as err:
             raise RetrofitError(f"recovery.schedule.{key} {value:g}: {err}") from None
 
@@ -140,14 +142,14 @@ def check_schedule_endpoints(patch: PatchSection, recovery) -> None:
 def load_recipe(path, overrides=()) -> Recipe:
     """Read a YAML recipe, apply dotted overrides, validate everything; errors are one line."""
     path = Path(path)
-    need(path.is_file(), f"no such recipe file: {path}")
+    require(path.is_file(), f"no such recipe file: {path}")
     try:
         raw = load_yaml(path.read_text(), str(path)) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise RetrofitError(f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
-    need(isinstance(raw, dict), f"{path}: a recipe must be a YAML mapping of sections")
+    require(isinstance(raw, dict), f"{path}: a recipe must be a YAML mapping of sections")
     return recipe_from_dict(apply_overrides(raw, overrides), name=path.stem)
 
 
@@ -180,7 +182,7 @@ def save_recipe(recipe: Recipe, path) -> None:
     atomic_write_text(path, yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
 
 
-def flat(recipe: Recipe) -> dict:
+def dotted_settings(recipe: Recipe) -> dict:
     """Dotted scalar view (`train.lr: 0.0003`), for tracker hyperparameters and recipe comparison."""
     out = {}
 
@@ -203,7 +205,8 @@ __all__ = [
     "to_plain",
     "CountingOptions", "DataSection", "EvalSection", "ModelSection", "OutputSection", "PasskeyOptions",
     "PatchSection", "PeftSection", "Recipe", "RecoverySection",
-    "ScheduleSection", "TrainSection", "apply_overrides", "build", "documentation", "documentation_markdown", "flat",
+    "ScheduleSection", "TrainSection", "apply_overrides", "build", "documentation", "documentation_markdown",
+    "dotted_settings",
     "load_json", "load_recipe", "load_yaml", "read_yaml_file", "recipe_from_dict", "recipe_to_dict",
     "register_section", "save_recipe",
 ]

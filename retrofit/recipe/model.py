@@ -11,8 +11,8 @@ from typing import Literal
 from transformers import CONFIG_MAPPING
 
 from ..bounds import check_heads
-from ..errors import RetrofitError, closest, shown
-from .schema import need, setting
+from ..errors import RetrofitError, closest, quoted
+from .schema import require, setting
 
 ZERO_INIT = ("attention_output", "mlp_output")  # model.zero_init: which projections start at zero
 
@@ -41,16 +41,16 @@ class ModelSection:
                                                      "starts as the identity on the residual stream")
 
     def __post_init__(self):
-        need(self.source is None or self.config is None,
+        require(self.source is None or self.config is None,
               "model: set either source (a pretrained model) or config (from scratch), not both")
-        need(self.source is not None or self.config is not None,
+        require(self.source is not None or self.config is not None,
               "model: set source (Hub id, folder or .gguf) or config (model_type and sizes) to pretrain from scratch")
         if self.config is not None:
             _check_model_config(self.config)
         for part in self.zero_init:
-            need(part in ZERO_INIT, f"model.zero_init: unknown part {shown(part)}{closest(str(part), ZERO_INIT)}; "
+            require(part in ZERO_INIT, f"model.zero_init: unknown part {quoted(part)}{closest(str(part), ZERO_INIT)}; "
                                     f"choose from {', '.join(ZERO_INIT)}")
-        need(not self.zero_init or self.source is None,
+        require(not self.zero_init or self.source is None,
              "model.zero_init initializes a model built from model.config; a pretrained source keeps its weights: "
              "drop model.zero_init")
 
@@ -59,15 +59,15 @@ def _check_model_config(config: dict) -> None:
     """model_type must be an AutoConfig type and every key a field of that config (a typo is silently kept
     otherwise)."""
     model_type = config.get("model_type")
-    need(isinstance(model_type, str), "model.config needs model_type (e.g. gpt2, llama)")
-    need(model_type in CONFIG_MAPPING, f"model.config.model_type {model_type!r} is not a transformers model type"
+    require(isinstance(model_type, str), "model.config needs model_type (e.g. gpt2, llama)")
+    require(model_type in CONFIG_MAPPING, f"model.config.model_type {model_type!r} is not a transformers model type"
           f"{closest(model_type, CONFIG_MAPPING.keys())}")
     cls = CONFIG_MAPPING[model_type]
     valid = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {})) | set(inspect.signature(cls).parameters)
     for key in config:
-        need(key in valid, f"model.config: {model_type} has no config key {shown(key)}{closest(key, valid)}")
+        require(key in valid, f"model.config: {model_type} has no config key {quoted(key)}{closest(key, valid)}")
     for key, value in config.items():  # hidden_size: -64 builds a config, then fails deep in torch.empty
-        need(key not in SIZE_KEYS or not isinstance(value, int) or isinstance(value, bool) or value >= 1,
+        require(key not in SIZE_KEYS or not isinstance(value, int) or isinstance(value, bool) or value >= 1,
              f"model.config.{key} must be >= 1, got {value}")
     try:  # the config class checks types itself (transformers 5: strict dataclasses): hidden_size: abc
         built = cls(**{k: v for k, v in config.items() if k != "model_type"})

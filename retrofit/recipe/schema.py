@@ -5,7 +5,8 @@
     apply_overrides(raw, ["section.field=5"])    # dotted overrides onto the raw mapping, values as YAML
     documentation(Section)                       # (dotted key, default, doc) rows, nested included
 
-A "knob" elsewhere in retrofit is the one option of a norm that a recovery schedule moves (retrofit.recovery).
+The "scheduled option" of a norm (its class attribute `scheduled_option`) is the one option a recovery schedule moves
+(retrofit.recovery); older text calls it the knob.
 
 Supported field types: bool, int, float, str, Any, dict, list[T], Literal[...], unions with None, and
 nested dataclasses. An unknown key names the closest valid one. YAML is read with load_yaml (retrofit.readers):
@@ -23,7 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..errors import RetrofitError, shown
+from ..errors import RetrofitError, quoted
 from ..errors import closest as _closest
 from ..readers import MAX_FILE_BYTES, load_json, load_yaml, read_yaml_file  # noqa: F401  (re-exported)
 
@@ -37,7 +38,7 @@ def setting(default=_MISSING, doc: str = "", *, factory=None):
     return field(default=default, metadata={"doc": doc})
 
 
-def need(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
     if not ok:
         raise RetrofitError(message)
 
@@ -62,7 +63,7 @@ _SCALARS = {bool: bool, int: int, float: (int, float), str: str}
 
 def _coerce(value, tp, path: str):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    bad = RetrofitError(f"{path} must be {_describe(tp)}, got {shown(value)}")
+    bad = RetrofitError(f"{path} must be {_describe(tp)}, got {quoted(value)}")
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
@@ -78,7 +79,7 @@ def _coerce(value, tp, path: str):
         raise last if len(args) == 2 else bad
     if origin is Literal:
         if value not in args:
-            raise RetrofitError(f"{path} must be one of {', '.join(map(str, args))}, got {shown(value)}"
+            raise RetrofitError(f"{path} must be one of {', '.join(map(str, args))}, got {quoted(value)}"
                                 f"{_closest(value, map(str, args))}")
         return value
     if dataclasses.is_dataclass(tp):
@@ -148,10 +149,10 @@ def to_plain(obj):
 def apply_overrides(raw: dict, overrides) -> dict:
     """`train.steps=200 patch.p=2` onto the raw mapping (values parsed as YAML: 2 -> int, [1,2] -> list)."""
     for item in overrides:
-        need("=" in item, f"override {item!r} must look like section.key=value (e.g. train.steps=200)")
+        require("=" in item, f"override {item!r} must look like section.key=value (e.g. train.steps=200)")
         dotted, text = item.split("=", 1)
         keys = dotted.strip().split(".")
-        need(all(keys), f"override {item!r} has an empty key")
+        require(all(keys), f"override {item!r} has an empty key")
         try:
             value = load_yaml(text, f"override {dotted.strip()}") if text.strip() else None
         except yaml.YAMLError:

@@ -2,7 +2,7 @@
 
     patch    the attention patch (options pass through)  data    what to train on (packing: concat | documents)
     train    the optimization (peft: LoRA)               eval    periodic evaluation
-    output   where results go                            recovery  schedules, distillation (issue #14)
+    output   where results go                            recovery  schedules, distillation
 
 `model` (what to load or build, checked against transformers' config classes) is recipe/model.py.
 
@@ -16,10 +16,10 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from ..errors import closest, shown
+from ..errors import closest, quoted
 from ..norms import NORMS
 from ..patch_spec import RECIPE, PatchSpec
-from .schema import need, setting
+from .schema import require, setting
 
 
 @dataclass
@@ -55,21 +55,21 @@ class PatchSection:
     def __post_init__(self):
         known = sorted({f.name for f in dataclasses.fields(self) if f.name != "options"} | _all_norm_options())
         for key in self.options:
-            need(key in known, f"unknown recipe key patch.{key}{closest(key, known)}; valid keys in patch: "
+            require(key in known, f"unknown recipe key patch.{key}{closest(key, known)}; valid keys in patch: "
                                f"{', '.join(known)}")
         self.options = {k: v for k, v in self.options.items() if v is not None}  # null = the norm's default
         if self.norm is None:
             given = list(self.options)
-            need(not given and not self.nope and not self.calibrate_tokens and self.rope is None
+            require(not given and not self.nope and not self.calibrate_tokens and self.rope is None
                  and self.layers is None and self.heads is None and self.gate is None,
                  f"patch: {', '.join(given) or 'nope/calibrate_tokens/rope/gate'} given but patch.norm is null; set "
                  "patch.norm (softmax keeps attention unchanged)")
             return
         self.options = self.spec().options  # every rule of the patch is checked there; options typed (p: 2 -> 2.0)
-        need(self.calibrate_tokens is None or self.calibrate_tokens >= 0,
+        require(self.calibrate_tokens is None or self.calibrate_tokens >= 0,
              f"patch.calibrate_tokens must be >= 0 tokens, got {self.calibrate_tokens}")
         by_default = [name for name, cls in sorted(NORMS.items()) if cls.calibrated_by_default]
-        need(not self.calibrate_tokens or self.norm in by_default,
+        require(not self.calibrate_tokens or self.norm in by_default,
              f"patch.calibrate_tokens sets the per-head gains of {', '.join(by_default)}, but patch.norm is "
              f"{self.norm!r}; set patch.calibrate_tokens: 0")
 
@@ -78,7 +78,7 @@ class PatchSection:
         if self.norm is None:
             return None
         return PatchSpec(self.norm, self.options, nope=self.nope, rope=self.rope, layers=self.layers,
-                         heads=self.heads, gate=self.gate, spelling=RECIPE)
+                         heads=self.heads, gate=self.gate, names=RECIPE)
 
     def tokens_to_calibrate(self, pretrained: bool) -> int:
         """patch.calibrate_tokens, or its default: 8192 for a norm calibrated by default (AVNorm: Norm.
@@ -111,7 +111,7 @@ class CountingOptions:
                                        "true the model sees no other position")
 
     def __post_init__(self):
-        need(self.alphabet >= 2, f"data.counting.alphabet must be >= 2, got {self.alphabet}")
+        require(self.alphabet >= 2, f"data.counting.alphabet must be >= 2, got {self.alphabet}")
 
 
 @dataclass
@@ -120,8 +120,8 @@ class PasskeyOptions:
     depth: float | None = setting(None, "where the key sits, 0 = start .. 1 = end; null = uniform random per example")
 
     def __post_init__(self):
-        need(1 <= self.digits <= 20, f"data.passkey.digits must be in 1..20, got {self.digits}")
-        need(self.depth is None or 0 <= self.depth <= 1, f"data.passkey.depth must be in [0, 1], got {self.depth}")
+        require(1 <= self.digits <= 20, f"data.passkey.digits must be in 1..20, got {self.digits}")
+        require(self.depth is None or 0 <= self.depth <= 1, f"data.passkey.depth must be in [0, 1], got {self.depth}")
 
 
 TASKS = ("lm", "counting", "passkey")
@@ -159,17 +159,18 @@ class DataSection:
     passkey: PasskeyOptions = setting(factory=PasskeyOptions, doc="passkey task options")
 
     def __post_init__(self):
-        need(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
-        need(self.val_blocks >= 1, f"data.val_blocks must be >= 1 (every evaluation reads them), got {self.val_blocks}")
-        need(self.max_docs is None or self.max_docs > 0, f"data.max_docs must be > 0, got {self.max_docs}")
+        require(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
+        require(self.val_blocks >= 1,
+                f"data.val_blocks must be >= 1 (every evaluation reads them), got {self.val_blocks}")
+        require(self.max_docs is None or self.max_docs > 0, f"data.max_docs must be > 0, got {self.max_docs}")
         if self.task == "lm":
-            need((self.dataset is None) != (self.files is None),
+            require((self.dataset is None) != (self.files is None),
                   "data: the lm task needs exactly one of data.dataset (Hub) or data.files (local)")
-            need(self.val_files is None or self.val_split is None, "data: set val_files or val_split, not both")
+            require(self.val_files is None or self.val_split is None, "data: set val_files or val_split, not both")
         else:
-            need(self.dataset is None and self.files is None,
+            require(self.dataset is None and self.files is None,
                   f"data: the {self.task} task is generated; remove data.dataset/data.files")
-            need(self.packing == "concat", f"data.packing packs text documents; the {self.task} task is generated: "
+            require(self.packing == "concat", f"data.packing packs text documents; the {self.task} task is generated: "
                                            "remove data.packing")
 
 
@@ -185,8 +186,8 @@ class PeftSection:
                                                                 "folder; adapter: run/adapter only (small); both")
 
     def __post_init__(self):
-        need(self.r >= 1, f"train.peft.r must be >= 1, got {self.r}")
-        need(0 <= self.dropout < 1, f"train.peft.dropout must be in [0, 1), got {self.dropout}")
+        require(self.r >= 1, f"train.peft.r must be >= 1, got {self.r}")
+        require(0 <= self.dropout < 1, f"train.peft.dropout must be in [0, 1), got {self.dropout}")
 
 
 @dataclass
@@ -233,26 +234,28 @@ class TrainSection:
     peft: PeftSection | None = setting(None, "LoRA finetune instead of full; null = train all weights")
 
     def __post_init__(self):
-        need(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
-        need(0 <= self.seed < 2**32, f"train.seed must be in 0..2**32-1 (what numpy and torch take), got {self.seed}")
-        need(math.isfinite(self.adam_eps) and self.adam_eps > 0,
+        require(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
+        require(0 <= self.seed < 2**32,
+                f"train.seed must be in 0..2**32-1 (what numpy and torch take), got {self.seed}")
+        require(math.isfinite(self.adam_eps) and self.adam_eps > 0,
              f"train.adam_eps must be > 0 and finite (AdamW divides by sqrt(v) + eps), got {self.adam_eps}")
-        need(math.isfinite(self.lr) and self.lr >= 0, f"train.lr must be >= 0 and finite, got {self.lr}")
-        need(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        need(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
-        need(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
-        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-              f"train.betas must be two numbers in [0, 1), got {shown(self.betas)}")
-        need(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
-        need(self.batch_size >= 1 and self.micro_batch_size >= 1, "train.batch_size and micro_batch_size must be >= 1")
-        need(self.batch_size % self.micro_batch_size == 0,
+        require(math.isfinite(self.lr) and self.lr >= 0, f"train.lr must be >= 0 and finite, got {self.lr}")
+        require(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        require(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        require(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+              f"train.betas must be two numbers in [0, 1), got {quoted(self.betas)}")
+        require(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+        require(self.batch_size >= 1 and self.micro_batch_size >= 1,
+                "train.batch_size and micro_batch_size must be >= 1")
+        require(self.batch_size % self.micro_batch_size == 0,
               f"train.batch_size {self.batch_size} must be a multiple of micro_batch_size {self.micro_batch_size}")
-        need(self.log_every >= 1, f"train.log_every must be >= 1, got {self.log_every}")
-        need(self.sequence_parallel >= 1, f"train.sequence_parallel must be >= 1 (1 = off), got "
+        require(self.log_every >= 1, f"train.log_every must be >= 1, got {self.log_every}")
+        require(self.sequence_parallel >= 1, f"train.sequence_parallel must be >= 1 (1 = off), got "
                                           f"{self.sequence_parallel}")
-        need(self.loss_chunk_tokens >= 0, f"train.loss_chunk_tokens must be >= 0, got {self.loss_chunk_tokens}")
+        require(self.loss_chunk_tokens >= 0, f"train.loss_chunk_tokens must be >= 0, got {self.loss_chunk_tokens}")
         if self.init_len is not None:
-            need(self.init_len >= 2 and self.double_every >= 1,
+            require(self.init_len >= 2 and self.double_every >= 1,
                   "train: staged length needs init_len >= 2 and double_every >= 1")
 
 
@@ -267,11 +270,11 @@ class EvalSection:
                                              "L tokens of held-out blocks); null = [data.seq_len]")
 
     def __post_init__(self):
-        need(self.every >= 0, f"eval.every must be >= 0, got {self.every}")
-        need(all(s >= 0 for s in self.at_steps), f"eval.at_steps must be >= 0, got {shown(self.at_steps)}")
-        need(self.batches >= 1 and self.batch_size >= 1, "eval.batches and eval.batch_size must be >= 1")
-        need(self.lengths is None or (self.lengths and all(n >= 2 for n in self.lengths)),
-              f"eval.lengths must be a non-empty list of lengths >= 2, got {shown(self.lengths)}")
+        require(self.every >= 0, f"eval.every must be >= 0, got {self.every}")
+        require(all(s >= 0 for s in self.at_steps), f"eval.at_steps must be >= 0, got {quoted(self.at_steps)}")
+        require(self.batches >= 1 and self.batch_size >= 1, "eval.batches and eval.batch_size must be >= 1")
+        require(self.lengths is None or (self.lengths and all(n >= 2 for n in self.lengths)),
+              f"eval.lengths must be a non-empty list of lengths >= 2, got {quoted(self.lengths)}")
 
 
 # accelerate's trackers (accelerate.tracking.LOGGER_TYPE_TO_CLASS; tests/recipe checks the two agree) -> the package
@@ -292,10 +295,10 @@ class OutputSection:
     project: str = setting("retrofit", "tracker project name")
 
     def __post_init__(self):
-        need(self.save_every >= 0, f"output.save_every must be >= 0, got {self.save_every}")
-        need(self.keep >= 1, f"output.keep must be >= 1, got {self.keep}")
+        require(self.save_every >= 0, f"output.save_every must be >= 0, got {self.save_every}")
+        require(self.keep >= 1, f"output.keep must be >= 1, got {self.keep}")
         for t in self.trackers:
-            need(t in TRACKERS, f"output.trackers: unknown tracker {t!r}{closest(t, TRACKERS)}; "
+            require(t in TRACKERS, f"output.trackers: unknown tracker {t!r}{closest(t, TRACKERS)}; "
                                  f"choose from {', '.join(TRACKERS)} (jsonl is always on)")
 
 
@@ -320,27 +323,27 @@ class ScheduleSection:
                                               "that must be exact on a GPU)")
 
     def __post_init__(self):
-        need(self.steps >= 1, f"recovery.schedule.steps must be >= 1, got {self.steps}")
+        require(self.steps >= 1, f"recovery.schedule.steps must be >= 1, got {self.steps}")
         for key in ("start", "end"):
             value = getattr(self, key)
-            need(value is None or math.isfinite(value), f"recovery.schedule.{key} must be finite, got {value}")
+            require(value is None or math.isfinite(value), f"recovery.schedule.{key} must be finite, got {value}")
         if self.shape != "loss":
-            need(self.costs is None, f"recovery.schedule.costs shape the schedule in the loss's units: set shape: "
+            require(self.costs is None, f"recovery.schedule.costs shape the schedule in the loss's units: set shape: "
                                      f"loss, or drop costs (shape is {self.shape})")
             return
-        need(self.costs is None or len(self.costs) >= 2,
+        require(self.costs is None or len(self.costs) >= 2,
              "recovery.schedule.shape loss needs costs: at least 2 zero-shot probe losses at evenly spaced positions "
              "0..1 (retrofit patch ... --check-text FILE --schedule-values 0,0.25,0.5,0.75,1 prints them), or null "
              "to measure them as the run starts")
-        need(all(math.isfinite(c) for c in self.costs or ()), f"recovery.schedule.costs must be finite, got "
+        require(all(math.isfinite(c) for c in self.costs or ()), f"recovery.schedule.costs must be finite, got "
                                                               f"{self.costs}")
-        need(not self.by_layer, "recovery.schedule.shape loss spreads the whole model's probe cost; by_layer moves "
+        require(not self.by_layer, "recovery.schedule.shape loss spreads the whole model's probe cost; by_layer moves "
                                 "one layer at a time, which the probe did not measure: drop one of them")
 
 
 @dataclass
 class RecoverySection:
-    """How a retrofit recovers the original model's function (issue #14); every key defaults to off."""
+    """How a retrofit recovers the original model's function; every key defaults to off."""
 
     renamed: ClassVar[dict] = {"calibrate": "calibrate_tokens"}  # old key -> its name now (saved runs still load)
     schedule: ScheduleSection | None = setting(None, "identity-start schedule of the norm's knob (avnorm floor, "
@@ -369,16 +372,17 @@ class RecoverySection:
     def __post_init__(self):
         for key in ("lm_weight", "kl_weight"):
             value = getattr(self, key)
-            need(math.isfinite(value) and value >= 0, f"recovery.{key} must be >= 0, got {value}")
-        need(self.lm_weight > 0 or self.kl_weight > 0, "recovery: lm_weight and kl_weight are both 0: nothing to train")
-        need(self.kl_temperature > 0, f"recovery.kl_temperature must be > 0, got {self.kl_temperature}")
-        need(self.chunk_tokens >= 1, f"recovery.chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        need(self.match_steps >= 0, f"recovery.match_steps must be >= 0, got {self.match_steps}")
-        need(self.patch_lr is None or (math.isfinite(self.patch_lr) and self.patch_lr >= 0),
+            require(math.isfinite(value) and value >= 0, f"recovery.{key} must be >= 0, got {value}")
+        require(self.lm_weight > 0 or self.kl_weight > 0,
+                "recovery: lm_weight and kl_weight are both 0: nothing to train")
+        require(self.kl_temperature > 0, f"recovery.kl_temperature must be > 0, got {self.kl_temperature}")
+        require(self.chunk_tokens >= 1, f"recovery.chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        require(self.match_steps >= 0, f"recovery.match_steps must be >= 0, got {self.match_steps}")
+        require(self.patch_lr is None or (math.isfinite(self.patch_lr) and self.patch_lr >= 0),
              f"recovery.patch_lr must be >= 0, got {self.patch_lr}")
-        need(self.patch_warmup_steps is None or self.patch_warmup_steps >= 0,
+        require(self.patch_warmup_steps is None or self.patch_warmup_steps >= 0,
              f"recovery.patch_warmup_steps must be >= 0, got {self.patch_warmup_steps}")
-        need(self.calibrate_tokens is None or self.calibrate_tokens >= 0,
+        require(self.calibrate_tokens is None or self.calibrate_tokens >= 0,
              f"recovery.calibrate_tokens must be >= 0, got {self.calibrate_tokens}")
 
     def distills(self) -> bool:

@@ -4,7 +4,7 @@
         teacher_logits = model(input_ids=ids).logits      # bitwise the unpatched model's
 
 retrofit's attention function dispatches to each attention module's `retrofit` child and runs the wrapped kernel
-unchanged when there is none (patch.py `_dispatch`), and AVNorm's output-projection hook does nothing when its
+unchanged when there is none (attention_seam.py's dispatch), and AVNorm's output-projection hook does nothing when its
 norm is not attached (norms/base.py `before_projection`); so detaching the children for the duration is the
 original model. A RoPE extension is undone for the duration too (the original rotary modules and config values,
 rope.py `original_rope`), so the teacher of an extended student is the original model, not the extended one; NoPE
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from ..errors import RetrofitError
-from ..patch import CHILD
+from ..patching import CHILD
 from ..record import read_record
 from ..rope import original_rope
 

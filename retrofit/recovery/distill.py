@@ -16,9 +16,10 @@ import contextlib
 import torch
 from torch import nn
 
+from ..attention_seam import attention_modules
 from ..errors import RetrofitError
 from ..logit_head import final_hidden, head_logits, head_loss_sum, kl_per_position, model_inputs, next_tokens  # noqa: F401
-from ..patch import attention_modules, output_projection
+from ..patching import output_projection
 from .bypass import patch_bypassed
 
 

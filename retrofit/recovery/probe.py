@@ -1,6 +1,6 @@
 """Zero-shot probes, before any training: what a schedule position costs, and which heads a norm will hurt.
 
-    knob_losses(model, ids, [0, 0.25, 0.5, 1])   # [(t, knob value, loss)]: the loss along the schedule
+    schedule_losses(model, ids, [0, 0.25, 0.5, 1])   # [(t, knob value, loss)]: the loss along the schedule
     head_spread(model, ids)                      # (layers, H): 1 - mean(rms)^2 / mean(rms^2) over tokens
 
 A head whose output RMS varies a lot from token to token (spread near 1) is one a per-token normalization
@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention_seam import observe
 from ..norms.base import visible_keys
-from ..patch import CHILD, is_patched, observe
+from ..patching import CHILD, is_patched
 from .bypass import patch_bypassed
-from .schedule import knob_norms, set_knob_position
+from .schedule import scheduled_norms, set_schedule_position
 
 
 @torch.no_grad()
@@ -49,19 +50,19 @@ class _nothing:
 
 
 @torch.no_grad()
-def knob_losses(model: nn.Module, ids: torch.Tensor, positions, *, start: float | None = None,
+def schedule_losses(model: nn.Module, ids: torch.Tensor, positions, *, start: float | None = None,
                 end: float | None = None) -> list[tuple[float, float, float]]:
     """Mean next-token loss of one (1, T) sequence at each schedule position; the knobs are left at the end."""
     if not is_patched(model):
-        knob_norms(model)  # the one-line error
+        scheduled_norms(model)  # the one-line error
     rows = []
     try:
         for t in positions:
-            value = set_knob_position(model, float(t), start=start, end=end)[0]
+            value = set_schedule_position(model, float(t), start=start, end=end)[0]
             loss = float(model(input_ids=ids, labels=ids, use_cache=False).loss)
             rows.append((float(t), value, loss))
     finally:
-        set_knob_position(model, 1.0, start=start, end=end)
+        set_schedule_position(model, 1.0, start=start, end=end)
     return rows
 
 
@@ -76,7 +77,7 @@ def schedule_costs(model: nn.Module, ids: torch.Tensor, *, start: float | None =
     was_training = model.training
     model.eval()
     try:
-        rows = knob_losses(model, ids, [i / (points - 1) for i in range(points)], start=start, end=end)
+        rows = schedule_losses(model, ids, [i / (points - 1) for i in range(points)], start=start, end=end)
     finally:
         model.train(was_training)
     return [loss for _, _, loss in rows]

@@ -10,7 +10,7 @@ end and the full norm at the other; a schedule moves it while training.
 The knob is a plain float on each norm module (softmax1: its sink buffer), set before every step from the step
 alone (`apply_schedule`), so a resumed run is bitwise the uninterrupted one. At its end value every norm runs its
 plain code path (bitwise the plain patch); after training the final value is written into config.retrofit's
-options (`record_knob`), so retrofit.from_pretrained rebuilds exactly what was trained.
+options (`record_schedule`), so retrofit.from_pretrained rebuilds exactly what was trained.
 Under train.compile a Python float that changes every step is a new guard value: expect a recompile per step
 while the schedule moves (none after it ends).
 
@@ -32,21 +32,21 @@ from torch import nn
 
 from ..errors import RetrofitError
 from ..norms import NORMS, Norm, make_options
-from ..patch import CHILD
+from ..patching import CHILD
 from ..record import read_record, set_option
 
 SHAPES = ("linear", "cosine", "loss")
 
 
-def knob_norms(model: nn.Module) -> list[Norm]:
+def scheduled_norms(model: nn.Module) -> list[Norm]:
     """The patch's norm modules in layer order; an error if the patch has no knob to schedule."""
     norms = [m for m in model.modules() if isinstance(m, Norm)]
     if not norms:
         raise RetrofitError("recovery.schedule needs a patched model (no retrofit norm found)")
     cls = type(norms[0])
-    if cls.knob is None:
-        with_knob = ", ".join(f"{n} ({c.knob})" for n, c in sorted(NORMS.items()) if c.knob)
-        raise RetrofitError(f"norm {cls.name!r} has no knob a schedule can move; norms with one: {with_knob}")
+    if cls.scheduled_option is None:
+        scheduled = ", ".join(f"{n} ({c.scheduled_option})" for n, c in sorted(NORMS.items()) if c.scheduled_option)
+        raise RetrofitError(f"norm {cls.name!r} has no knob a schedule can move; norms with one: {scheduled}")
     return norms
 
 
@@ -76,7 +76,7 @@ def loss_progress(u: float, costs) -> float:
     return 1.0
 
 
-def knob_at(t: float, start: float, end: float, shape: str = "linear", layer: int = 0, layers: int = 1,
+def scheduled_value_at(t: float, start: float, end: float, shape: str = "linear", layer: int = 0, layers: int = 1,
             by_layer: bool = False, costs=None) -> float:
     """The knob at schedule position t in [0, 1] (0 = start, 1 = end). by_layer: layer i moves during
     [i / layers, (i + 1) / layers], first layer first. costs: shape=loss's probe losses."""
@@ -91,30 +91,31 @@ def knob_at(t: float, start: float, end: float, shape: str = "linear", layer: in
 def endpoints(norm: Norm, start: float | None, end: float | None) -> tuple[float, float]:
     """(start, end) of `norm`'s knob, defaults filled in (the identity value; the patch's own option), each checked
     by the norm's own option rules (an avnorm floor < 0 is refused before any training)."""
-    lo = norm.knob_identity if start is None else start
-    hi = getattr(norm.options, norm.knob) if end is None else end
+    lo = norm.schedule_identity if start is None else start
+    hi = getattr(norm.options, norm.scheduled_option) if end is None else end
     for key, value in (("start", lo), ("end", hi)):
         if not math.isfinite(value):
-            raise RetrofitError(f"schedule start/end of {norm.name}'s {norm.knob} must be finite, got {lo} -> {hi}")
+            raise RetrofitError(f"schedule start/end of {norm.name}'s {norm.scheduled_option} must be finite, "
+                                f"got {lo} -> {hi}")
         try:
-            make_options(norm.name, **{**dataclasses.asdict(norm.options), norm.knob: value})
+            make_options(norm.name, **{**dataclasses.asdict(norm.options), norm.scheduled_option: value})
         except RetrofitError as err:
             raise RetrofitError(f"recovery.schedule.{key} {value:g}: {err}") from None
     return lo, hi
 
 
-def set_knob_position(model: nn.Module, t: float, *, start: float | None = None, end: float | None = None,
+def set_schedule_position(model: nn.Module, t: float, *, start: float | None = None, end: float | None = None,
                       shape: str = "linear", by_layer: bool = False, costs=None) -> list[float]:
     """Put every norm's knob at position t (0 = `start`, default the norm's identity value; 1 = `end`, default the
     patch's own option value). Returns the values set, one per norm."""
     if shape not in SHAPES:
         raise RetrofitError(f"schedule shape must be one of {', '.join(SHAPES)}, got {shape!r}")
-    norms = knob_norms(model)
+    norms = scheduled_norms(model)
     values = []
     for i, norm in enumerate(norms):
         lo, hi = endpoints(norm, start, end)
-        value = knob_at(t, lo, hi, shape, i, len(norms), by_layer, costs)
-        norm.set_knob(value)
+        value = scheduled_value_at(t, lo, hi, shape, i, len(norms), by_layer, costs)
+        norm.set_scheduled_value(value)
         values.append(value)
     return values
 
@@ -126,30 +127,30 @@ def position_at(step: int, steps: int) -> float:
 
 def apply_schedule(model: nn.Module, spec, step: int) -> list[float]:
     """Set the knobs for update `step` as `spec` (the recipe's recovery.schedule) says."""
-    return set_knob_position(model, position_at(step, spec.steps), start=spec.start, end=spec.end, shape=spec.shape,
+    return set_schedule_position(model, position_at(step, spec.steps), start=spec.start, end=spec.end, shape=spec.shape,
                              by_layer=spec.by_layer, costs=spec.costs)
 
 
-def knob_values(model: nn.Module) -> list[float]:
-    return [n.knob_value() for n in knob_norms(model)]
+def scheduled_values(model: nn.Module) -> list[float]:
+    return [n.scheduled_value() for n in scheduled_norms(model)]
 
 
-def record_knob(model: nn.Module) -> None:
+def record_schedule(model: nn.Module) -> None:
     """Write the knob's final value into config.retrofit's options (what from_pretrained rebuilds)."""
-    values = knob_values(model)
+    values = scheduled_values(model)
     if len(set(values)) != 1:
         raise RetrofitError(f"the schedule left layers at different knob values ({min(values)} .. {max(values)}); "
                             "set recovery.schedule.steps <= train.steps so it ends before the run does")
-    norms = knob_norms(model)
+    norms = scheduled_norms(model)
     for norm in norms:  # psoftmax folds its gain's current power in: the recorded p alone rebuilds this model
-        settle = getattr(norm, "settle_knob", None)
+        settle = getattr(norm, "settle_schedule", None)
         if settle is not None:
             settle()
     norm = norms[0]
     for m in model.modules():
         record = read_record(m.config) if hasattr(m, "config") else None
         if record is not None and "options" in record:
-            set_option(m.config, norm.knob, values[0])
+            set_option(m.config, norm.scheduled_option, values[0])
 
 
 def is_patch_parameter(name: str) -> bool:

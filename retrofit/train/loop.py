@@ -39,9 +39,9 @@ from ..errors import RetrofitError
 from ..load import apply_patch, language_model, load_base, recipe_tokenizer, save_model
 from ..memory import return_freed_memory
 from ..readers import read_json
-from ..recipe import Recipe, flat, load_recipe, save_recipe
-from ..recovery import apply_schedule, is_patch_parameter, knob_values, record_knob
-from . import build, checkpoint, engine, fsdp, zero
+from ..recipe import Recipe, dotted_settings, load_recipe, save_recipe
+from ..recovery import apply_schedule, is_patch_parameter, record_schedule, scheduled_values
+from . import checkpoint, engine, fsdp, run_setup, zero
 from .alst import preparing
 from .engine import Engine
 from .runlog import ENGINE_KEY, check_trackers
@@ -79,20 +79,20 @@ def setup(recipe: Recipe, accelerator, *, model=None, tokenizer=None, data=None)
     elif tokenizer is None and data is None:  # data passed in code brings its own tokens
         tokenizer = recipe_tokenizer(recipe)
     report = apply_patch(model, recipe.patch)
-    build.check_lengths(model, recipe)
-    build.check_packing(model, recipe)
-    build.check_vocabulary(model, tokenizer if recipe.data.task != "counting" else None)
-    model = build.wrap_task(model, recipe.data.task, first_token=recipe.data.counting.first_token)
+    run_setup.check_lengths(model, recipe)
+    run_setup.check_packing(model, recipe)
+    run_setup.check_vocabulary(model, tokenizer if recipe.data.task != "counting" else None)
+    model = run_setup.wrap_task(model, recipe.data.task, first_token=recipe.data.counting.first_token)
     if data is None:
         data = build_data(recipe.data, tokenizer, seed=recipe.train.seed, eval_lengths=recipe.loop_eval_lengths())
-    calibration = build.calibrate_patch(model, data, recipe) if report is not None else None
-    model = build.apply_peft(model, recipe.train.peft)
-    build.check_recovery(model, recipe)
+    calibration = run_setup.calibrate_patch(model, data, recipe) if report is not None else None
+    model = run_setup.apply_peft(model, recipe.train.peft)
+    run_setup.check_recovery(model, recipe)
     recovery = recipe.section("recovery")
     if recovery is not None and recovery.freeze_base:
-        build.freeze_base(model)
+        run_setup.freeze_base(model)
     if recipe.train.gradient_checkpointing:
-        build.enable_gradient_checkpointing(model)
+        run_setup.enable_gradient_checkpointing(model)
     if report is not None:
         accelerator.print(str(report) + (f"\ncalibration       {calibration}" if calibration else ""))
     return model, tokenizer, data
@@ -105,7 +105,7 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
     run_dir = run_dir_of(recipe)
     _check_run_dir(run_dir, resume)
     trackers = check_trackers(recipe.output.trackers)
-    acc = build.make_accelerator(recipe.train, run_dir, trackers)
+    acc = run_setup.make_accelerator(recipe.train, run_dir, trackers)
     if acc.device.type == "cpu" and recipe.train.cpu_release_memory:  # freed activations go back to the OS
         return_freed_memory()  # instead of raising the peak (memory.py); it costs small models speed
     # made, marked and locked (one writer per run folder; released on any exit); a run refused before it wrote
@@ -122,8 +122,8 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
     if resume and _finished(recipe, acc, run_dir):
         return TrainResult(run_dir, recipe.train.steps)
     run = _build(recipe, acc, run_dir, split, model=model, tokenizer=tokenizer, data=data, callbacks=callbacks)
-    saved_knob = _resume(run) if resume else None
-    _start_schedule(run, saved_knob)
+    saved_value = _resume(run) if resume else None
+    _start_schedule(run, saved_value)
     _open_run(run)
     if run.result.steps == 0 and 0 in recipe.eval.at_steps:
         _evaluate(run, 0)
@@ -139,16 +139,16 @@ def _split(recipe: Recipe, acc) -> Split:
     fsdp.check_recipe(recipe, acc.distributed_type.name)
     zero.check_recipe(recipe, zero.stage_of(acc))
     rank, world = (layout.data_rank, layout.data_size) if layout else (acc.process_index, acc.num_processes)
-    return Split(layout, rank, world, build.accumulation(recipe.train, world))
+    return Split(layout, rank, world, run_setup.accumulation(recipe.train, world))
 
 
 def _finished(recipe: Recipe, acc, run_dir: Path) -> bool:
     """Resuming, before anything loads: the same recipe (or a raised train.steps, which extends the run from its
     newest checkpoint) or a clear error; True when the run already finished."""
     if (run_dir / "recipe.yaml").is_file():
-        saved = flat(load_recipe(run_dir / "recipe.yaml"))
-        checkpoint.check_same_recipe(saved, flat(recipe), run_dir)
-        if checkpoint.extends(saved, flat(recipe)):
+        saved = dotted_settings(load_recipe(run_dir / "recipe.yaml"))
+        checkpoint.check_same_recipe(saved, dotted_settings(recipe), run_dir)
+        if checkpoint.extends(saved, dotted_settings(recipe)):
             _say_extension(acc, run_dir, saved[checkpoint.EXTENDABLE], recipe.train.steps)
     done = run_dir / "result.json"
     if done.is_file() and read_json(done).get("steps") == recipe.train.steps:
@@ -174,19 +174,19 @@ def _build(recipe: Recipe, acc, run_dir: Path, split: Split, *, model, tokenizer
         model, tokenizer, data = setup(recipe, acc, model=model, tokenizer=tokenizer, data=data)
     model.train()
     rec = recipe.section("recovery")  # retrofit.recovery: schedules, distillation, patch learning rate
-    schedule = build.probe_schedule(model, data, recipe, rec.schedule if rec is not None else None)
+    schedule = run_setup.probe_schedule(model, data, recipe, rec.schedule if rec is not None else None)
     if rec is not None and schedule is not rec.schedule:
         acc.print(f"recovery.schedule.costs measured (zero-shot, first training block): "
                   f"{schedule.costs}")  # every digit: pinned in a recipe, they give this schedule exactly
     if recipe.train.fsdp:  # FSDP2 over every process, then the optimizer on the shards
-        model, optimizer = fsdp.prepare(model, lambda m: build.make_optimizer(m, recipe.train, rec), acc)
+        model, optimizer = fsdp.prepare(model, lambda m: run_setup.make_optimizer(m, recipe.train, rec), acc)
     else:
         with preparing(model, split.layout):  # DeepSpeed's ALST registers in prepare()
-            model, optimizer = acc.prepare(model, build.make_optimizer(model, recipe.train, rec))
+            model, optimizer = acc.prepare(model, run_setup.make_optimizer(model, recipe.train, rec))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return Run(recipe=recipe, acc=acc, run_dir=run_dir, split=split, model=model, optimizer=optimizer, data=data,
                tokenizer=tokenizer, recovery=rec, schedule=schedule, callbacks=tuple(callbacks),
-               from_recipe=from_recipe, flat=flat(recipe), trainable=[p for _, p in trainable],
+               from_recipe=from_recipe, flat=dotted_settings(recipe), trainable=[p for _, p in trainable],
                base=[p for n, p in trainable if not is_patch_parameter(n)], result=TrainResult(run_dir, 0),
                window=LogWindow(torch.zeros((), dtype=torch.float64, device=acc.device)),
                divergence=Divergence(torch.zeros((), dtype=torch.long, device=acc.device)),
@@ -212,15 +212,15 @@ def _resume(run: Run) -> list[float] | None:
     return meta.get("knob")
 
 
-def _start_schedule(run: Run, saved_knob: list[float] | None) -> None:
+def _start_schedule(run: Run, saved_value: list[float] | None) -> None:
     """The knob is a function of the step alone: set it for the first step; a resumed run must find the one
     its checkpoint saved."""
     if run.schedule is None:
         return
     start = run.result.steps
     knob = apply_schedule(run.model, run.schedule, start)
-    if saved_knob is not None and knob != saved_knob:
-        raise RetrofitError(f"the checkpoint's schedule knob {saved_knob} differs from step {start}'s; resume "
+    if saved_value is not None and knob != saved_value:
+        raise RetrofitError(f"the checkpoint's schedule knob {saved_value} differs from step {start}'s; resume "
                             "with the recipe it was trained with")
 
 
@@ -234,7 +234,7 @@ def _open_run(run: Run) -> None:
     # the engine as JSON text: TensorBoard's hparams take scalars only (log.jsonl reads it back as a mapping)
     acc.init_trackers(recipe.output.project, config={ENGINE_KEY: json.dumps(run.engine.as_dict()), **config})
     acc.print(run.engine.line())
-    acc.print(f"{build.describe(run.model)} | {acc.num_processes} process(es) on {acc.device}, precision "
+    acc.print(f"{run_setup.describe(run.model)} | {acc.num_processes} process(es) on {acc.device}, precision "
               f"{acc.mixed_precision} | {t.batch_size * recipe.data.seq_len} tokens/step, accumulation "
               f"{run.split.accum} | steps {run.result.steps}->{t.steps} | run {run.run_dir}")
 
@@ -319,7 +319,7 @@ def _save_checkpoint(run: Run, done: int) -> None:
     _check_finite(run, done, weights=True)
     acc = run.acc
     window = {"loss": float(acc.reduce(run.window.loss.clone(), "sum")), "items": run.window.items}
-    knob = knob_values(run.model) if run.schedule is not None else None
+    knob = scheduled_values(run.model) if run.schedule is not None else None
     path = checkpoint.save_checkpoint(acc, run.run_dir, done, run.data.state_dict(), run.flat, run.recipe.output.keep,
                                       window=window, knob=knob, sharded=_sharded(run))
     run.notify("checkpoint", done, path=path)
@@ -342,11 +342,11 @@ def _finish(run: Run) -> TrainResult:
     acc, result = run.acc, run.result
     _check_finite(run, result.steps, weights=True)
     if run.schedule is not None:
-        record_knob(run.model)
+        record_schedule(run.model)
     run.notify("end", result.steps, model=acc.unwrap_model(run.model))
     result.model = save_final(acc, run.model, run.run_dir, run.tokenizer, run.recipe, result, run.from_recipe,
                               ran=run.engine)
-    build.end_processes(acc)
+    run_setup.end_processes(acc)
     return result
 
 

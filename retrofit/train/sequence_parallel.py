@@ -47,9 +47,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..attention_seam import attention_modules, eager_attention_of
 from ..errors import RetrofitError
 from ..norms.base import CHILD, SINK_KWARGS
-from ..patch import attention_modules, eager_attention_of
 
 NAME = "retrofit_ulysses"     # the attention implementation while a model runs sharded (retrofit's all-to-all)
 ALST_NAME = "retrofit_alst"   # ... under DeepSpeed: ALST's all-to-all around alst_attention

@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from ..recovery import apply_schedule
-from . import build, fsdp
+from . import fsdp, run_setup, schedules
 from .losses import items, loss_sum, recovery_loss_sum
 from .sequence_parallel import shard, sharded
 from .state import Run, StepStats
@@ -24,11 +24,11 @@ def train_step(run: Run, step: int) -> StepStats:
     """Update `step` (0-based) on the step's global batch (see the module docstring); the log window and the
     divergence flag take its loss and gradient norm."""
     recipe = run.recipe
-    length = build.seq_len_at(step, recipe)
+    length = schedules.seq_len_at(step, recipe)
     rows = recipe.train.batch_size * recipe.data.seq_len // length  # global rows at this length
     batch = run.data.batch(step, rows, length)                         # the global batch, identical on every process
     n_items = items(batch, recipe.data.task)
-    rates = build.group_lrs(step, recipe.train, run.recovery)
+    rates = schedules.group_lrs(step, recipe.train, run.recovery)
     for group in run.optimizer.param_groups:
         group["lr"] = rates[group.get("name", "decay")]
     for part, last in _micro_batches(run, batch, rows):
@@ -59,7 +59,7 @@ def _backward(run: Run, part: dict, step: int, n_items: int, last: bool) -> torc
     loss sum, detached, in float64."""
     acc, model, t = run.acc, run.model, run.recipe.train
     sync = contextlib.nullcontext() if last else acc.no_sync(model)
-    with sync, sharded(model, run.split.layout), build.activation_offload(t.activation_offload, acc.device):
+    with sync, sharded(model, run.split.layout), run_setup.activation_offload(t.activation_offload, acc.device):
         loss = _loss_sum(run, part, step)
         acc.backward(loss * (acc.num_processes / n_items))  # DDP averages over processes: world/n is the global mean
     return loss.detach().double()

@@ -12,7 +12,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 import retrofit
 from retrofit.errors import RetrofitError
 from retrofit.integrations.trainer import RetrofitCallback
-from retrofit.recovery.schedule import knob_at, knob_values, position_at
+from retrofit.recovery.schedule import position_at, scheduled_value_at, scheduled_values
 from tests.tiny import char_tokenizer, random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -27,7 +27,7 @@ class KnobProbe(TrainerCallback):
         self.knobs = {}
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
-        self.knobs[state.global_step] = knob_values(model)
+        self.knobs[state.global_step] = scheduled_values(model)
 
 
 def _rows(n=16, length=24) -> Dataset:
@@ -49,7 +49,7 @@ def test_the_knob_follows_the_schedule_step_by_step_in_a_trainer_run(tmp_path):
     trainer = Trainer(model=model, args=_args(tmp_path, 6, gradient_accumulation_steps=2), train_dataset=_rows(),
                       callbacks=[RetrofitCallback(schedule=schedule), probe])
     trainer.train()
-    expected = {step: knob_at(position_at(step, 4), 1.0, 2.0, "cosine") for step in range(6)}
+    expected = {step: scheduled_value_at(position_at(step, 4), 1.0, 2.0, "cosine") for step in range(6)}
     assert {s: v[0] for s, v in probe.knobs.items()} == pytest.approx(expected)
     assert all(len(set(v)) == 1 for v in probe.knobs.values())  # every layer at the same knob
     assert expected[1] != expected[0] != expected[4]  # it moved, and ended at the norm's own p

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import retrofit
-from retrofit.calibrate import fit_exponents
+from retrofit.calibration import fit_exponents
 from retrofit.norms.avnorm import AVNorm
-from retrofit.recovery.schedule import is_patch_parameter, set_knob_position
+from retrofit.recovery.schedule import is_patch_parameter, set_schedule_position
 from tests.tiny import TINY, random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -202,7 +202,7 @@ def test_bad_options(options, match):
 def test_a_floor_schedule_is_refused():
     _, model = patched("llama", calibrate=False)
     with pytest.raises(retrofit.RetrofitError, match="recovery.schedule.start 8: avnorm mode=beyond takes no floor"):
-        set_knob_position(model, 0.0)
+        set_schedule_position(model, 0.0)
 
 
 def test_a_recipe_calibrates_and_trains_the_exponents_and_the_run_reloads_as_trained(tmp_path):
@@ -240,7 +240,7 @@ def test_a_recipe_calibrates_and_trains_the_exponents_and_the_run_reloads_as_tra
 def test_text_calibration_rows_reach_L_for_the_exponent_and_stay_512_for_gains():
     """`retrofit patch --calibration-text` and eval variants: the exponent's fit spans n in [N // 16, N] of the
     longest row, so rows are L long (here 1024 > 512); a gain is a mean over tokens, 512-token rows as before."""
-    from retrofit.calibrate import text_rows
+    from retrofit.calibration import text_rows
     ids = torch.arange(3000) % 50 + 3
     _, beyond = patched("llama", calibrate=False, ref_len=1024)
     assert [r.shape for r in text_rows(beyond, ids)] == [(1, 1024), (1, 1024), (1, 952)]

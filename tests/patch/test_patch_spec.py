@@ -54,7 +54,7 @@ def test_patch_takes_a_spec_alone():
     assert not retrofit.is_patched(model)
 
 
-@pytest.mark.parametrize("spelling, fields, message", [
+@pytest.mark.parametrize("names, fields, message", [
     (None, dict(rope="yarn:4", nope=True),
      "rope and nope together make no sense: nope removes the rotary embedding; choose one"),
     (CLI, dict(rope="yarn:4", nope=True),
@@ -71,10 +71,10 @@ def test_patch_takes_a_spec_alone():
     (None, dict(norm="avnrm"), "unknown norm 'avnrm' (did you mean 'avnorm'?)"),
     (None, dict(options={"kinf": "rms"}), "norm 'avnorm' has no option 'kinf'"),
 ])
-def test_each_rule_is_one_line_in_the_words_of_where_it_was_written(spelling, fields, message):
+def test_each_rule_is_one_line_in_the_words_of_where_it_was_written(names, fields, message):
     fields = {"norm": "avnorm", **fields}
     with pytest.raises(RetrofitError) as err:
-        PatchSpec(**fields, **({"spelling": spelling} if spelling else {}))
+        PatchSpec(**fields, **({"names": names} if names else {}))
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
@@ -113,7 +113,7 @@ def test_every_entry_point_builds_the_same_spec(tmp_path):
     add_arguments(parser)
     args = parser.parse_args(["src", "--norm", "softmax1", "--sink", "-1", "--layers", "1-2", "--heads", "0+1"])
     options = {k: v for k, v in vars(args).items() if k in ("sink",) and v is not None}
-    assert PatchSpec(args.norm, options, layers=args.layers, heads=args.heads, spelling=CLI) == wanted
+    assert PatchSpec(args.norm, options, layers=args.layers, heads=args.heads, names=CLI) == wanted
     assert PatchSection(norm="softmax1", options={"sink": -1}, layers="1-2", heads="0+1").spec() == wanted
     [spec] = parse_patches(["softmax1:sink=-1,layers=1-2,heads=0+1"])
     assert spec == wanted
@@ -133,7 +133,7 @@ def test_every_entry_point_builds_the_same_gated_spec():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["src", "--norm", "avnorm", "--kind", "layer", "--layers", "1-2", "--gate", "head:0.5:12"])
-    assert PatchSpec(args.norm, {"kind": args.kind}, layers=args.layers, gate=args.gate, spelling=CLI) == wanted
+    assert PatchSpec(args.norm, {"kind": args.kind}, layers=args.layers, gate=args.gate, names=CLI) == wanted
     assert PatchSection(norm="avnorm", options={"kind": "layer"}, layers="1-2", gate="head:0.5:12").spec() == wanted
     assert parse_patches(["avnorm:kind=layer,layers=1-2,gate=head:0.5:12"]) == [wanted]
     [(_, patch)] = EvalSpec(lengths=[8], patch="avnorm:kind=layer,layers=1-2,gate=head:0.5:12").patches
@@ -172,7 +172,7 @@ def test_the_patch_spec_has_one_home():
     """Only retrofit/patch_spec.py checks the spec's rules and the selection syntax; every other module builds a
     PatchSpec (retrofit.patch itself passes its keywords to PatchSpec.of)."""
     found = [line for path in MODULES.values() if path != HOME
-             for line in home_violations(path.read_text(), _where(path), path == ROOT / "patch.py")]
+             for line in home_violations(path.read_text(), _where(path), path == ROOT / "patching.py")]
     assert found == []
 
 

@@ -10,9 +10,9 @@ import torch
 import yaml
 
 import retrofit
+from retrofit.attention_seam import attention_modules
 from retrofit.errors import RetrofitError
 from retrofit.families import output_projection
-from retrofit.patch import attention_modules
 from retrofit.record import describe_selection
 from retrofit.selection import parse_selection
 from tests.tiny import random_ids, tiny_model

@@ -23,8 +23,9 @@ RANKS = {
     "positions": 3, "lengths": 3,
     "rope": 4, "norms": 4, "gate": 4,
     "patch_spec": 5,  # the one PatchSpec every way of writing a patch builds (tests/patch/test_patch_spec.py)
-    "patch": 6,
-    "calibrate": 7, "costs": 7, "recipe": 7, "recovery": 7,
+    "attention_seam": 5,  # retrofit's attention functions, registered with transformers; what runs in them
+    "patching": 6,  # the public patch / unpatch
+    "calibration": 7, "costs": 7, "recipe": 7, "recovery": 7,
     "load": 8,
     "data": 9, "serve": 9,
     "train": 10, "evaluate": 10, "diagnose": 10,
@@ -68,7 +69,7 @@ def _imports(name: str, path: Path):
 
 
 def _owner(module: str) -> str:
-    """The existing module an import resolves to (retrofit.load.runs.load -> retrofit.load.runs)."""
+    """The existing module an import resolves to (retrofit.load.loader.load -> retrofit.load.loader)."""
     while module not in MODULES:
         module = module.rpartition(".")[0]
     return module
@@ -155,7 +156,7 @@ def test_no_module_over_400_lines():
 
 @pytest.mark.parametrize("bad, message", [
     ("from ..train import train\n", "imports retrofit.train"),
-    ("from .patch import _private\n", "imports ['_private']"),
+    ("from .patching import _private\n", "imports ['_private']"),
 ])
 def test_the_checks_catch_what_they_are_for(bad, message, tmp_path, monkeypatch):
     """A planted upward import in evaluate and a private import are reported (the checks are not vacuous)."""
@@ -230,10 +231,7 @@ def test_the_parameter_check_catches_a_wide_function():
 # functions inside their parent. A longer function is several steps: split it into functions that name them.
 MAX_FUNCTION_LINES = 60
 # "path:name" -> the reason it stays long. Keep it empty: an entry is a debt with its reason, not a permission.
-LONG_FUNCTIONS: dict[str, str] = {
-    "retrofit/patch.py:patch": "63 lines; the PatchSpec rework is rewriting it and patch.py is at 398 of 400 lines, "
-                               "so it is split after that lands, with room made in the module",
-}
+LONG_FUNCTIONS: dict[str, str] = {}
 
 
 def body_lines(fn: ast.FunctionDef) -> int:

@@ -8,7 +8,7 @@ import time
 import pytest
 import yaml
 
-from retrofit.errors import RetrofitError, shown
+from retrofit.errors import RetrofitError, quoted
 from retrofit.experiment import driver as experiment
 from retrofit.readers import MAX_VALUES, load_yaml
 from retrofit.recipe import load_recipe, recipe_from_dict
@@ -113,10 +113,10 @@ def test_a_recipe_key_given_twice_is_refused(tmp_path):
 def test_values_echoed_in_errors_are_cut():
     huge = list(range(10**6))
     start = time.perf_counter()
-    text = shown(huge)
+    text = quoted(huge)
     assert time.perf_counter() - start < 0.1 and text == "[0, 1, 2, 3, 4, 5, 6, 7, ...]"
-    assert len(shown("x" * 10**6)) <= 80 and len(shown([huge] * 3)) <= 80
-    assert shown("abc") == "'abc'" and shown(-1) == "-1"
+    assert len(quoted("x" * 10**6)) <= 80 and len(quoted([huge] * 3)) <= 80
+    assert quoted("abc") == "'abc'" and quoted(-1) == "-1"
     with pytest.raises(RetrofitError) as err:
         recipe_from_dict({**counting_recipe("x"), "train": {"steps": huge}})
     assert len(str(err.value)) < 200 and "train.steps must be an integer, got [0, 1, 2" in str(err.value)

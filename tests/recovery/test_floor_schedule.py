@@ -16,8 +16,14 @@ import torch
 import retrofit
 from retrofit.errors import RetrofitError
 from retrofit.recipe import TrainSection, recipe_from_dict
-from retrofit.recovery.schedule import apply_schedule, knob_at, loss_progress, record_knob, set_knob_position
-from retrofit.train import build
+from retrofit.recovery.schedule import (
+    apply_schedule,
+    loss_progress,
+    record_schedule,
+    scheduled_value_at,
+    set_schedule_position,
+)
+from retrofit.train import run_setup
 from tests.tiny import random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -38,7 +44,7 @@ def _floor_cost(f):
 def test_loss_shape_hits_the_endpoints_and_is_monotone():
     costs = [_floor_cost(8 - 7 * s / 8) for s in range(9)]  # the path 8 -> 1, probed at 9 positions
     ts = [i / 200 for i in range(201)]
-    knobs = [knob_at(t, 8.0, 1.0, "loss", costs=costs) for t in ts]
+    knobs = [scheduled_value_at(t, 8.0, 1.0, "loss", costs=costs) for t in ts]
     assert knobs[0] == 8.0 and knobs[-1] == 1.0  # exactly the requested endpoints
     assert all(b <= a for a, b in zip(knobs, knobs[1:]))  # the floor only falls
     assert knobs[100] < 8.0 - 0.5 * 7  # half the cost is reached past the path's midpoint (cost rises near 1)
@@ -84,7 +90,7 @@ def test_a_floor_ending_at_1_is_recorded_and_reloads_as_trained(tmp_path):
     spec = recipe.section("recovery").schedule
     seen = [apply_schedule(model, spec, step)[0] for step in range(6)]
     assert seen[0] == 8.0 and seen[4:] == [1.0, 1.0] and all(b <= a for a, b in zip(seen, seen[1:]))
-    record_knob(model)
+    record_schedule(model)
     assert model.config.retrofit["options"]["floor"] == 1.0
     floored = tiny_model("llama")
     retrofit.patch(floored, "avnorm", floor=1.0)
@@ -99,14 +105,14 @@ def test_a_floor_ending_at_1_is_recorded_and_reloads_as_trained(tmp_path):
 
 
 def test_the_probe_gives_costs_a_loss_schedule_takes():
-    from retrofit.recovery import knob_losses
+    from retrofit.recovery import schedule_losses
     model = tiny_model("llama")
     retrofit.patch(model, "avnorm")
     retrofit.calibrate(model, [random_ids(2, 24, seed=3)])
-    rows = knob_losses(model, random_ids(1, 32), [0, 0.25, 0.5, 0.75, 1], end=2.0)
+    rows = schedule_losses(model, random_ids(1, 32), [0, 0.25, 0.5, 0.75, 1], end=2.0)
     assert [r[1] for r in rows] == [8.0, 6.5, 5.0, 3.5, 2.0] and model.model.layers[0].self_attn.retrofit.floor == 2.0
     costs = [r[2] for r in rows]
-    values = [set_knob_position(model, t / 8, end=2.0, shape="loss", costs=costs)[0] for t in range(9)]
+    values = [set_schedule_position(model, t / 8, end=2.0, shape="loss", costs=costs)[0] for t in range(9)]
     assert values[0] == 8.0 and values[-1] == 2.0 and all(b <= a for a, b in zip(values, values[1:]))
 
 
@@ -124,9 +130,9 @@ def test_an_endpoint_its_norm_refuses_is_one_line_before_training(schedule, mess
     bad = dataclasses.replace(good.section("recovery").schedule, start=schedule.get("start"), end=schedule.get("end"))
     good.section("recovery").schedule = bad  # past the recipe's check: the training setup refuses it too
     with pytest.raises(RetrofitError, match=message):
-        build.check_recovery(model, good)
+        run_setup.check_recovery(model, good)
     with pytest.raises(RetrofitError, match=message):
-        set_knob_position(model, 0.5, start=schedule.get("start"), end=schedule.get("end"))
+        set_schedule_position(model, 0.5, start=schedule.get("start"), end=schedule.get("end"))
 
 
 @pytest.mark.parametrize("schedule, message", [
@@ -179,14 +185,14 @@ def _run_raw(tmp_path, out):
 
 
 def test_a_run_measures_the_costs_itself_and_ends_at_floor_1(tmp_path, capsys):
-    from retrofit.recovery import knob_values
+    from retrofit.recovery import scheduled_values
     from retrofit.train import train
     raw = _run_raw(tmp_path, tmp_path / "run")
     floors = {}
 
     def watch(event, step, info):
         if event == "eval":
-            floors[step] = knob_values(info["model"])[0]
+            floors[step] = scheduled_values(info["model"])[0]
 
     result = train(recipe_from_dict(raw), callbacks=[watch])
     line = re.search(r"recovery.schedule.costs measured \(zero-shot, first training block\): \[(.*)\]",
@@ -194,7 +200,7 @@ def test_a_run_measures_the_costs_itself_and_ends_at_floor_1(tmp_path, capsys):
     costs = [float(c) for c in line.group(1).split(", ")]
     assert len(costs) == 9 and max(costs) > costs[0]  # the path 8 -> 1 costs loss (barely: an untrained model)
     assert floors[0] == 8.0 and floors[4] == floors[5] == 1.0
-    assert [floors[s] for s in range(4)] == [knob_at(s / 4, 8.0, 1.0, "loss", costs=costs) for s in range(4)]
+    assert [floors[s] for s in range(4)] == [scheduled_value_at(s / 4, 8.0, 1.0, "loss", costs=costs) for s in range(4)]
     assert all(floors[s + 1] <= floors[s] for s in range(5))
     assert result.model.config.retrofit["options"]["floor"] == 1.0
 
@@ -204,7 +210,7 @@ def test_a_loss_schedule_without_costs_on_a_task_without_next_token_loss_is_refu
     retrofit.patch(model, "avnorm")
     with pytest.raises(RetrofitError, match=r"shape loss without costs measures next-token losses, but data.task is "
                                             r"counting: give recovery.schedule.costs"):
-        build.check_recovery(model, _recipe({"steps": 5, "shape": "loss"}))
+        run_setup.check_recovery(model, _recipe({"steps": 5, "shape": "loss"}))
 
 
 def test_an_interrupted_loss_shaped_run_resumes_bitwise(tmp_path):

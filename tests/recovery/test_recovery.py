@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import retrofit
-from retrofit.calibrate import calibrate
+from retrofit.calibration import calibrate
 from retrofit.errors import RetrofitError
 from retrofit.load import load
 from retrofit.recipe import RecoverySection, TrainSection, recipe_from_dict
@@ -21,15 +21,15 @@ from retrofit.recovery import (
     head_spread,
     is_patch_parameter,
     kl_and_ce_sum,
-    knob_losses,
     match_sum,
     patch_bypassed,
-    record_knob,
-    set_knob_position,
+    record_schedule,
+    schedule_losses,
+    set_schedule_position,
 )
 from retrofit.recovery.distill import kl_per_position
-from retrofit.recovery.schedule import knob_at, position_at
-from retrofit.train import build, train
+from retrofit.recovery.schedule import position_at, scheduled_value_at
+from retrofit.train import run_setup, schedules, train
 from tests.tiny import random_ids, tiny_model
 from tests.train.test_checkpoints import counting_recipe
 
@@ -72,11 +72,11 @@ def test_schedule_end_is_the_plain_norm_bitwise_and_start_is_the_original(norm, 
     retrofit.patch(scheduled, norm, **options)
     _calibrated(plain, norm)
     _calibrated(scheduled, norm)
-    set_knob_position(scheduled, 0.0, start=start)
+    set_schedule_position(scheduled, 0.0, start=start)
     at_start = _logits(scheduled, ids)
-    set_knob_position(scheduled, 0.9, start=start)
+    set_schedule_position(scheduled, 0.9, start=start)
     midway = _logits(scheduled, ids)
-    set_knob_position(scheduled, 1.0, start=start)
+    set_schedule_position(scheduled, 1.0, start=start)
     assert torch.equal(_logits(scheduled, ids), _logits(plain, ids))  # the end: the plain patch, bitwise
     assert (at_start - original).abs().max() <= 1e-6                    # the start: the original model
     assert not torch.equal(midway, at_start) and not torch.equal(midway, _logits(plain, ids))
@@ -89,19 +89,20 @@ def test_learned_sink_started_very_negative_is_the_original_model():
     retrofit.patch(model, "softmax1", learnable=True, sink=-30.0)
     assert (_logits(model, ids) - original).abs().max() <= 1e-6
     with pytest.raises(RetrofitError, match="learns its sink"):
-        set_knob_position(model, 0.0)
+        set_schedule_position(model, 0.0)
 
 
 def test_schedule_shapes_and_layer_by_layer():
-    assert knob_at(0.0, 8.0, 0.0) == 8.0 and knob_at(0.5, 8.0, 0.0) == 4.0 and knob_at(1.0, 8.0, 0.3) == 0.3
-    assert knob_at(0.25, 8.0, 0.0, "cosine") == pytest.approx(8.0 - 8.0 * (1 - 2 ** -0.5) / 2)
+    assert scheduled_value_at(0.0, 8.0, 0.0) == 8.0 and scheduled_value_at(0.5, 8.0, 0.0) == 4.0
+    assert scheduled_value_at(1.0, 8.0, 0.3) == 0.3
+    assert scheduled_value_at(0.25, 8.0, 0.0, "cosine") == pytest.approx(8.0 - 8.0 * (1 - 2 ** -0.5) / 2)
     # two layers: the first moves over [0, 0.5], the second over [0.5, 1]
-    assert [knob_at(0.25, 1.0, 2.0, layer=i, layers=2, by_layer=True) for i in range(2)] == [1.5, 1.0]
-    assert [knob_at(0.75, 1.0, 2.0, layer=i, layers=2, by_layer=True) for i in range(2)] == [2.0, 1.5]
+    assert [scheduled_value_at(0.25, 1.0, 2.0, layer=i, layers=2, by_layer=True) for i in range(2)] == [1.5, 1.0]
+    assert [scheduled_value_at(0.75, 1.0, 2.0, layer=i, layers=2, by_layer=True) for i in range(2)] == [2.0, 1.5]
     assert position_at(0, 4) == 0.0 and position_at(2, 4) == 0.5 and position_at(9, 4) == 1.0
     model = tiny_model("llama")
     retrofit.patch(model, "psoftmax", p=2.0)
-    assert set_knob_position(model, 0.25, by_layer=True) == [1.5, 1.0]
+    assert set_schedule_position(model, 0.25, by_layer=True) == [1.5, 1.0]
 
 
 def test_psoftmax_gain_is_calibrated_to_the_original_scale():
@@ -230,16 +231,16 @@ def test_the_optimizer_holds_the_recipes_rates():
     retrofit.patch(model, "avnorm")
     train = TrainSection(lr=1e-4, warmup_steps=10, steps=100)
     rec = RecoverySection(patch_lr=3e-2, patch_warmup_steps=2)
-    opt = build.make_optimizer(model, train, rec)
+    opt = run_setup.make_optimizer(model, train, rec)
     names = {g["name"]: g for g in opt.param_groups}
     assert set(names) == {"decay", "no_decay", "patch"}
     assert len(names["patch"]["params"]) == 2 and names["patch"]["weight_decay"] == 0.0  # 2 layers' gains
-    rates = build.group_lrs(5, train, rec)
+    rates = schedules.group_lrs(5, train, rec)
     assert rates["decay"] == pytest.approx(1e-4 * 6 / 10)  # warming up over 10 steps
     cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 98))  # patch: warm after 2, 3 of 98 steps into the decay
     assert rates["patch"] == pytest.approx(3e-2 * cosine)
-    assert build.group_lrs(0, train, rec)["patch"] == pytest.approx(3e-2 / 2)
-    build.freeze_base(model)
+    assert schedules.group_lrs(0, train, rec)["patch"] == pytest.approx(3e-2 / 2)
+    run_setup.freeze_base(model)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {
         f"model.layers.{i}.self_attn.retrofit.gain" for i in range(2)}
 
@@ -249,7 +250,7 @@ def test_probes_loss_along_the_schedule_and_head_spread():
     model = tiny_model("llama")
     original = float(model(input_ids=ids, labels=ids).loss)
     retrofit.patch(model, "avnorm")
-    rows = knob_losses(model, ids, [0.0, 0.5, 1.0], start=1e5)
+    rows = schedule_losses(model, ids, [0.0, 0.5, 1.0], start=1e5)
     assert [r[:2] for r in rows] == [(0.0, 1e5), (0.5, 5e4), (1.0, 0.0)]
     assert rows[0][2] == pytest.approx(original, abs=1e-5)
     assert model.model.layers[0].self_attn.retrofit.floor == 0.0  # left at the end
@@ -291,13 +292,13 @@ def test_a_schedule_on_a_norm_without_a_knob_and_a_teacher_on_no_patch_are_one_l
     retrofit.patch(model, "softmax")
     with pytest.raises(RetrofitError, match=r"norm 'softmax' has no knob a schedule can move; norms with one: "
                                             r"avnorm \(floor\), psoftmax \(p\)"):
-        set_knob_position(model, 0.0)
+        set_schedule_position(model, 0.0)
     recipe = _recipe({"schedule": {"steps": 5}}, patch={"norm": "softmax"})
     with pytest.raises(RetrofitError, match="has no knob"):
-        build.check_recovery(model, dataclasses.replace(recipe, train=TrainSection(steps=10)))
+        run_setup.check_recovery(model, dataclasses.replace(recipe, train=TrainSection(steps=10)))
     recipe = _recipe({"kl_weight": 1.0}, patch={"norm": None})
     with pytest.raises(RetrofitError, match="the recovery section needs a patch"):
-        build.check_recovery(tiny_model("llama"), recipe)
+        run_setup.check_recovery(tiny_model("llama"), recipe)
     with pytest.raises(RetrofitError, match="avnorm floor applies to kind=rms only"):
         retrofit.patch(tiny_model("llama"), "avnorm", kind="layer", floor=1.0)
 
@@ -319,10 +320,10 @@ def test_a_psoftmax_gain_schedule_ending_elsewhere_reloads_to_the_trained_model(
     """The knob at the schedule's end `end` != the patch's p=2: the trained forward uses g^((end-1)/(p-1)). Before,
     config.retrofit recorded p=end and a reload applied the full g (logits off by ~0.07); now it is bitwise."""
     model = _psoftmax_model(2.0, 1.0)
-    set_knob_position(model, 1.0, end=end)
+    set_schedule_position(model, 1.0, end=end)
     with torch.no_grad():
         trained = model(input_ids=IDS).logits
-    record_knob(model)
+    record_schedule(model)
     with torch.no_grad():
         assert torch.equal(model(input_ids=IDS).logits, trained)  # settling changes nothing in memory
     assert model.config.retrofit["options"]["p"] == end
@@ -347,14 +348,14 @@ def test_psoftmax_p1_with_a_gain_refuses_a_moving_knob_in_one_line():
     model = _psoftmax_model(1.0, 1.0)
     with pytest.raises(RetrofitError, match=r"^psoftmax p=1 with a gain cannot move its p to 1.5: .*undefined at "
                                             r"p = 1; set patch.p > 1") as err:
-        set_knob_position(model, 0.5, start=2.0)
+        set_schedule_position(model, 0.5, start=2.0)
     assert "\n" not in str(err.value)
-    set_knob_position(model, 1.0)  # start 1 -> end 1: nothing moves, nothing divides
+    set_schedule_position(model, 1.0)  # start 1 -> end 1: nothing moves, nothing divides
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=IDS).logits).all()
     plain = tiny_model("llama").eval()
     retrofit.patch(plain, "psoftmax", p=1.0)  # without a gain, p = 1 schedules like any p
-    assert set_knob_position(plain, 0.5, start=2.0) == [1.5, 1.5]
+    assert set_schedule_position(plain, 0.5, start=2.0) == [1.5, 1.5]
 
 
 def test_kl_with_a_teacher_that_rules_a_token_out_is_finite_and_exact():

@@ -234,7 +234,7 @@ def test_raising_train_steps_extends_a_run_from_its_newest_checkpoint(tmp_path, 
     checkpoint (a run that writes checkpoints writes one after its last step too), with the data position and
     optimizer it saved; from there the learning rate follows the new total's schedule. Lowering train.steps, or any
     other change, is still refused."""
-    from retrofit.train.build import lr_at
+    from retrofit.train.schedules import lr_at
     raw = counting_recipe(tmp_path / "run", steps=6, save_every=4)
     first = train(recipe_from_dict(raw))
     assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path / "run")] == [4, 6]

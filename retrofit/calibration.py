@@ -24,10 +24,10 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from .attention_seam import check_unsharded
 from .errors import RetrofitError
 from .norms import Norm, calibrated_norm_hints
 from .norms.avnorm import EXPONENT_RANGE
-from .patch import check_unsharded
 from .record import read_record, write_record
 
 

@@ -20,12 +20,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..atomic import atomic_write_text, check_output, output_folder
-from ..calibrate import calibrate
+from ..calibration import calibrate
 from ..data.read import read_tokens
 from ..errors import RetrofitError, check_utf8
 from ..load import load, load_tokenizer
 from ..norms import get_norm
-from ..patch import patch, patch_record
+from ..patching import patch, patch_record
 from ..positions import position_limit
 from .collect import Plan, diagnose_model
 from .figures import write_report

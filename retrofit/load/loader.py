@@ -21,7 +21,7 @@ Both take transformers' loading arguments and forward them to every transformers
 cache_dir, local_files_only, attn_implementation, device_map, dtype ("auto", the default: as saved), and any
 other keyword of `AutoModelForCausalLM.from_pretrained` (low_cpu_mem_usage, max_memory, offload_folder,
 use_safetensors, variant, ...) to the model's loading; `torch_dtype` is the deprecated name of dtype.
-trust_remote_code is always False (issue 26): True is refused in one line.
+trust_remote_code is always False: True is refused in one line.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..attention_seam import attention_modules
 from ..errors import RetrofitError
 from ..families import mlp_output_projections, output_projection
-from ..patch import attention_modules, is_patched, patch, patch_record, unpatch
+from ..patching import is_patched, patch, patch_record, unpatch
 from ..readers import read_json
 from ..recipe import PatchSection, Recipe, load_recipe
 from ..rope import normalize_rope

@@ -1,4 +1,4 @@
-"""Patch a Hugging Face causal LM's attention through transformers' own seam.
+"""The public patching API: attach a norm to a Hugging Face causal LM's attention, and take it off again.
 
     import retrofit
     report = retrofit.patch(model, "avnorm", kind="rms")   # a PatchReport: print(report) shows what was patched
@@ -6,32 +6,23 @@
     retrofit.unpatch(model)                                  # exactly the original model again
     retrofit.patch(model, PatchSpec.parse("avnorm:layers=16-29"))  # one value for the patch (patch_spec.py)
 
-How: transformers calls
-`ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)(module, q, k, v, mask, ...)`.
-We register two attention functions — `retrofit` (wrapping sdpa) and `retrofit_eager` (wrapping the
-model's eager function) — each with the matching mask function under the same name (without it
-transformers passes no mask at all: padding and KV-cache masks would be silently lost). The function
-dispatches to the norm module attached to each attention module as its `retrofit` child; a module
-without one runs the wrapped kernel unchanged, so a config object shared with an unpatched model
-cannot change that model. No class is rewritten or reassigned. The patch is recorded as plain JSON in
-`config.retrofit`, which `retrofit.from_pretrained` reads to rebuild it. `rope=` sets transformers' own
-`config.rope_parameters` and rebuilds the rotary module(s), keeping the originals aside (rope.py).
+`patch` checks the model, attaches one norm module per selected attention module as its `retrofit` child and
+switches a kernel norm's model to one of the attention functions attention_seam.py registers with transformers
+(an output norm hooks the output projection instead). No class is rewritten or reassigned. The patch is recorded
+as plain JSON in `config.retrofit`, which `retrofit.from_pretrained` reads to rebuild it. `rope=` sets
+transformers' own `config.rope_parameters` and rebuilds the rotary module(s), keeping the originals aside (rope.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import sys
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from torch import nn
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from .attention_seam import BASE_OF, IMPLEMENTATIONS, attention_modules
 from .errors import RetrofitError
 from .families import (
     FAMILIES,
@@ -41,7 +32,7 @@ from .families import (
     output_projection,
     position_query_scaling,
 )
-from .gate import GATE_INPUT, OutputGate, describe_gate, drop_gate_hook, gated, pass_gate_input
+from .gate import OutputGate, describe_gate, drop_gate_hook, pass_gate_input
 from .norms import AttentionShape, get_norm
 from .norms.base import CHILD, drop_output_hooks
 from .patch_spec import PatchSpec
@@ -58,68 +49,6 @@ from .record import (
 )
 from .rope import apply_rope, describe_rope, plan_rope, reset_to_original, restore_rope
 from .selection import select
-
-# While `observe` is active, each observed attention module holds its observer under this attribute (removed on
-# exit): the model carries its own observers, so two models (or threads on two models) never see each other's.
-OBSERVER = "_retrofit_observer"
-
-
-def eager_attention_of(module: nn.Module):
-    """The model file's own eager attention function (GQA repeat, soft-capping etc. live there)."""
-    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if fn is None:
-        raise RetrofitError(f"{type(module).__name__} has no eager_attention_forward; load it with sdpa")
-    return fn
-
-
-def _dispatch(base, module, query, key, value, attention_mask, **kwargs):
-    gate_input = kwargs.pop(GATE_INPUT, None)  # a gated module's input (retrofit.gate.pass_gate_input)
-    observer = module.__dict__.get(OBSERVER)
-    norm = module._modules.get(CHILD)
-    if observer is not None:
-        observer(module, query, key, value, attention_mask, kwargs.get("scaling"), norm)
-    if norm is None or norm.acts_on_output and getattr(norm, "gate", None) is None:  # AVNorm: at the projection
-        return base(module, query, key, value, attention_mask, **kwargs)
-    if norm.acts_on_output:  # gated: the heads' outputs normalized here, before the gate
-        out, weights = base(module, query, key, value, attention_mask, **kwargs)
-        out = norm.keep_unselected(norm(out), out)
-    elif getattr(norm, "head_mask", None) is not None:  # heads=: the unselected heads are the wrapped kernel's, bitwise
-        out, _ = norm(module, query, key, value, attention_mask, base=base, **kwargs)
-        original, weights = base(module, query, key, value, attention_mask, **kwargs)
-        out, weights = norm.keep_unselected(out, original), None
-    else:
-        out, weights = norm(module, query, key, value, attention_mask, base=base, **kwargs)
-    return gated(norm, out, gate_input), weights
-
-
-def retrofit_attention(module, query, key, value, attention_mask, **kwargs):
-    return _dispatch(sdpa_attention_forward, module, query, key, value, attention_mask, **kwargs)
-
-
-def retrofit_eager_attention(module, query, key, value, attention_mask, **kwargs):
-    return _dispatch(eager_attention_of(module), module, query, key, value, attention_mask, **kwargs)
-
-
-# Base implementation -> (our registered name, attention function, mask function of the base).
-# Names avoid "sdpa"/"flex_attention", which trigger transformers' own compatibility checks.
-IMPLEMENTATIONS = {
-    "sdpa": ("retrofit", retrofit_attention, sdpa_mask),
-    "eager": ("retrofit_eager", retrofit_eager_attention, eager_mask),
-}
-BASE_OF = {name: base for base, (name, _, _) in IMPLEMENTATIONS.items()}
-for _name, _fn, _mask in IMPLEMENTATIONS.values():
-    AttentionInterface.register(_name, _fn)
-    AttentionMaskInterface.register(_name, _mask)
-
-
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The self-attention modules a patch targets, by the family table or, failing that, by shape."""
-    family = family_of(model.config)
-    if family is not None:
-        return [(n, m) for n, m in model.named_modules() if type(m).__name__ == family.attention]
-    # Generic: self-attention modules as transformers writes them (a layer index and the config).
-    return [(n, m) for n, m in model.named_modules()
-            if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx") and hasattr(m, "config")]
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -242,6 +171,44 @@ def _check_query_scaling(norm: str, norm_cls, opts, config) -> str | None:
     return f"{norm} stacked on the model's own {already}"
 
 
+def _attach(modules, norm_cls, opts, gate, heads, config, positions: int | None) -> int:
+    """One norm module (with its gate) as each selected attention module's `retrofit` child; returns the parameters
+    added. heads: the selected query heads (None: all); positions: the model's max positions before a rope
+    extension."""
+    params_added = 0
+    for _, module in modules:
+        ref = next(module.parameters(), None)
+        shape = _shape(module, config, positions)
+        child = norm_cls(opts, shape)
+        child.select_heads(heads)
+        if gate is not None:  # in the norm module: saved, reloaded, trained and unpatched with it
+            child.add_module("gate", OutputGate(gate, shape.num_heads, shape.head_dim, config.hidden_size))
+            module.register_forward_pre_hook(pass_gate_input, with_kwargs=True)
+        if ref is not None:
+            child.to(device=ref.device, dtype=ref.dtype)
+        module.add_module(CHILD, child)
+        if child.acts_on_output and gate is None:
+            if output_projection(module) is None:
+                raise RetrofitError(f"{type(module).__name__} has no output projection retrofit knows (looked for "
+                                    f"{', '.join(OUTPUT_PROJECTIONS)}); add its name to families.OUTPUT_PROJECTIONS")
+            child.hook_output(module)
+        params_added += sum(p.numel() for p in child.parameters())
+    return params_added
+
+
+def _switch_implementation(model: nn.Module, base: str, wrap: str | None) -> str | None:
+    """A kernel norm: our attention function over the wrapped base, kept across a switch (_guarded_switch); an output
+    norm: the model's own base again. Returns the report's note."""
+    if wrap is not None:  # a kernel norm: our function over the wrapped base; a switch keeps it (_guarded_switch)
+        model.set_attn_implementation(IMPLEMENTATIONS[wrap][0])
+        model.set_attn_implementation = types.MethodType(_guarded_switch, model)
+        if wrap != base:
+            return f"{base} replaced by retrofit's kernels over {wrap} while patched (unpatch restores it)"
+    elif model.config._attn_implementation != base:  # ours, from a shared config object: the model's own base
+        model.set_attn_implementation(base)
+    return None
+
+
 def patch(model: nn.Module, norm: str | PatchSpec | None = None, *, nope: bool = False,
           rope: str | Mapping | None = None, layers: str | Sequence[int] | None = None,
           heads: str | Sequence[int] | None = None, gate: str | Mapping | None = None, **options) -> PatchReport:
@@ -269,34 +236,12 @@ def patch(model: nn.Module, norm: str | PatchSpec | None = None, *, nope: bool =
     notes.append(_check_sinks(norm_cls, opts, config, modules))
     if not nope and layers_without_positions(config):
         notes.append(already_without_positions(config))
-    params_added = 0
-    for _, module in modules:
-        ref = next(module.parameters(), None)
-        shape = _shape(module, config, rope_plan and rope_plan["original_positions"])
-        child = norm_cls(opts, shape)
-        child.select_heads(heads)
-        if gate is not None:  # in the norm module: saved, reloaded, trained and unpatched with it
-            child.add_module("gate", OutputGate(gate, shape.num_heads, shape.head_dim, config.hidden_size))
-            module.register_forward_pre_hook(pass_gate_input, with_kwargs=True)
-        if ref is not None:
-            child.to(device=ref.device, dtype=ref.dtype)
-        module.add_module(CHILD, child)
-        if child.acts_on_output and gate is None:
-            if output_projection(module) is None:
-                raise RetrofitError(f"{type(module).__name__} has no output projection retrofit knows (looked for "
-                                    f"{', '.join(OUTPUT_PROJECTIONS)}); add its name to families.OUTPUT_PROJECTIONS")
-            child.hook_output(module)
-        params_added += sum(p.numel() for p in child.parameters())
+    params_added = _attach(modules, norm_cls, opts, gate, heads, config,
+                           rope_plan and rope_plan["original_positions"])
     positions = remove_positions(model, family_of(config)) if nope else None
     if rope_plan is not None:
         apply_rope(model, rope_plan)
-    if wrap is not None:  # a kernel norm: our function over the wrapped base; a switch keeps it (_guarded_switch)
-        model.set_attn_implementation(IMPLEMENTATIONS[wrap][0])
-        model.set_attn_implementation = types.MethodType(_guarded_switch, model)
-        if wrap != base:
-            notes.append(f"{base} replaced by retrofit's kernels over {wrap} while patched (unpatch restores it)")
-    elif model.config._attn_implementation != base:  # ours, from a shared config object: the model's own base
-        model.set_attn_implementation(base)
+    notes.append(_switch_implementation(model, base, wrap))
     if hasattr(type(model), "push_to_hub"):  # transformers' push: warned in one line (see PushWarning)
         model.push_to_hub = PushWarning(model)
     drop_record(model)  # a fresh record (a stale one may ride in a config loaded from a checkpoint)
@@ -354,43 +299,6 @@ def patch_from_record(model: nn.Module, record: dict) -> PatchReport:
     return report
 
 
-def check_unsharded(modules, what: str) -> None:
-    """Refuse reading or writing patch parameters outside a forward when they are sharded: under DeepSpeed
-    ZeRO-3 a parameter holds an empty local shard (it has `ds_id`), under FSDP2 a DTensor shard."""
-    for module in modules:
-        for name, param in module.named_parameters():
-            if hasattr(param, "ds_id") or type(param).__name__ == "DTensor":
-                raise RetrofitError(f"{what} reads the patch's parameters outside a forward, but they are sharded "
-                                    f"(DeepSpeed ZeRO-3 or FSDP: {name}); {what} before sharding — retrofit train "
-                                    "calibrates before accelerate.prepare — or on the gathered model")
 
-
-@contextlib.contextmanager
-def observe(model: nn.Module, fn: Callable[..., None]) -> Iterator[None]:
-    """While active, every attention call of `model` first calls
-    fn(module, query, key, value, attention_mask, scaling, norm) — query (B, H, Tq, D) after RoPE,
-    key/value (B, Hkv, Tk, D), norm the module's retrofit norm or None — then proceeds unchanged.
-    Works on unpatched models too (their implementation is switched to ours for the duration)."""
-    modules = [m for _, m in attention_modules(model)]
-    if not modules:
-        raise RetrofitError(f"found no attention module to observe in {type(model).__name__}")
-    check_unsharded([m._modules[CHILD] for m in modules if CHILD in m._modules], "observe")
-    switched = None
-    if model.config._attn_implementation not in BASE_OF:
-        switched = model.config._attn_implementation
-        if switched not in IMPLEMENTATIONS:
-            raise RetrofitError(f"cannot observe attention implementation {switched!r}; load with sdpa or eager")
-        model.set_attn_implementation(IMPLEMENTATIONS[switched][0])
-    for m in modules:
-        m.__dict__[OBSERVER] = fn  # plain instance attribute: not a parameter, buffer or child
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.__dict__.pop(OBSERVER, None)
-        if switched is not None:
-            model.set_attn_implementation(switched)
-
-
-__all__ = ["CHILD", "FORMAT", "PatchReport", "PushWarning", "attention_modules", "check_unsharded", "is_patched",
-           "observe", "output_projection", "patch", "patch_from_record", "patch_record", "unpatch"]
+__all__ = ["CHILD", "FORMAT", "PatchReport", "PushWarning", "has_sinks", "is_patched", "patch", "patch_from_record",
+           "patch_record", "unpatch"]

@@ -1,4 +1,5 @@
-"""Setting up a run: the accelerator, the model (loaded or built, patched, calibrated, LoRA), the optimizer.
+"""Setting up a run and ending it: the accelerator, the model (loaded or built, patched, calibrated, LoRA), the
+optimizer; the processes' end. The per-step schedules (learning rate, length) are schedules.py.
 
 Every function here is called by `retrofit.train.train` in this order, and each can be called on its
 own (the experiment driver builds a base once and finetunes several arms from it):
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import time
 from pathlib import Path
@@ -28,14 +28,14 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import InitProcessGroupKwargs
 from torch import nn
 
-from ..calibrate import calibrate
+from ..calibration import calibrate
 from ..errors import RetrofitError, check_token_ids
 from ..load import CountingModel, language_model
 from ..load.validate import quiet_peft
 from ..norms import get_norm
 from ..positions import position_limit
 from ..recipe import PeftSection, Recipe, RecoverySection, TrainSection
-from ..recovery import is_patch_parameter, knob_norms
+from ..recovery import is_patch_parameter, scheduled_norms
 from ..recovery.probe import schedule_costs
 from ..recovery.schedule import endpoints
 from . import engine, zero
@@ -269,7 +269,7 @@ def check_recovery(model: nn.Module, recipe: Recipe) -> None:
         if need_steps > recipe.train.steps:
             raise RetrofitError(f"recovery.schedule.steps ({need_steps}) exceeds train.steps ({recipe.train.steps}): "
                                 "the run would end mid-schedule")
-        norm = knob_norms(language_model(model))[0]  # a norm without a knob: one line naming those that have one
+        norm = scheduled_norms(language_model(model))[0]  # a norm without a knob: one line naming those that have one
         endpoints(norm, rec.schedule.start, rec.schedule.end)  # an end its norm refuses (floor < 0): before training
         if rec.schedule.shape == "loss" and rec.schedule.costs is None and recipe.data.task != "lm":
             raise RetrofitError(f"recovery.schedule.shape loss without costs measures next-token losses, but "
@@ -321,33 +321,6 @@ def make_optimizer(model: nn.Module, train: TrainSection, recovery: RecoverySect
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError, ValueError):  # a device or dtype it does not cover
         return torch.optim.AdamW(groups, **kwargs)
-
-
-def lr_at(step: int, train: TrainSection) -> float:
-    """Learning rate of update `step` (0-based): linear warmup, then cosine to lr * min_lr_ratio."""
-    if step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
-    progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
-    return train.lr * (train.min_lr_ratio
-                       + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def group_lrs(step: int, train: TrainSection, recovery: RecoverySection | None = None) -> dict[str, float]:
-    """Learning rate of each parameter group at update `step`: the patch group on its own peak and warmup."""
-    lr = lr_at(step, train)
-    rates = {"decay": lr, "no_decay": lr, "patch": lr}
-    if recovery is not None and recovery.patch_lr is not None:
-        warmup = train.warmup_steps if recovery.patch_warmup_steps is None else recovery.patch_warmup_steps
-        rates["patch"] = lr_at(step, dataclasses.replace(train, lr=recovery.patch_lr, warmup_steps=warmup))
-    return rates
-
-
-def seq_len_at(step: int, recipe: Recipe) -> int:
-    """Staged length (L2-softmax post): init_len doubling every double_every steps, up to data.seq_len."""
-    train, seq_len = recipe.train, recipe.data.seq_len
-    if train.init_len is None:
-        return seq_len
-    return min(seq_len, train.init_len * 2 ** (step // train.double_every))
 
 
 def describe(model: nn.Module) -> str:

@@ -18,10 +18,13 @@ call in this order (dispatch.py):
   decode           a few query rows (Tq <= 16, KV-cache decoding), any p, any device: the scores of
                    those rows directly, two matmuls and a few elementwise ops (decode.py); except
                    softmax (p = 1) on CPU, which the fused CPU kernel below computes faster.
-  triton_psoftmax  CUDA with Triton importable: one fused flash-style kernel, forward and backward.
+  CUDA             the first of dispatch.CUDA_ORDER[norm] that takes the call: cuda_flash (PyTorch's fused flash
+                   kernel and its LSE, cuda_fused.py) for softmax, SSMax and softmax+1, else triton_psoftmax (Triton
+                   importable: one fused flash-style kernel, forward and backward), which p-softmax tries first.
   cpu_fused        CPU, p = 1 (softmax, ssmax, softmax+1): PyTorch's fused flash kernel + its LSE.
   blockwise        everything else.
-`force_backend(name)` (a context manager; tests and benchmarks) routes the calls inside it to one backend;
+`force_backend(name)` (a context manager; tests and benchmarks) routes the calls inside it to one backend (flex.py
+and cuda_fused.py's efficient and cudnn kernels run only when forced);
 one that cannot compute a call raises ValueError (the fused CPU kernel with p != 1, Triton without CUDA
 or its interpreter). Softmax+1 is softmax with N = logaddexp(LSE, b_h), i.e. out = softmax_out *
 sigmoid(LSE - b_h); its gradient flows to q, k, v and the sink through the same backward (custom_ops.py).

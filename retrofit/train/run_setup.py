@@ -182,7 +182,7 @@ def wrap_task(model: nn.Module, task: str, first_token: bool = False) -> nn.Modu
 
 
 def calibrate_patch(model: nn.Module, data, recipe: Recipe) -> dict | None:
-    """Calibrated per-head gains from the recipe's own data (see retrofit/calibrate.py for why): AVNorm's
+    """Calibrated per-head gains from the recipe's own data (see retrofit/calibration.py for why): AVNorm's
     (patch.calibrate_tokens), p-softmax's when patch.gain is set (recovery.calibrate_tokens)."""
     spec = recipe.patch.spec()
     if spec is None or not get_norm(spec.norm).calibrates(spec.norm_options):

@@ -11,7 +11,9 @@
 4. Report: DIR/report.md with tables and plots, DIR/results.json, and the run folders.
 
 Re-running the same command skips finished stages, so a crash in arm 3 does not redo the base.
-This module only chains train, evaluate and report; it owns no training or evaluation logic.
+This module runs the stages and keeps their books (what is finished, what resumes, whether a saved stage was trained
+with the same settings); what they yield, the evaluation and results.json, is results.py. It owns no training or
+evaluation logic.
 """
 
 from __future__ import annotations
@@ -25,11 +27,8 @@ from pathlib import Path
 
 from ..atomic import atomic_write_text, check_output, output_folder, owned_folder, remove_owned
 from ..errors import RetrofitError, quoted
-from ..evaluate import EvalSpec, evaluate_models
-from ..evaluate.compare import with_comparisons
 from ..evaluate.report import write_report
-from ..load import load, load_config, training_dtype
-from ..positions import learned_position_limit
+from ..load import load, training_dtype
 from ..readers import read_json
 from ..recipe import (
     ArmSection,
@@ -41,13 +40,12 @@ from ..recipe import (
     load_recipe,
     save_recipe,
     seeded_name,
-    to_plain,
 )
 from ..rope import describe_rope
 from ..train import read_log, train
-from .labels import trained_patch
 from .reference import load_reference
-from .report import hardware, write_experiment_report
+from .report import hardware
+from .results import arm_results, evaluate_all, within, write_results
 
 DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo.yaml"
 
@@ -164,7 +162,7 @@ def arm_change(arm_dir: Path, stage: Recipe, out: Path) -> str | None:
     saved_out = Path(str(saved.get("output.dir"))).parent.parent  # DIR/arms/NAME -> DIR, where it was trained
     for values, root in ((saved, saved_out), (current, out)):
         if isinstance(values.get("model.source"), str):
-            values["model.source"] = _within(values["model.source"], root)
+            values["model.source"] = within(values["model.source"], root)
     keys = sorted(k for k in set(saved) | set(current)
                   if not k.startswith(_SAME_MODEL) and saved.get(k) != current.get(k))
     if not keys:
@@ -181,121 +179,6 @@ def recovery_points(run_dir: Path) -> dict[int, dict]:
         return {}
     return {int(r["step"]): {k: v for k, v in r.items() if k.startswith("eval/")}
             for r in read_log(log) if any(k.startswith("eval/") for k in r)}
-
-
-def final_train_loss(run_dir: Path) -> float | None:
-    """The run's training loss over its last log window (result.json final_loss), or None (failed, not run)."""
-    result = run_dir / "result.json"
-    return read_json(result).get("final_loss") if result.is_file() else None
-
-
-def learned_limit(source: str) -> int | None:
-    """The length bound of a model with learned absolute positions (GPT-2), unless patched with NoPE."""
-    config = load_config(source)
-    return learned_position_limit(config, nope=bool((getattr(config, "retrofit", None) or {}).get("nope")))
-
-
-def _finished_at(source: str) -> float:
-    """When a local checkpoint was finished (0 for Hub ids and packaged models, which do not change)."""
-    path = Path(source)
-    if (path / "result.json").is_file():
-        return (path / "result.json").stat().st_mtime
-    return path.stat().st_mtime if path.exists() else 0.0
-
-
-def _within(source: str, out: Path) -> str:
-    """A checkpoint of this experiment by its place in DIR (so a moved DIR keeps its evaluation)."""
-    try:
-        return Path(source).resolve().relative_to(out.resolve()).as_posix()
-    except ValueError:
-        return str(source)
-
-
-def _reusable(previous: dict | None, source: str, name: str, lengths: list[int], out: Path) -> dict | None:
-    """The entry of `name` in a previous evaluation of this experiment, cut to `lengths`, if it measured
-    this very checkpoint (evaluated after it was finished) at every one of them; else None."""
-    entry = next((m for m in (previous or {}).get("models", []) if m["name"] == name), None)
-    if entry is None or entry["evaluated_at"] < _finished_at(source):
-        return None
-    if entry.get("checkpoint", entry.get("source")) not in (_within(source, out), str(source)):
-        return None
-    entry = dict(entry)
-    for key in ("lengths", "counting", "passkey"):
-        if entry.get(key):
-            if not set(lengths) <= {r["length"] for r in entry[key]}:
-                return None
-            entry[key] = [r for r in entry[key] if r["length"] in lengths]
-    return entry
-
-
-def _previous_evaluation(path: Path, recipe: Recipe, exp: ExperimentSection) -> dict | None:
-    """DIR/eval/results.json of an earlier run, if it used the same data, token cap and trained length, and was
-    written with intervals (the same windows and per-window losses as a new evaluation).
-    Each model entry carries `evaluated_at` (entries written without it date from the file)."""
-    if not path.is_file():
-        return None
-    previous = read_json(path)
-    same = (previous.get("data", {}).get("files") == [str(p) for p in exp.eval_data or []]
-            and previous.get("settings", {}).get("max_tokens") == exp.eval_max_tokens
-            and previous.get("train_len") == (exp.train_len or recipe.data.seq_len)
-            and previous.get("settings", {}).get("counting") == _counting_options(exp)
-            # older retrofits wrote no intervals: capped windows were chosen another way, per-window losses absent
-            and "intervals" in previous.get("settings", {}))
-    if not same:
-        return None
-    for entry in previous["models"]:
-        entry.setdefault("evaluated_at", path.stat().st_mtime)
-    return previous
-
-
-def _counting_options(exp: ExperimentSection) -> dict | None:
-    """evaluate_counting's options the experiment sets (None: its defaults)."""
-    options = {k: v for k, v in (("sequences", exp.eval_sequences), ("prefixes", exp.eval_prefixes or None)) if v}
-    return options or None
-
-
-def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: ExperimentSection, progress: bool,
-                 out: Path, labels: dict | None = None) -> tuple[dict, list[str]]:
-    """Every model at every length it can take: a model with learned positions (a GPT-2 base next to
-    NoPE arms) is evaluated up to its table and the report shows '—' beyond. Each model's results are
-    saved to DIR/eval/results.json as soon as it is done, and a re-run reuses those of unchanged
-    checkpoints, so a crash in the last model's longest window does not redo the others.
-    `labels`: name -> fields its entry carries (`arm`, `seed` for the runs of an experiment with seeds).
-    Returns (the evaluation, names of the models whose earlier results were reused)."""
-    lengths = sorted(set(recipe.eval_lengths()))
-    saved = out / "eval" / "results.json"
-    previous = _previous_evaluation(saved, recipe, exp)
-    merged, reused = None, []
-    for source, name in zip(sources, names):
-        limit = learned_limit(source)
-        allowed = [n for n in lengths if limit is None or n <= limit]
-        if not allowed:
-            print(f"[experiment] {name}: every evaluation length exceeds its {limit} learned positions; skipped")
-            continue
-        entry = _reusable(previous, source, name, allowed, out)
-        if entry is not None:
-            print(f"[experiment] eval {name}: reusing its results in {saved}")
-            one = dict(previous, models=[entry])
-            reused.append(name)
-        else:
-            t0 = time.perf_counter()
-            spec = EvalSpec(names=[name], data=exp.eval_data, lengths=allowed,
-                            train_len=exp.train_len or recipe.data.seq_len, max_tokens=exp.eval_max_tokens,
-                            tokenizer=recipe.model.tokenizer, progress=progress, counting=_counting_options(exp),
-                            dtype=training_dtype(recipe.model.dtype))  # the base as the arms: same dtype
-            one = evaluate_models([source], spec)
-            one["models"][0] |= {"checkpoint": _within(source, out), "evaluated_at": time.time(),
-                                 "eval_s": round(time.perf_counter() - t0, 1)}
-        one["models"][0] |= (labels or {}).get(name, {})
-        merged = one if merged is None else dict(merged, models=merged["models"] + one["models"])
-        merged["lengths"] = lengths
-        if entry is None:  # progress on disk, keeping the earlier entries not yet reached
-            done = {m["name"] for m in merged["models"]}
-            later = [m for m in (previous or {}).get("models", []) if m["name"] not in done]
-            atomic_write_text(saved, json.dumps(dict(merged, models=merged["models"] + later), indent=1) + "\n")
-    if merged is None:
-        raise RetrofitError("no model could be evaluated at any of eval.lengths")
-    return with_comparisons(merged, exp.control), reused
 
 
 def _recorded_times(out: Path) -> dict:
@@ -379,15 +262,8 @@ def _run_stages(recipe, exp, reference, out: Path, progress: bool) -> dict:
     earlier = sum(m.get("eval_s") or 0 for m in evaluation["models"] if m["name"] in reused)  # their recorded times
     clock.stage("eval", time.perf_counter() - t0 + earlier, skipped=len(reused) == len(evaluation["models"]))
     results = {"schema": "retrofit.experiment/1", "recipe": recipe.name, "hardware": hardware(),
-               "wall_time_s": clock.rounded(),
-               "base": base, "arms": {a.name: {"patch": trained_patch(out / "arms" / a.name, a),
-                                               "settings": {"lr": a.lr, "recovery": to_plain(a.recovery)},
-                                               "failed": failures.get(a.name),
-                                               "train_loss": final_train_loss(out / "arms" / a.name),
-                                               "recovery": recovery.get(a.name)} | labels.get(a.name, {})
-                        for a in runs},
-               "control": exp.control, "seeds": exp.seeds,
-               "evaluation": evaluation, "reference": reference}
-    atomic_write_text(out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
-    write_experiment_report(results, out)
+               "wall_time_s": clock.rounded(), "base": base,
+               "arms": arm_results(out, runs, failures, recovery, labels),
+               "control": exp.control, "seeds": exp.seeds, "evaluation": evaluation, "reference": reference}
+    write_results(results, out)
     return results

@@ -26,7 +26,7 @@ from ..load.adapters import has_patch_parameters, write_patch_files
 from ..norms import calibrated_norm_hints, get_norm
 from ..patch_spec import PatchSpec
 from ..patching import patch, patch_record
-from ..recipe.sections import ScheduleSection
+from ..recipe.recovery import ScheduleSection
 from .auto_classes import enable
 from .trainer import RetrofitCallback
 

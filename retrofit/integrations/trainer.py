@@ -10,7 +10,7 @@ length evaluation that `retrofit train` runs itself.
     trainer.train()
     retrofit.load.save_adapter(trainer.model, "out/adapter")      # retrofit.from_pretrained("out/adapter") reloads it
 
-The schedule is retrofit's recovery.schedule (steps, start, end, shape, by_layer, costs: recipe/sections.py): before
+The schedule is retrofit's recovery.schedule (steps, start, end, shape, by_layer, costs: recipe/recovery.py): before
 every optimizer update the knob is set from the update's index alone (recovery/schedule.py), so a resumed Trainer
 run is the uninterrupted one; at the end the final knob is written into config.retrofit (a saved model reloads as
 trained). shape `loss` needs its costs given (`retrofit patch ... --check-text FILE --schedule-values ...` prints
@@ -26,7 +26,7 @@ from transformers import TrainerCallback
 
 from ..errors import RetrofitError
 from ..evaluate.losses import evaluate_lengths
-from ..recipe.sections import ScheduleSection
+from ..recipe.recovery import ScheduleSection
 from ..recovery.schedule import apply_schedule, record_schedule
 
 

@@ -311,6 +311,23 @@ def visible_keys(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     return key, value, None, True
 
 
+def with_position_bias(position_bias: torch.Tensor | None, mask: torch.Tensor | None, causal: bool,
+                       query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """`mask` (visible_keys') with transformers' `position_bias` (B, H, Tq, Tk), which sdpa_attention_forward adds to
+    the logits (transformers 5.24: Inkling's relative position bias arrives so), folded in as its
+    create_position_bias_mask does: the bias where a query may attend, key dtype's min elsewhere (a bool mask or
+    causality), or the bias plus an additive float mask. `causal` stays as it was: the folded mask hides what it hid."""
+    if position_bias is None:
+        return mask
+    bias = position_bias[..., : key.shape[2]]  # the keys visible_keys kept (an empty static cache's prefill: Tq)
+    hidden = torch.finfo(key.dtype).min
+    if mask is None and causal:
+        q_len, kv_len = query.shape[2], key.shape[2]
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=key.device).tril(kv_len - q_len)  # (Tq, Tk)
+    if mask is None:
+        return bias.contiguous()
+    return (torch.where(mask, bias, hidden) if mask.dtype == torch.bool else bias + mask).contiguous()
+
 
 def model_sink(kwargs: dict) -> torch.Tensor | None:
     """Pop the model's learned per-head sink logits (H,) from an attention call's kwargs; None if it has none."""
@@ -319,7 +336,7 @@ def model_sink(kwargs: dict) -> torch.Tensor | None:
 
 
 def kernel_call(kernel, module, query, key, value, attention_mask, *extra, scaling=None, dropout=0.0,
-                is_causal=None, softcap=None, **kwargs):
+                is_causal=None, softcap=None, position_bias=None, **kwargs):
     """Run one of retrofit.kernels' attention functions in a transformers attention function's place.
 
     Returns (out (B, Tq, H, D), None) as transformers expects. `dropout` is the attention-weight
@@ -328,10 +345,12 @@ def kernel_call(kernel, module, query, key, value, attention_mask, *extra, scali
     kernel. `sliding_window` (in kwargs) needs nothing here: transformers builds the window into the
     mask it passes (measured on transformers 5.23 under sdpa: a bool mask on sliding layers whenever the
     window is shorter than the keys, None only when it hides nothing), and the kernels follow the mask.
+    `position_bias` (transformers 5.24) is added to the logits, folded into the mask as sdpa does (with_position_bias).
     """
     if any(kwargs.get(name) is not None for name in SINK_KWARGS):  # patch() refuses first; never drop them silently
         raise RetrofitError(f"{type(module).__name__} passes learned attention sinks that this norm would drop")
     key, value, mask, causal = visible_keys(module, query, key, value, attention_mask, is_causal)
+    mask = with_position_bias(position_bias, mask, causal, query, key)
     out = kernel(query, key, value, *extra, scale=scaling, causal=causal, attn_mask=mask,
                  enable_gqa=key.shape[1] != query.shape[1], softcap=softcap,
                  dropout_p=dropout if module.training else 0.0)  # (B, H, Tq, D)

@@ -1,5 +1,5 @@
 """Recipes: YAML files whose keys are the fields of the section dataclasses (recipe/sections.py; `model` in
-recipe/model.py).
+recipe/model.py, `recovery` in recipe/recovery.py).
 
     recipe = load_recipe("recipes/train-tiny-counting.yaml", ["train.steps=200", "patch.norm=psoftmax", "patch.p=2"])
     recipe.train.steps                      # 200
@@ -26,6 +26,7 @@ from ..errors import RetrofitError, closest, quoted
 from ..norms import NORMS, make_options
 from .experiment import ArmSection, ExperimentSection, ReferenceSection, check_arm_name, seeded_name
 from .model import ModelSection
+from .recovery import RecoverySection, ScheduleSection
 from .schema import apply_overrides, build, load_json, load_yaml, read_yaml_file, require, setting, to_plain
 from .schema import documentation as _documentation
 from .sections import (
@@ -36,8 +37,6 @@ from .sections import (
     PasskeyOptions,
     PatchSection,
     PeftSection,
-    RecoverySection,
-    ScheduleSection,
     TrainSection,
 )
 
@@ -201,7 +200,7 @@ register_section("experiment", ExperimentSection)
 register_section("recovery", RecoverySection)
 
 __all__ = [
-    "ArmSection", "ExperimentSection", "ReferenceSection", "check_arm_name", "seeded_name", "setting", "need",
+    "ArmSection", "ExperimentSection", "ReferenceSection", "check_arm_name", "seeded_name", "setting", "require",
     "to_plain",
     "CountingOptions", "DataSection", "EvalSection", "ModelSection", "OutputSection", "PasskeyOptions",
     "PatchSection", "PeftSection", "Recipe", "RecoverySection",

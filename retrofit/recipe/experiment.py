@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from ..errors import RetrofitError
 from ..norms import baseline_norm
 from .model import ZERO_INIT
+from .recovery import RecoverySection
 from .schema import setting
-from .sections import PatchSection, RecoverySection
+from .sections import PatchSection
 
 # An arm's name becomes a folder (DIR/arms/NAME): letters, digits and -_.+, not starting with a dot, so
 # `..`, `.`, `a/b` or `.hidden` can never point outside DIR/arms or hide there.

@@ -85,11 +85,11 @@ def test_any_exception_in_an_arm_is_a_one_line_failure_and_the_others_run(tmp_pa
 
     monkeypatch.setattr(experiment, "run_arm", flaky)
     evaluated = []
-    monkeypatch.setattr("retrofit.experiment.driver.evaluate_models",
+    monkeypatch.setattr("retrofit.experiment.results.evaluate_models",
                         lambda sources, spec: evaluated.extend(spec.names) or
                         {"models": [{"name": n, "counting": []} for n in spec.names], "lengths": spec.lengths})
     monkeypatch.setattr("retrofit.experiment.driver.write_report", lambda evaluation, out: None)
-    monkeypatch.setattr("retrofit.experiment.driver.write_experiment_report", lambda results, out: None)
+    monkeypatch.setattr("retrofit.experiment.results.write_experiment_report", lambda results, out: None)
     results = experiment.run_experiment(experiment.DEMO_RECIPE, tmp_path, [
         "experiment.base_steps=0", "experiment.finetune_steps=2", "experiment.recovery_at=[0]",
         "experiment.arms=[{name: softmax, patch: {norm: softmax}}, {name: avnorm-rms, patch: {norm: avnorm}}]",

@@ -136,7 +136,7 @@ def _count_evaluations(monkeypatch, fail_on=None) -> list:
             raise RetrofitError(f"out of memory at the longest length ({fail_on})")
         return real(sources, spec)
 
-    monkeypatch.setattr(experiment, "evaluate_models", counted)
+    monkeypatch.setattr("retrofit.experiment.results.evaluate_models", counted)
     return seen
 
 

@@ -13,6 +13,7 @@ from retrofit.evaluate.intervals import mean_interval
 from retrofit.evaluate.merge import merge_results
 from retrofit.evaluate.report import validate
 from retrofit.experiment import driver as experiment
+from retrofit.experiment import results as results_module
 from retrofit.recipe import load_recipe
 from tests.experiment.test_experiment import SHRINK
 
@@ -67,8 +68,8 @@ def test_a_rerun_resumes_every_seed_and_merge_keeps_the_summary(seeded_run, tmp_
     copy = tmp_path / "run"
     shutil.copytree(out, copy)
     seen = []
-    real = experiment.evaluate_models
-    monkeypatch.setattr(experiment, "evaluate_models", lambda s, spec: seen.extend(spec.names) or real(s, spec))
+    real = results_module.evaluate_models
+    monkeypatch.setattr(results_module, "evaluate_models", lambda s, spec: seen.extend(spec.names) or real(s, spec))
     again = experiment.run_experiment(experiment.DEMO_RECIPE, copy, SEEDED, progress=False)
     assert seen == [] and again["evaluation"]["seeds"] == results["evaluation"]["seeds"]
     evaluation = json.loads((out / "eval" / "results.json").read_text())

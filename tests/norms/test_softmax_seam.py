@@ -217,18 +217,71 @@ def test_the_comparison_sees_a_dropped_sink():
     assert (got - want).abs().max() > 1e-2
 
 
-@pytest.mark.xfail(strict=True, reason="retrofit bug: kernel_call silently drops transformers 5.24's `position_bias` "
-                                       "(InklingForCausalLM passes its relative position bias so); passes once fixed")
+def position_bias(tq: int, tk: int) -> torch.Tensor:
+    """(B, H, Tq, Tk) float64, O(4): a relative position bias as a model hands it to the attention function. Its
+    values are float32 numbers, for the reason float_mask's are: the bias goes into an additive mask."""
+    return 4.0 * torch.randn(B, H, tq, tk, generator=torch.Generator().manual_seed(4)).double()
+
+
 def test_position_bias_is_added_or_refused():
     """transformers 5.24's sdpa_attention_forward adds a `position_bias` (B, H, Tq, Tk) to the logits (Inkling's
     relative position bias arrives so, with sdpa support): retrofit's seam adds it too, or refuses the call in one
     line, as it refuses sinks it would drop; it never computes without it."""
     fn, module = patched_attention("llama", 2)
     q, k, v = qkv(8, 8, 2, torch.float64)
-    bias = 3.0 * torch.randn(B, H, 8, 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    bias = position_bias(8, 8)
     try:
         got, _ = fn(module, q, k, v, None, dropout=0.0, position_bias=bias)
     except RetrofitError:
         return  # refused loudly: also a fix
     want, _ = sdpa_attention_forward(module, q, k, v, None, dropout=0.0, position_bias=bias)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_position_bias_is_added_as_sdpa_adds_it(mask_name, kv_heads):
+    """With a `position_bias`, for every mask transformers hands an sdpa attention function (none: causal,
+    static-cache prefill, decode; bool; additive float), retrofit's attention function with p-softmax p = 1 gives
+    sdpa_attention_forward's output and gradients of q, k and v (float64): the bias is added to the logits where a
+    query may attend, cropped with the keys of an empty static cache's prefill. Under an additive float mask the
+    tolerance is float32's: the sum of the mask and the bias (float32 numbers each) is not one, and the fused CPU
+    kernel adds the mask in float32 (see float_mask)."""
+    tq, tk, make_mask = MASKS[mask_name]
+    fn, module = patched_attention("llama", kv_heads)
+    q, k, v = qkv(tq, tk, kv_heads, torch.float64)
+    mask, bias = make_mask(torch.float64), position_bias(tq, tk)
+    rows = seen_rows(mask, tq).double()
+    got = run(fn, module, q, k, v, mask, rows, dropout=0.0, position_bias=bias)
+    want = run(sdpa_attention_forward, module, q, k, v, mask, rows, dropout=0.0, position_bias=bias)
+    summed = mask is not None and mask.is_floating_point()
+    assert_same(got, want, rows, torch.float32 if summed else torch.float64)
+    unbiased = run(sdpa_attention_forward, module, q, k, v, mask, rows, dropout=0.0)
+    assert (got[0] - unbiased[0]).abs().max() > 1e-2  # the bias matters here: a dropped one would be seen
+
+
+@functools.cache
+def patched_with(norm: str):
+    """(retrofit's registered attention function, one attention module) of a tiny GQA Llama patched with `norm`."""
+    model = tiny_model("llama", num_key_value_heads=2).double()
+    retrofit.patch(model, norm)
+    module = next(m for m in model.modules() if hasattr(m, "retrofit"))
+    return ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation], module
+
+
+@pytest.mark.parametrize("norm", sorted(retrofit.norms.NORMS))
+def test_every_norm_takes_a_position_bias_as_an_additive_mask(norm):
+    """Every registered norm, kernel norms (p-softmax, SSMax, softmax+1: kernel_call) and the ones that run the
+    wrapped sdpa alike, computes with a `position_bias` what it computes with that bias folded into the additive
+    float mask by hand (the bias where the bool mask attends, float64's min elsewhere), and not what it computes
+    without it."""
+    fn, module = patched_with(norm)
+    q, k, v = qkv(8, 8, 2, torch.float64)
+    mask, bias = bool_mask(8, 8), position_bias(8, 8)
+    rows = seen_rows(mask, 8).double()
+    with torch.no_grad():
+        got, _ = fn(module, q, k, v, mask, dropout=0.0, position_bias=bias)
+        folded, _ = fn(module, q, k, v, torch.where(mask, bias, torch.finfo(torch.float64).min), dropout=0.0)
+        unbiased, _ = fn(module, q, k, v, mask, dropout=0.0)
+    torch.testing.assert_close(got * rows, folded * rows, atol=1e-12, rtol=1e-12)
+    assert ((got - unbiased) * rows).abs().max() > 1e-2

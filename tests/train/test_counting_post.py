@@ -12,7 +12,7 @@ import retrofit
 from retrofit.data import counting_batch
 from retrofit.errors import RetrofitError
 from retrofit.evaluate import evaluate_counting
-from retrofit.experiment.driver import _counting_options
+from retrofit.experiment.results import _counting_options
 from retrofit.load import CountingModel, load
 from retrofit.recipe import recipe_from_dict
 from retrofit.train import run_setup, train

@@ -2,6 +2,8 @@
 
 Adding a family whose attention goes through transformers' attention registry is one row here
 (plus a tiny config in tests/tiny.py COVERAGE, so tests/patch/test_families.py runs it through the whole matrix).
+Everything retrofit does differently per family is a field of its row, read where it matters: patching.py's refusals
+(eager_bypass), the vLLM plugin's served and guarded architectures (vllm, read by serve/plan.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ def _global_layers(config) -> list[int]:
 
 
 @dataclass(frozen=True)
+class VllmModel:
+    """vLLM's own model for a family (retrofit.serve): the plugin serves patched checkpoints on it, or guards it."""
+
+    architecture: str  # config.json's architectures[0]: transformers' CausalLM class, vLLM's class of the same name
+    module: str  # vLLM's module holding that class: vllm.model_executor.models.<module>
+    # True: the plugin extends vLLM's model code for it (retrofit.serve.llama). False: a guard, vLLM's own model
+    # refusing a patched checkpoint in one line instead of serving it as the original (retrofit.serve.guards).
+    served: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     attention: str              # class name of the self-attention module that calls the registry
     positions: str              # "learned" (absolute table added to the embeddings) or "rotary"
@@ -30,6 +43,10 @@ class Family:
     max_learned_positions: str | None = None  # config key bounding learned positions (None: unbounded)
     final_norm: str = "model.norm"  # dotted path of the norm before the LM head
     nope_layers: Callable | None = None  # config -> indices of layers that add no positions already
+    # A config flag that, set under eager, makes the attention module compute attention itself instead of calling
+    # transformers' registry (so retrofit's function would never run): retrofit.patch refuses eager with it set.
+    eager_bypass: str | None = None
+    vllm: VllmModel | None = None  # vLLM's model for it (retrofit.serve); None: vLLM's, neither served nor guarded
 
 
 # The attention module's output projection (its input is the heads' outputs, (B, T, H*D)), by attribute name:
@@ -37,29 +54,41 @@ class Family:
 OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "out_proj", "dense", "wo")
 
 FAMILIES: dict[str, Family] = {
-    "gpt2": Family("GPT2Attention", "learned", "transformer.wpe", "n_positions", "transformer.ln_f"),
-    "llama": Family("LlamaAttention", "rotary", "model.rotary_emb"),
-    "mistral": Family("MistralAttention", "rotary", "model.rotary_emb"),
-    "qwen2": Family("Qwen2Attention", "rotary", "model.rotary_emb"),
-    "gemma": Family("GemmaAttention", "rotary", "model.rotary_emb"),
-    "gemma2": Family("Gemma2Attention", "rotary", "model.rotary_emb"),
-    "phi3": Family("Phi3Attention", "rotary", "model.rotary_emb"),
+    # GPT2Attention._upcast_and_reordered_attn: its own eager attention, never the registry's function
+    "gpt2": Family("GPT2Attention", "learned", "transformer.wpe", "n_positions", "transformer.ln_f",
+                   eager_bypass="reorder_and_upcast_attn", vllm=VllmModel("GPT2LMHeadModel", "gpt2")),
+    "llama": Family("LlamaAttention", "rotary", "model.rotary_emb",
+                    vllm=VllmModel("LlamaForCausalLM", "llama", served=True)),
+    "mistral": Family("MistralAttention", "rotary", "model.rotary_emb",
+                      vllm=VllmModel("MistralForCausalLM", "mistral")),
+    "qwen2": Family("Qwen2Attention", "rotary", "model.rotary_emb", vllm=VllmModel("Qwen2ForCausalLM", "qwen2")),
+    "gemma": Family("GemmaAttention", "rotary", "model.rotary_emb", vllm=VllmModel("GemmaForCausalLM", "gemma")),
+    "gemma2": Family("Gemma2Attention", "rotary", "model.rotary_emb", vllm=VllmModel("Gemma2ForCausalLM", "gemma2")),
+    "phi3": Family("Phi3Attention", "rotary", "model.rotary_emb", vllm=VllmModel("Phi3ForCausalLM", "phi3")),
     # Read from transformers 5.23's modeling files; each is in tests/patch/test_families.py's matrix.
-    "qwen3": Family("Qwen3Attention", "rotary", "model.rotary_emb"),  # q/k RMSNorm before RoPE: in the module
-    "qwen3_moe": Family("Qwen3MoeAttention", "rotary", "model.rotary_emb"),
-    "qwen2_moe": Family("Qwen2MoeAttention", "rotary", "model.rotary_emb"),
-    "mixtral": Family("MixtralAttention", "rotary", "model.rotary_emb"),  # MoE: attention is Mistral's
+    # q/k RMSNorm before RoPE: in the module
+    "qwen3": Family("Qwen3Attention", "rotary", "model.rotary_emb", vllm=VllmModel("Qwen3ForCausalLM", "qwen3")),
+    "qwen3_moe": Family("Qwen3MoeAttention", "rotary", "model.rotary_emb",
+                        vllm=VllmModel("Qwen3MoeForCausalLM", "qwen3_moe")),
+    "qwen2_moe": Family("Qwen2MoeAttention", "rotary", "model.rotary_emb",
+                        vllm=VllmModel("Qwen2MoeForCausalLM", "qwen2_moe")),
+    # MoE: attention is Mistral's
+    "mixtral": Family("MixtralAttention", "rotary", "model.rotary_emb",
+                      vllm=VllmModel("MixtralForCausalLM", "mixtral")),
     # sliding and full layers with one cos/sin table per layer type; scaling = query_pre_attn_scalar ** -0.5
-    "gemma3_text": Family("Gemma3Attention", "rotary", "model.rotary_emb"),
+    "gemma3_text": Family("Gemma3Attention", "rotary", "model.rotary_emb",
+                          vllm=VllmModel("Gemma3ForCausalLM", "gemma3")),
     "smollm3": Family("SmolLM3Attention", "rotary", "model.rotary_emb", nope_layers=_no_rope_layers),
     "olmo2": Family("Olmo2Attention", "rotary", "model.rotary_emb"),
     "cohere2": Family("Cohere2Attention", "rotary", "model.rotary_emb", nope_layers=_global_layers),
-    "granite": Family("GraniteAttention", "rotary", "model.rotary_emb"),  # scaling = config.attention_multiplier
+    # scaling = config.attention_multiplier
+    "granite": Family("GraniteAttention", "rotary", "model.rotary_emb",
+                      vllm=VllmModel("GraniteForCausalLM", "granite")),
     "starcoder2": Family("Starcoder2Attention", "rotary", "model.rotary_emb"),
     # chunked-attention layers rotate (complex freqs_cis), NoPE layers scale q by a log-position temperature
     "llama4_text": Family("Llama4TextAttention", "rotary", "model.rotary_emb", nope_layers=_no_rope_layers),
     # learned per-head sinks (module.sinks, passed as s_aux) in its eager function; no sdpa path
-    "gpt_oss": Family("GptOssAttention", "rotary", "model.rotary_emb"),
+    "gpt_oss": Family("GptOssAttention", "rotary", "model.rotary_emb", vllm=VllmModel("GptOssForCausalLM", "gpt_oss")),
 }
 
 

@@ -120,10 +120,12 @@ def _check_patchable(model: nn.Module, nope: bool, acts_on_output: bool) -> tupl
         raise RetrofitError(f"{type(model).__name__} does not route attention through transformers' "
                             "attention registry, so retrofit cannot patch it")
     restore, wrap = _implementations(model, acts_on_output)
-    if config.model_type == "gpt2" and wrap == "eager" and getattr(config, "reorder_and_upcast_attn", False):
-        raise RetrofitError("GPT-2 with reorder_and_upcast_attn=True under eager bypasses the attention "
-                            "registry; load it with attn_implementation='sdpa' or set reorder_and_upcast_attn=False")
-    if nope and family_of(config) is None:
+    family = family_of(config)
+    bypass = family.eager_bypass if family is not None else None  # a config flag that skips the registry under eager
+    if wrap == "eager" and bypass is not None and getattr(config, bypass, False):
+        raise RetrofitError(f"{config.model_type} with {bypass}=True under eager bypasses the attention registry; "
+                            f"load it with attn_implementation='sdpa' or set {bypass}=False")
+    if nope and family is None:
         raise RetrofitError(f"nope needs to know where {config.model_type!r} adds positions, and it is not in "
                             f"retrofit's table ({', '.join(FAMILIES)}); add a row to retrofit/families.py")
     return restore, wrap

@@ -30,17 +30,16 @@ from . import (
     check_selection_counts,
     check_text_files,
 )
-from .patch_flags import FLAGS, NAMES
+from .patch_flags import OPTIONS, add_norm_flags, norm_flags
 
-# option -> {type (None = a switch), norms, doc}: the written-out table (patch_flags.py; no norm imported to parse)
-NORM_FLAGS = {name: {"type": {"str": str, "int": int, "float": float}.get(kind), "norms": norms, "doc": doc}
-              for name, (kind, norms, doc) in FLAGS.items()}
+# option -> {type (None = a switch), norms, doc}: one flag per declared norm option (patch_flags.py: no norm imported)
+NORM_FLAGS = norm_flags(OPTIONS)
 
 
 def add_arguments(parser):
     parser.add_argument("source", help="Hub id, local model folder, or .gguf file")
     parser.add_argument("--norm", required=True,
-                        help=f"{' | '.join(NAMES)} (see `retrofit norms`)")
+                        help=f"{' | '.join(sorted(OPTIONS))} (see `retrofit norms`)")
     parser.add_argument("--nope", action="store_true", help="also remove positional information")
     parser.add_argument("--layers", metavar="SEL", default=None,
                         help="patch only these attention layers (0-based, model order): 16-29, 0,3, 0-29:4 or :4 "
@@ -55,13 +54,7 @@ def add_arguments(parser):
                         help="output gate: each head's output (head) or channel (element) times 2*START*sigmoid(W x + "
                              "b) from the layer input, W = b = 0 at start: head (the identity at start), head:0.5:12 "
                              "(the AVnorm post's, from 12 input channels)")
-    for flag, spec in NORM_FLAGS.items():
-        name = "--" + flag.replace("_", "-")
-        about = f"{'/'.join(spec['norms'])}: {spec['doc']}"
-        if spec["type"] is None:
-            parser.add_argument(name, dest=flag, action="store_const", const=True, default=None, help=about)
-        else:
-            parser.add_argument(name, dest=flag, type=spec["type"], default=None, help=about)
+    add_norm_flags(parser, OPTIONS)
     parser.add_argument("--calibration-text", metavar="FILE",
                         help="text file to calibrate per-head gains on (AVNorm; psoftmax with --gain)")
     parser.add_argument("--calibrate", dest="calibration_text", help=argparse.SUPPRESS)  # its older name

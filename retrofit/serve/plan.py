@@ -21,23 +21,17 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import RetrofitError
+from ..families import FAMILIES
 from ..load.validate import check_record
 from ..record import GUARD_KEY, GUARDS, read_record
 
-# The architectures (config.json) whose vLLM model code the plugin extends (retrofit.serve.llama).
-ARCHITECTURES = ("LlamaForCausalLM",)
-# Architectures retrofit patches (families.py) that the plugin does not serve yet -> vLLM's (module, class). The
-# plugin registers a guard for each (retrofit.serve.guards): vLLM's own model, which refuses a patched checkpoint in
-# one line instead of serving it as the original. Other architectures are vLLM's, unguarded.
-GUARDED = {name: (f"vllm.model_executor.models.{module}", cls) for name, (module, cls) in {
-    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"), "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
-    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"), "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
-    "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"), "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
-    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"), "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
-    "GraniteForCausalLM": ("granite", "GraniteForCausalLM"), "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
-    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
-    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"), "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
-}.items()}
+# The architectures (config.json) whose vLLM model code the plugin extends (retrofit.serve.llama), and those retrofit
+# patches that it does not serve yet -> vLLM's (module, class): both read from families.py's rows (Family.vllm). The
+# plugin registers a guard for each guarded one (retrofit.serve.guards): vLLM's own model, which refuses a patched
+# checkpoint in one line instead of serving it as the original. Other architectures are vLLM's, unguarded.
+ARCHITECTURES = tuple(f.vllm.architecture for f in FAMILIES.values() if f.vllm is not None and f.vllm.served)
+GUARDED = {f.vllm.architecture: (f"vllm.model_executor.models.{f.vllm.module}", f.vllm.architecture)
+           for f in FAMILIES.values() if f.vllm is not None and not f.vllm.served}
 SERVED = ("avnorm", "ssmax", "softmax1", "softmax")
 PSOFTMAX_REFUSED = ("p-softmax is not served by vLLM: it rescales each row by exp(LSE(s) - LSE(p*s)/p) and vLLM's "
                     "attention returns no log-sum-exp; run it with retrofit.from_pretrained or `retrofit eval`")

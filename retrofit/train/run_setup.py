@@ -28,6 +28,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import InitProcessGroupKwargs
 from torch import nn
 
+from ..attention_seam import BASE_OF
 from ..calibration import calibrate
 from ..errors import RetrofitError, check_token_ids
 from ..load import CountingModel, language_model
@@ -146,16 +147,18 @@ def check_lengths(model: nn.Module, recipe: Recipe) -> None:
                             f"data.counting.alphabet ({recipe.data.counting.alphabet})")
 
 
-# Implementations whose mask function builds each packed row's block-causal mask from its position-id resets
-# (transformers' create_causal_mask). flash-attention reads the resets only from one flattened row (its varlen path
-# runs at batch size 1, transformers' _is_packed_sequence): rows of several documents would attend across them.
-PACKED_MASKS = ("sdpa", "eager", "flex_attention", "retrofit", "retrofit_eager")
+# transformers' implementations whose mask function builds each packed row's block-causal mask from its position-id
+# resets (transformers' create_causal_mask). flash-attention reads the resets only from one flattened row (its varlen
+# path runs at batch size 1, transformers' _is_packed_sequence): rows of several documents would attend across them.
+# retrofit's own implementations register their base's mask function (attention_seam.IMPLEMENTATIONS): they pack as
+# their base does (BASE_OF).
+PACKED_MASKS = ("sdpa", "eager", "flex_attention")
 
 
 def check_packing(model: nn.Module, recipe: Recipe) -> None:
     """data.packing documents needs an implementation that confines attention to each document (PACKED_MASKS)."""
     implementation = language_model(model).config._attn_implementation
-    if recipe.data.packing == "documents" and implementation not in PACKED_MASKS:
+    if recipe.data.packing == "documents" and BASE_OF.get(implementation, implementation) not in PACKED_MASKS:
         raise RetrofitError(f"data.packing documents: attention implementation {implementation!r} would let a row's "
                             "documents attend to each other; load the model with sdpa or eager")
 

@@ -15,6 +15,7 @@ with the reason in its test id.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import retrofit
+from retrofit import families
 from retrofit.norms.base import kernel_call
 from tests.reference import reference_model
 from tests.tiny import COVERAGE, random_ids, tiny_model
@@ -287,3 +289,45 @@ def test_a_model_built_from_a_patched_models_config(family, base):
     assert patched.config.retrofit["norm"] == "ssmax" and patched.config._attn_implementation != base
     with torch.no_grad():
         assert torch.equal(patched(ids).logits, before)
+
+
+# ---------------------------------------------------------------- model knowledge lives in the table
+
+def test_a_family_flag_that_bypasses_the_registry_under_eager_is_refused(monkeypatch):
+    """Family.eager_bypass names a config flag under which the family's attention computes attention itself under
+    eager (GPT-2's reorder_and_upcast_attn): patch() refuses that model under eager, naming the flag and the two ways
+    out, and patches it under sdpa or with the flag off. The check reads the row, so any family's row can say so."""
+    monkeypatch.setitem(families.FAMILIES, "llama",
+                        dataclasses.replace(families.FAMILIES["llama"], eager_bypass="own_attention"))
+    with pytest.raises(retrofit.RetrofitError) as err:
+        retrofit.patch(tiny_model("llama", attn_implementation="eager", own_attention=True), "ssmax")
+    assert str(err.value) == ("llama with own_attention=True under eager bypasses the attention registry; load it "
+                              "with attn_implementation='sdpa' or set own_attention=False")
+    assert retrofit.patch(tiny_model("llama", attn_implementation="sdpa", own_attention=True), "ssmax").modules
+    assert retrofit.patch(tiny_model("llama", attn_implementation="eager", own_attention=False), "ssmax").modules
+
+
+def test_patching_and_the_vllm_plan_name_no_family():
+    """What a family needs (a refusal, what vLLM serves or guards) is a Family field read by patching.py and
+    serve/plan.py, never a model_type or architecture string tested there."""
+    import ast
+    from pathlib import Path
+
+    rows = families.FAMILIES
+    names = set(rows) | {f.vllm.architecture for f in rows.values() if f.vllm is not None}
+    root = Path(retrofit.__file__).parent
+    for path in (root / "patching.py", root / "serve" / "plan.py"):
+        named = [f"{path.name}:{node.lineno} {node.value!r}" for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                 and (node.value in names or node.value.endswith(("ForCausalLM", "LMHeadModel")))]
+        assert named == []
+
+
+@pytest.mark.parametrize("family", sorted(m for m, f in families.FAMILIES.items() if f.vllm is not None))
+def test_a_familys_vllm_architecture_is_transformers_causal_lm_class(family):
+    """Family.vllm.architecture is what config.json names (transformers' CausalLM class for the model type): the
+    name vLLM looks the model up by, so a wrong one would leave the family unguarded."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    needs(family)
+    assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family] == families.FAMILIES[family].vllm.architecture

@@ -118,3 +118,20 @@ def test_the_folder_vllm_serves_is_still_refused_by_plain_transformers(tmp_path)
     with pytest.raises(Exception, match="retrofit.from_pretrained"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
     assert retrofit.is_patched(retrofit.from_pretrained(tmp_path))
+
+
+def test_what_the_plugin_serves_or_guards_is_read_from_the_family_table():
+    """plan.ARCHITECTURES (served: vLLM's model code extended) and plan.GUARDED (vLLM's own model, refusing a patched
+    checkpoint) are the families' vLLM rows (Family.vllm), one each; a family without one is vLLM's, unguarded."""
+    from retrofit.families import FAMILIES
+    from retrofit.serve.plan import ARCHITECTURES, GUARDED
+
+    rows = [f.vllm for f in FAMILIES.values() if f.vllm is not None]
+    assert ARCHITECTURES == ("LlamaForCausalLM",) == tuple(v.architecture for v in rows if v.served)
+    assert GUARDED == {v.architecture: (f"vllm.model_executor.models.{v.module}", v.architecture)
+                       for v in rows if not v.served}
+    assert set(GUARDED) == {  # what the plugin guarded before the table moved into families.py
+        "GPT2LMHeadModel", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM", "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"}
+    assert GUARDED["Gemma3ForCausalLM"][0] == "vllm.model_executor.models.gemma3"  # model type gemma3_text

@@ -74,6 +74,11 @@ class Norm(nn.Module):
     # its starting point would ruin the model (AVNorm's unit gains). False: calibration only when asked (gain=1).
     calibrated_by_default: ClassVar[bool] = False
     calibration_hint: ClassVar[str | None] = None  # how to ask for a calibrated patch of it, in errors: "avnorm"
+    # How vLLM's model code runs this norm (retrofit/serve/llama.py), one of retrofit.serve.plan.SERVE_STEPS: "plain"
+    # (vLLM's attention as it is), "queries" (q times logit_factor(n) per head and position, n = position + 1),
+    # "outputs" (each head's output through the norm before o_proj; acting inside attention: times factor(n) per
+    # head), "sinks" (the norm's (H,) `sink` as vLLM's attention sinks). None: refused (serve_refusal says why).
+    serve_as: ClassVar[str | None] = None
 
     def __init__(self, options: Any, shape: AttentionShape):
         super().__init__()
@@ -107,7 +112,7 @@ class Norm(nn.Module):
         raise NotImplementedError
 
     def set_scheduled_value(self, value: float) -> None:
-        """Move the scheduled knob to `value` (the option named by `knob`); the norm reads it on its next call."""
+        """Move the scheduled knob (the option named by `scheduled_option`) to `value`; read on the next call."""
         raise NotImplementedError(f"{self.name} has no scheduled knob")
 
     def scheduled_value(self) -> float:
@@ -131,6 +136,18 @@ class Norm(nn.Module):
         """What happens to a model's own learned sinks under this norm, for the PatchReport's note."""
         return "kept"
 
+    @classmethod
+    def stacks_query_scaling(cls, options) -> bool:
+        """Whether this norm, built with `options`, may scale queries by position on a model that already does
+        (Llama 4; scales_queries_by_position), on top of the model's own; False: retrofit.patch refuses it."""
+        return False
+
+    @classmethod
+    def serve_refusal(cls, options, heads: list[int] | None) -> str | None:
+        """Why retrofit's vLLM plugin cannot serve this norm built with `options` on `heads` (None = all), in one line
+        that says what to run instead; None: it serves it as `serve_as` says (or refuses it for having none)."""
+        return None
+
     # ---- calibration (retrofit.calibrate) and how a report shows it -------------------------------------------------
 
     @classmethod
@@ -139,9 +156,35 @@ class Norm(nn.Module):
         return False
 
     def calibrated_parameter(self) -> str | None:
-        """The parameter retrofit.calibrate sets: "gain" (a per-head scale: mean RMS before over after), "exponent"
-        (a per-head power of n / L, fitted on RMS by length), or None."""
+        """The name of the parameter retrofit.calibrate sets (fit_calibration's values), or None: p-softmax's "gain",
+        AVNorm's "gain" or, with mode=beyond, "exponent"."""
         return None
+
+    @classmethod
+    def calibration_given(cls, given: dict) -> bool:
+        """Whether the options given (those the user wrote) set what calibration would (AVNorm's `gain`), so a norm
+        calibrated_by_default is not calibrated by default (a recipe's patch.calibrate_tokens: 0)."""
+        return False
+
+    def calibration_rows(self, rows: int) -> int:
+        """Tokens per calibration row this norm's fit needs, `rows` being the default (a mean over tokens: as many)."""
+        return rows
+
+    def calibration_sums(self, device) -> list[torch.Tensor]:
+        """Zeroed float64 sums of what the forward records in `self.calibration` (a list while calibrating): by
+        default the RMS of the original and of the norm's head outputs, (H,) each."""
+        return [torch.zeros(self.shape.num_heads, dtype=torch.float64, device=device) for _ in range(2)]
+
+    def add_calibration(self, sums: list[torch.Tensor], recorded: tuple, valid: torch.Tensor) -> None:
+        """Add one forward's entry (per-token RMS before, after: (B, T, H) each) over valid tokens (B, T, 1)."""
+        for total, rms in zip(sums, recorded):
+            total += (rms * valid).sum((0, 1)).double()
+
+    def fit_calibration(self, sums: list[torch.Tensor]) -> torch.Tensor:
+        """(H,) values retrofit.calibrate writes into calibrated_parameter(), from the sums: by default a gain, mean
+        RMS of the original head output over mean RMS of the norm's."""
+        before, after = sums
+        return before / after.clamp_min(1e-12)
 
     @classmethod
     def uncalibrated_cost(cls, given: dict) -> str | None:
@@ -281,8 +324,6 @@ def drop_output_hooks(module: nn.Module) -> None:
                 del module.__dict__["forward"]
 
 
-
-
 def visible_keys(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, is_causal: bool | None):
     """Translate what transformers hands an attention function into (key, value, mask, causal).
@@ -309,7 +350,6 @@ def visible_keys(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if kv_len > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     return key, value, None, True
-
 
 
 def model_sink(kwargs: dict) -> torch.Tensor | None:

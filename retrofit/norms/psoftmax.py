@@ -106,6 +106,11 @@ class PSoftmax(Norm):
         return self.p
 
     @classmethod
+    def serve_refusal(cls, options, heads: list[int] | None) -> str | None:
+        return ("p-softmax is not served by vLLM: it rescales each row by exp(LSE(s) - LSE(p*s)/p) and vLLM's "
+                "attention returns no log-sum-exp; run it with retrofit.from_pretrained or `retrofit eval`")
+
+    @classmethod
     def sink_refusal(cls, options) -> str | None:
         if options.p != 1.0:
             return (f"psoftmax p={options.p:g} cannot keep the model's learned sinks (retrofit's kernels add a sink "

@@ -11,10 +11,10 @@ p-softmax changes scale too (its output is softmax's times exp(LSE(s) - LSE(p*s)
 apart per head); patched with `gain=1.0` it has a per-head gain that this sets the same way: mean RMS of the
 original head output over mean RMS of the full p-softmax output.
 
-AVNorm mode=beyond has no gain: each head's exponent b_h is fitted instead, from the mean output RMS per number of
-visible keys n on text inside L: the least-squares slope of log r_h(n) on log n over n in [max(2, N // 16), N]
-(N = min(longest text, L)), so that (n / L)^b_h holds r_h at r_h(L) beyond L. Clamped to avnorm.EXPONENT_RANGE.
-A text is cut into rows of L for it (text_rows); a recipe calibrates on its training blocks (data.seq_len).
+What a norm records, how it is summed and what is fitted from the sums are the norm's (Norm.calibration_sums,
+add_calibration, fit_calibration, calibration_rows): the default is the gain above; AVNorm mode=beyond fits a per-head
+exponent on RMS by length instead (retrofit/norms/avnorm.py). A text is cut into rows for it (text_rows); a recipe
+calibrates on its training blocks (data.seq_len).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from torch import nn
 from .attention_seam import check_unsharded
 from .errors import RetrofitError
 from .norms import Norm, calibrated_norm_hints
-from .norms.avnorm import EXPONENT_RANGE
 from .record import read_record, write_record
 
 
@@ -36,46 +35,10 @@ def calibrated_norms(model: nn.Module) -> list[Norm]:
     return [m for m in model.modules() if isinstance(m, Norm) and m.calibrated_parameter() is not None]
 
 
-def _by_length(norm: Norm) -> bool:
-    """An exponent fitted on RMS by length (AVNorm mode=beyond), not a gain."""
-    return norm.calibrated_parameter() == "exponent"
-
-
-def _add_by_length(sums: torch.Tensor, counts: torch.Tensor, n: torch.Tensor, rms: torch.Tensor,
-                   valid: torch.Tensor) -> None:
-    """Accumulate per (n, head) the sum of RMS and the token count, n <= L only (sums: (L + 1, H)).
-    n: visible keys broadcastable to (B, H, T); rms (B, T, H); valid (B, T, 1)."""
-    while n.dim() < 3:
-        n = n.unsqueeze(0)
-    n = n.expand(rms.shape[0], rms.shape[2], rms.shape[1]).transpose(1, 2).long()  # (B, T, H)
-    keep = valid.expand_as(rms) & (n < sums.shape[0])
-    index = (n * sums.shape[1] + torch.arange(sums.shape[1], device=n.device))[keep]  # flat (n, h)
-    sums.view(-1).index_add_(0, index, rms[keep].double())
-    counts.view(-1).index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
-
-
-def fit_exponents(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """(L + 1, H) RMS sums and counts per n -> (H,) b_h: minus the slope of log mean RMS on log n (see above)."""
-    seen = (counts[:, 0] > 0).nonzero().flatten()
-    top = int(seen.max()) if len(seen) else 0
-    n = torch.arange(max(2, top // 16), top + 1, device=sums.device)
-    n = n[counts[n, 0] > 0]
-    if len(n) < 2:
-        raise RetrofitError("calibrating avnorm mode=beyond needs texts of at least 3 tokens (it fits each head's "
-                            "output RMS against length)")
-    x = torch.log(n.double())[:, None]  # (N, 1)
-    y = torch.log((sums[n] / counts[n]).clamp_min(1e-30))  # (N, H)
-    xc, yc = x - x.mean(0), y - y.mean(0)
-    slope = (xc * yc).sum(0) / (xc * xc).sum(0)
-    return (-slope).clamp(*EXPONENT_RANGE)
-
-
 def row_length(model: nn.Module, rows: int = 512) -> int:
-    """Tokens per calibration row: `rows` for gains (a mean over tokens), but as long as L for AVNorm mode=beyond,
-    whose fit spans n in [N // 16, N] of the longest row: 512-token rows would fit n in [32, 512] and extrapolate
-    that slope 64x to 32K; rows of L fit it where it is used, just inside L."""
-    lengths = [n.ref_len for n in calibrated_norms(model) if _by_length(n)]
-    return max([rows, *lengths]) if lengths else rows
+    """Tokens per calibration row: `rows` for gains (a mean over tokens), or as many as a norm's fit needs
+    (Norm.calibration_rows: AVNorm mode=beyond fits on rows of L)."""
+    return max([rows, *(n.calibration_rows(rows) for n in calibrated_norms(model))])
 
 
 def text_rows(model: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -126,22 +89,11 @@ def _forward(model: nn.Module, batch, device) -> torch.Tensor:
     return mask.bool()[..., None]
 
 
-def _accumulate(norms: list, before: list, after: list, valid: torch.Tensor) -> None:
-    """Add each norm's recorded RMS (in, out) over the valid tokens to its sums (by length for mode=beyond)."""
-    for i, n in enumerate(norms):
-        rms_in, rms_out = n.calibration.pop()  # (B, T, H) each; mode=beyond: (visible keys, RMS)
-        if _by_length(n):
-            _add_by_length(before[i], after[i], rms_in, rms_out, valid)
-            continue
-        before[i] += (rms_in * valid).sum((0, 1)).double()
-        after[i] += (rms_out * valid).sum((0, 1)).double()
-
-
 @torch.no_grad()
 def calibrate(model: nn.Module, batches: torch.Tensor | Mapping | Iterable[torch.Tensor | Mapping], *,
               max_batches: int | None = None) -> dict:
     """Set each head's gain to mean_tokens RMS(original head output) / mean_tokens RMS(normalized output)
-    (AVNorm mode=beyond: its exponent, fitted on RMS by length; see the module docstring).
+    (or what else the norm fits from what it records: Norm.fit_calibration; AVNorm mode=beyond: its exponent).
 
     For kind=rms (and layer) the normalized RMS is ~1, so the gain is the head's mean output RMS.
     Padding (attention_mask == 0) is excluded; a batch with position_ids and no attention_mask is packed
@@ -154,9 +106,7 @@ def calibrate(model: nn.Module, batches: torch.Tensor | Mapping | Iterable[torch
                             f"({calibrated_norm_hints()}); no norm with a per-head gain found")
     check_unsharded(norms, "calibrate")
     device = next(model.parameters()).device
-    before = [torch.zeros(n.ref_len + 1 if _by_length(n) else 1, n.shape.num_heads, dtype=torch.float64,
-                          device=device).squeeze(0) for n in norms]
-    after = [torch.zeros_like(b) for b in before]
+    sums = [n.calibration_sums(device) for n in norms]
     tokens, used, was_training = 0, 0, model.training
     model.eval()
     for n in norms:
@@ -166,7 +116,8 @@ def calibrate(model: nn.Module, batches: torch.Tensor | Mapping | Iterable[torch
             if max_batches is not None and used >= max_batches:
                 break
             valid = _forward(model, batch, device)  # (B, T, 1): the tokens that count
-            _accumulate(norms, before, after, valid)
+            for n, sums_n in zip(norms, sums):
+                n.add_calibration(sums_n, n.calibration.pop(), valid)
             tokens += int(valid.sum())
             used += 1
     finally:
@@ -176,13 +127,13 @@ def calibrate(model: nn.Module, batches: torch.Tensor | Mapping | Iterable[torch
     if tokens == 0:
         raise RetrofitError("calibration saw no tokens: pass at least one non-empty batch of text")
     fitted = []
-    for i, n in enumerate(norms):
+    for n, sums_n in zip(norms, sums):
         param = getattr(n, n.calibrated_parameter())
-        value = fit_exponents(before[i], after[i]) if _by_length(n) else before[i] / after[i].clamp_min(1e-12)
+        value = n.fit_calibration(sums_n)  # (H,)
         param.data.copy_(value.to(param.dtype))
         fitted.append(value)
     g = torch.cat(fitted).float()
-    what = "exponent" if _by_length(norms[0]) else "gain"
+    what = norms[0].calibrated_parameter()  # one norm per model: "gain", "exponent", ...
     summary = {"tokens": tokens, "batches": used, f"{what}_mean": round(float(g.mean()), 6),
                f"{what}_min": round(float(g.min()), 6), f"{what}_max": round(float(g.max()), 6)}
     if read_record(model) is not None:

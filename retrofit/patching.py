@@ -167,7 +167,7 @@ def _check_query_scaling(norm: str, norm_cls, opts, config) -> str | None:
     already = position_query_scaling(config) if norm_cls.scales_queries_by_position else None
     if not already:
         return None
-    if not getattr(opts, "stack", False):
+    if not norm_cls.stacks_query_scaling(opts):
         raise RetrofitError(f"{config.model_type} already applies {already}; {norm} would scale its queries a "
                             f"second time: pass stack=True to stack them anyway")
     return f"{norm} stacked on the model's own {already}"

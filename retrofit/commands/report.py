@@ -90,9 +90,9 @@ def _read(path: Path) -> dict:
 def _experiment(out: Path, results: dict, margin: float | None = None) -> None:
     from ..evaluate.rejudge import rejudge
     from ..evaluate.report import write_report
-    from ..experiment.report import write_experiment_report  # the experiment stack, only for experiment folders
+    from ..experiment.report import results_control, write_experiment_report  # only for experiment folders
 
-    control = results.get("control", "softmax")  # experiments written before control was recorded: the default
+    control = results_control(results)  # experiment.control (older results.json: its documented fallback)
     results = dict(results, evaluation=rejudge(results["evaluation"], control
                                                if _has(results["evaluation"], control) else None, margin))
     write_report(results["evaluation"], out / "eval")

@@ -19,6 +19,7 @@ from ..evaluate.compare import comparison_references
 from ..evaluate.intervals import plus_minus
 from ..evaluate.report import comparison_table_markdown, legend, line_plot, markdown_table, seed_sections
 from ..evaluate.tail import tail_sections
+from ..norms import baseline_norm
 from ..recipe import seeded_name
 from .reference import direction_markdown
 
@@ -31,6 +32,13 @@ def hardware() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),  # the numbers
             "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,  # move with these
             "transformers": transformers_version, **gpu}
+
+
+def results_control(results: dict) -> str:
+    """The experiment's control arm (experiment.control, recorded in results.json). A results.json written before
+    `control` was recorded has none: its control arm then was the arm named after the baseline norm (experiment.
+    control's default, baseline_norm()). The one place that fallback lives: `retrofit report` asks here too."""
+    return results.get("control", baseline_norm())
 
 
 def _metric(evaluation: dict) -> tuple[str, str]:
@@ -77,7 +85,7 @@ def comparison_table(results: dict, value: str | None = None) -> str:
         header.append(f"{lengths[-1]} / {train_len}")
     rows = []
     for name, values in table.items():
-        patch = results["arms"].get(name, {}).get("patch") if name != "base" else {"norm": "softmax (base)"}
+        patch = results["arms"].get(name, {}).get("patch") if name != "base" else {"norm": f"{baseline_norm()} (base)"}
         row = [name, ", ".join(f"{k}={v}" for k, v in (patch or {}).items() if v not in (None, False))]
         row += [_fmt(values.get(n), intervals.get(name, {}).get(n)) for n in lengths]
         if train_len in lengths and len(lengths) > 1:
@@ -130,7 +138,7 @@ def gap_series(results: dict, length: int | None = None) -> dict[str, tuple[list
 
 def _control_run(results: dict, name: str) -> str:
     """The control's run a run is compared with: the control arm, under the run's own seed when it has one."""
-    control, seed = results.get("control", "softmax"), results["arms"].get(name, {}).get("seed")
+    control, seed = results_control(results), results["arms"].get(name, {}).get("seed")
     return control if seed is None else seeded_name(control, seed)
 
 
@@ -171,7 +179,7 @@ def recovery_table(results: dict, length: int | None = None) -> str:
 
 
 def gap_table(results: dict, length: int | None = None) -> str:
-    return _steps_table(gap_series(results, length), f"gap to {results.get('control', 'softmax')} \\ step",
+    return _steps_table(gap_series(results, length), f"gap to {results_control(results)} \\ step",
                         lambda x: "—" if x is None else f"{x:+.3f}")
 
 
@@ -197,7 +205,7 @@ def write_experiment_report(results: dict, out) -> Path:
             gaps = gap_series(results, n)
             name = "recovery.png" if i == 0 else f"recovery-{n}.png"
             series = gaps or recovery_series(results, n)
-            what = f"gap to {results.get('control', 'softmax')} at {n}" if gaps else f"{label} at {n}"
+            what = f"gap to {results_control(results)} at {n}" if gaps else f"{label} at {n}"
             title = f"Held-out {label} at {n} tokens" if _from_scratch(results) else f"Retrofit recovery at {n} tokens"
             plots.append(line_plot(series, out / name, xlabel=f"{_stage(results)} steps", log2x=False, colors=colors,
                                    ylabel=what, title=title).name)
@@ -228,7 +236,7 @@ def write_experiment_report(results: dict, out) -> Path:
         during = "training (from scratch)" if _from_scratch(results) else "finetuning"
         lines += [f"## Recovery at {n} tokens: {label} during {during}", "", recovery_table(results, n), ""]
         if gaps:
-            lines += [f"Gap to the control arm {md_code(results.get('control', 'softmax'))} at the same step "
+            lines += [f"Gap to the control arm {md_code(results_control(results))} at the same step "
                       "(negative = better than the control):", "", gaps, ""]
         lines += [f"![recovery at {n}]({plot})", ""]
     if results.get("reference"):

@@ -31,6 +31,11 @@ holds it at its trained-length level r_h(L). b_h (H values, `exponent`) is a par
 per head on text inside L (least squares of log mean RMS on log n; clamped to [-1, 1]) and a finetune trains it.
 It acts inside the attention function (it needs n), wrapping the base kernel as SSMax does; while no key lies
 beyond L the base kernel's output is returned as it is (the same tensor).
+
+Calibrating mode=beyond (Norm.fit_calibration here): from the mean output RMS per number of visible keys n on text
+inside L, b_h is minus the least-squares slope of log r_h(n) on log n over n in [max(2, N // 16), N] (N = min(longest
+text, L)), so that (n / L)^b_h holds r_h at r_h(L) beyond L. Rows of L tokens (calibration_rows), not 512: a fit over
+n in [32, 512] would be extrapolated 64x to 32K; rows of L fit it where it is used, just inside L.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from torch import nn
 from ..errors import RetrofitError, closest
 from ..kernels.masks import visible_counts
 from . import register_norm
-from .base import Norm, finite_number, option, visible_keys
+from .attention_call import visible_keys
+from .base import Norm, finite_number, option
 
 KINDS = ("rms", "layer", "global")
 MODES = ("always", "beyond")
@@ -70,6 +76,7 @@ class AVNorm(Norm):
                  "norm (`out`) as well as the softmax average before it (`AV`).")
     calibrated_by_default = True  # unit gains ruin a pretrained model (UNCALIBRATED_COST)
     calibration_hint = "avnorm"
+    serve_as = "outputs"  # vLLM: each head's output through this module before o_proj (mode=beyond: times factor(n))
 
     @dataclass
     class Options:
@@ -113,6 +120,29 @@ class AVNorm(Norm):
 
     def calibrated_parameter(self) -> str:
         return "exponent" if self.options.mode == "beyond" else "gain"
+
+    @classmethod
+    def calibration_given(cls, given: dict) -> bool:
+        return given.get("gain") is not None
+
+    def calibration_rows(self, rows: int) -> int:
+        return max(rows, self.ref_len) if self.options.mode == "beyond" else rows
+
+    def calibration_sums(self, device) -> list[torch.Tensor]:
+        """mode=beyond: sums of RMS and token counts per (n, head), (L + 1, H) each; otherwise RMS before and after."""
+        if self.options.mode != "beyond":
+            return super().calibration_sums(device)
+        return [torch.zeros(self.ref_len + 1, self.shape.num_heads, dtype=torch.float64, device=device)
+                for _ in range(2)]
+
+    def add_calibration(self, sums: list[torch.Tensor], recorded: tuple, valid: torch.Tensor) -> None:
+        if self.options.mode == "beyond":  # recorded: (visible keys, per-token RMS), see beyond()
+            add_by_length(*sums, *recorded, valid)
+        else:
+            super().add_calibration(sums, recorded, valid)
+
+    def fit_calibration(self, sums: list[torch.Tensor]) -> torch.Tensor:
+        return fit_exponents(*sums) if self.options.mode == "beyond" else super().fit_calibration(sums)
 
     @classmethod
     def uncalibrated_cost(cls, given: dict) -> str | None:
@@ -212,6 +242,35 @@ class AVNorm(Norm):
         ratio = n.float() / self.ref_len  # (B or 1, H or 1, Tq)
         scaled = torch.exp(self.exponent.float().view(-1, 1) * torch.log(ratio.clamp_min(1.0)))  # (., H, Tq)
         return torch.where(ratio > 1.0, scaled, torch.ones_like(scaled))
+
+
+def add_by_length(sums: torch.Tensor, counts: torch.Tensor, n: torch.Tensor, rms: torch.Tensor,
+                  valid: torch.Tensor) -> None:
+    """Accumulate per (n, head) the sum of RMS and the token count, n <= L only (sums: (L + 1, H)).
+    n: visible keys broadcastable to (B, H, T); rms (B, T, H); valid (B, T, 1)."""
+    while n.dim() < 3:
+        n = n.unsqueeze(0)
+    n = n.expand(rms.shape[0], rms.shape[2], rms.shape[1]).transpose(1, 2).long()  # (B, T, H)
+    keep = valid.expand_as(rms) & (n < sums.shape[0])
+    index = (n * sums.shape[1] + torch.arange(sums.shape[1], device=n.device))[keep]  # flat (n, h)
+    sums.view(-1).index_add_(0, index, rms[keep].double())
+    counts.view(-1).index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
+
+
+def fit_exponents(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """(L + 1, H) RMS sums and counts per n -> (H,) b_h: minus the slope of log mean RMS on log n (see above)."""
+    seen = (counts[:, 0] > 0).nonzero().flatten()
+    top = int(seen.max()) if len(seen) else 0
+    n = torch.arange(max(2, top // 16), top + 1, device=sums.device)
+    n = n[counts[n, 0] > 0]
+    if len(n) < 2:
+        raise RetrofitError("calibrating avnorm mode=beyond needs texts of at least 3 tokens (it fits each head's "
+                            "output RMS against length)")
+    x = torch.log(n.double())[:, None]  # (N, 1)
+    y = torch.log((sums[n] / counts[n]).clamp_min(1e-30))  # (N, H)
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    slope = (xc * yc).sum(0) / (xc * xc).sum(0)
+    return (-slope).clamp(*EXPONENT_RANGE)
 
 
 def _number(value, name: str) -> float:

@@ -1,4 +1,5 @@
-"""What every norm shares: the attention shape it is built for, and the visible-keys rule.
+"""What every norm shares: the attention shape it is built for, the Norm class and its hooks, the output hook.
+How a norm calls the kernels (visible keys, masks, sinks, position bias) is attention_call.py.
 
 A norm is an `nn.Module` attached to one attention module as its `retrofit` child. Its parameters
 (1-D tensors, never 0-d, so FSDP can shard them) are part of the model's state_dict, and PEFT's
@@ -20,13 +21,9 @@ from torch import nn
 
 from ..errors import RetrofitError
 from ..families import output_projection
-from ..kernels.masks import hides_future
 
 CHILD = "retrofit"  # name of the norm module attached to each attention module
 _REGISTER = threading.Lock()  # held only while follow_projection adds a hook (never on a plain forward)
-
-# How transformers' models hand an attention function their learned per-head sink logits (gpt_oss: s_aux=self.sinks).
-SINK_KWARGS = ("s_aux", "sinks")
 
 
 def option(default, doc: str):
@@ -74,6 +71,11 @@ class Norm(nn.Module):
     # its starting point would ruin the model (AVNorm's unit gains). False: calibration only when asked (gain=1).
     calibrated_by_default: ClassVar[bool] = False
     calibration_hint: ClassVar[str | None] = None  # how to ask for a calibrated patch of it, in errors: "avnorm"
+    # How vLLM's model code runs this norm (retrofit/serve/llama.py), one of retrofit.serve.plan.SERVE_STEPS: "plain"
+    # (vLLM's attention as it is), "queries" (q times logit_factor(n) per head and position, n = position + 1),
+    # "outputs" (each head's output through the norm before o_proj; acting inside attention: times factor(n) per
+    # head), "sinks" (the norm's (H,) `sink` as vLLM's attention sinks). None: refused (serve_refusal says why).
+    serve_as: ClassVar[str | None] = None
 
     def __init__(self, options: Any, shape: AttentionShape):
         super().__init__()
@@ -107,7 +109,7 @@ class Norm(nn.Module):
         raise NotImplementedError
 
     def set_scheduled_value(self, value: float) -> None:
-        """Move the scheduled knob to `value` (the option named by `knob`); the norm reads it on its next call."""
+        """Move the scheduled knob (the option named by `scheduled_option`) to `value`; read on the next call."""
         raise NotImplementedError(f"{self.name} has no scheduled knob")
 
     def scheduled_value(self) -> float:
@@ -131,6 +133,18 @@ class Norm(nn.Module):
         """What happens to a model's own learned sinks under this norm, for the PatchReport's note."""
         return "kept"
 
+    @classmethod
+    def stacks_query_scaling(cls, options) -> bool:
+        """Whether this norm, built with `options`, may scale queries by position on a model that already does
+        (Llama 4; scales_queries_by_position), on top of the model's own; False: retrofit.patch refuses it."""
+        return False
+
+    @classmethod
+    def serve_refusal(cls, options, heads: list[int] | None) -> str | None:
+        """Why retrofit's vLLM plugin cannot serve this norm built with `options` on `heads` (None = all), in one line
+        that says what to run instead; None: it serves it as `serve_as` says (or refuses it for having none)."""
+        return None
+
     # ---- calibration (retrofit.calibrate) and how a report shows it -------------------------------------------------
 
     @classmethod
@@ -139,9 +153,35 @@ class Norm(nn.Module):
         return False
 
     def calibrated_parameter(self) -> str | None:
-        """The parameter retrofit.calibrate sets: "gain" (a per-head scale: mean RMS before over after), "exponent"
-        (a per-head power of n / L, fitted on RMS by length), or None."""
+        """The name of the parameter retrofit.calibrate sets (fit_calibration's values), or None: p-softmax's "gain",
+        AVNorm's "gain" or, with mode=beyond, "exponent"."""
         return None
+
+    @classmethod
+    def calibration_given(cls, given: dict) -> bool:
+        """Whether the options given (those the user wrote) set what calibration would (AVNorm's `gain`), so a norm
+        calibrated_by_default is not calibrated by default (a recipe's patch.calibrate_tokens: 0)."""
+        return False
+
+    def calibration_rows(self, rows: int) -> int:
+        """Tokens per calibration row this norm's fit needs, `rows` being the default (a mean over tokens: as many)."""
+        return rows
+
+    def calibration_sums(self, device) -> list[torch.Tensor]:
+        """Zeroed float64 sums of what the forward records in `self.calibration` (a list while calibrating): by
+        default the RMS of the original and of the norm's head outputs, (H,) each."""
+        return [torch.zeros(self.shape.num_heads, dtype=torch.float64, device=device) for _ in range(2)]
+
+    def add_calibration(self, sums: list[torch.Tensor], recorded: tuple, valid: torch.Tensor) -> None:
+        """Add one forward's entry (per-token RMS before, after: (B, T, H) each) over valid tokens (B, T, 1)."""
+        for total, rms in zip(sums, recorded):
+            total += (rms * valid).sum((0, 1)).double()
+
+    def fit_calibration(self, sums: list[torch.Tensor]) -> torch.Tensor:
+        """(H,) values retrofit.calibrate writes into calibrated_parameter(), from the sums: by default a gain, mean
+        RMS of the original head output over mean RMS of the norm's."""
+        before, after = sums
+        return before / after.clamp_min(1e-12)
 
     @classmethod
     def uncalibrated_cost(cls, given: dict) -> str | None:
@@ -279,82 +319,6 @@ def drop_output_hooks(module: nn.Module) -> None:
             del module._forward_pre_hooks[key]
             if isinstance(hook, ProjectionHook) and _is_mark(module.__dict__.get("forward")):
                 del module.__dict__["forward"]
-
-
-
-
-def visible_keys(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, is_causal: bool | None):
-    """Translate what transformers hands an attention function into (key, value, mask, causal).
-
-    Returns the keys/values to attend over, a mask (bool: True = attend, or additive float) of shape
-    broadcastable to (B, H, Tq, Tk) or None, and `causal`: when True every key after a query's
-    bottom-right position is hidden (queries are the last Tq of the Tk positions); with a mask, only
-    when the mask hides them already, so it changes nothing but lets the kernels skip work. This mirrors transformers'
-    `sdpa_attention_forward` exactly: a None mask means "causal" only when Tq > 1, and a None mask with
-    Tk > Tq (prefill into an empty static cache) means only the first Tq keys are real.
-    """
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    q_len, kv_len = query.shape[2], key.shape[2]
-    if attention_mask is not None:
-        # a decoder's padding mask already hides the future: saying so lets the kernels skip those blocks.
-        # Asked of the mask transformers built once per forward (not of a fresh slice), so every layer
-        # after the first gets the cached answer.
-        hides = causal and hides_future(attention_mask, q_len, kv_len)
-        if attention_mask.dim() == 4:
-            attention_mask = attention_mask[:, :, :, :kv_len]
-        return key, value, attention_mask, hides
-    if not causal or q_len == 1:
-        return key, value, None, False
-    if kv_len > q_len:
-        key, value = key[:, :, :q_len], value[:, :, :q_len]
-    return key, value, None, True
-
-
-def with_position_bias(position_bias: torch.Tensor | None, mask: torch.Tensor | None, causal: bool,
-                       query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
-    """`mask` (visible_keys') with transformers' `position_bias` (B, H, Tq, Tk), which sdpa_attention_forward adds to
-    the logits (transformers 5.24: Inkling's relative position bias arrives so), folded in as its
-    create_position_bias_mask does: the bias where a query may attend, key dtype's min elsewhere (a bool mask or
-    causality), or the bias plus an additive float mask. `causal` stays as it was: the folded mask hides what it hid."""
-    if position_bias is None:
-        return mask
-    bias = position_bias[..., : key.shape[2]]  # the keys visible_keys kept (an empty static cache's prefill: Tq)
-    hidden = torch.finfo(key.dtype).min
-    if mask is None and causal:
-        q_len, kv_len = query.shape[2], key.shape[2]
-        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=key.device).tril(kv_len - q_len)  # (Tq, Tk)
-    if mask is None:
-        return bias.contiguous()
-    return (torch.where(mask, bias, hidden) if mask.dtype == torch.bool else bias + mask).contiguous()
-
-
-def model_sink(kwargs: dict) -> torch.Tensor | None:
-    """Pop the model's learned per-head sink logits (H,) from an attention call's kwargs; None if it has none."""
-    found = [kwargs.pop(name) for name in SINK_KWARGS if kwargs.get(name) is not None]
-    return found[0] if found else None
-
-
-def kernel_call(kernel, module, query, key, value, attention_mask, *extra, scaling=None, dropout=0.0,
-                is_causal=None, softcap=None, position_bias=None, **kwargs):
-    """Run one of retrofit.kernels' attention functions in a transformers attention function's place.
-
-    Returns (out (B, Tq, H, D), None) as transformers expects. `dropout` is the attention-weight
-    dropout transformers passes (its models pass 0 outside training); applied only in training mode.
-    `softcap` (Gemma 2's attn_logit_softcapping) caps the scaled logits, c * tanh(s / c), inside the
-    kernel. `sliding_window` (in kwargs) needs nothing here: transformers builds the window into the
-    mask it passes (measured on transformers 5.23 under sdpa: a bool mask on sliding layers whenever the
-    window is shorter than the keys, None only when it hides nothing), and the kernels follow the mask.
-    `position_bias` (transformers 5.24) is added to the logits, folded into the mask as sdpa does (with_position_bias).
-    """
-    if any(kwargs.get(name) is not None for name in SINK_KWARGS):  # patch() refuses first; never drop them silently
-        raise RetrofitError(f"{type(module).__name__} passes learned attention sinks that this norm would drop")
-    key, value, mask, causal = visible_keys(module, query, key, value, attention_mask, is_causal)
-    mask = with_position_bias(position_bias, mask, causal, query, key)
-    out = kernel(query, key, value, *extra, scale=scaling, causal=causal, attn_mask=mask,
-                 enable_gqa=key.shape[1] != query.shape[1], softcap=softcap,
-                 dropout_p=dropout if module.training else 0.0)  # (B, H, Tq, D)
-    return out.transpose(1, 2).contiguous(), None
 
 
 def finite_number(value, what: str, hint: str = "") -> float:

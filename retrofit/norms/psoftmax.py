@@ -32,7 +32,8 @@ from torch import nn
 from ..errors import RetrofitError
 from ..kernels import psoftmax_attention, softmax1_attention
 from . import register_norm
-from .base import Norm, kernel_call, model_sink, option, softmax_rows
+from .attention_call import kernel_call, model_sink
+from .base import Norm, option, softmax_rows
 
 
 @register_norm
@@ -104,6 +105,11 @@ class PSoftmax(Norm):
 
     def scheduled_value(self) -> float:
         return self.p
+
+    @classmethod
+    def serve_refusal(cls, options, heads: list[int] | None) -> str | None:
+        return ("p-softmax is not served by vLLM: it rescales each row by exp(LSE(s) - LSE(p*s)/p) and vLLM's "
+                "attention returns no log-sum-exp; run it with retrofit.from_pretrained or `retrofit eval`")
 
     @classmethod
     def sink_refusal(cls, options) -> str | None:

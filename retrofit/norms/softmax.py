@@ -18,6 +18,7 @@ class Softmax(Norm):
     summary = "the unpatched baseline (bitwise identical to the original model)"
     formula = "a = exp(s) / sum_j exp(s_j)"
     baseline = True
+    serve_as = "plain"  # vLLM's own attention, unchanged (a RoPE extension or NoPE alone)
     card = ("the unpatched baseline, published for comparison: softmax weights sum to 1, so as the context grows "
             "they spread out and each head's output variance falls roughly as 1/L (variance collapse).")
     diagnosis = "the paper's setting: every measure as defined."

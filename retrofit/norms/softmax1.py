@@ -22,7 +22,8 @@ from torch import nn
 from ..errors import RetrofitError
 from ..kernels import softmax1_attention
 from . import register_norm
-from .base import Norm, finite_number, kernel_call, model_sink, option
+from .attention_call import kernel_call, model_sink
+from .base import Norm, finite_number, option
 
 
 @register_norm
@@ -38,6 +39,7 @@ class Softmax1(Norm):
                  "entropy of the renormalized row and the sink-aware Corollary 1 bounds; 3 uses the weight left "
                  "outside the top-N set; 5 divides the sink logit by T too.")
     example_options = {"learnable": True}
+    serve_as = "sinks"  # vLLM: b_h as its attention's sinks (exp(b_h) in every row's denominator is softmax+1)
 
     @dataclass
     class Options:
@@ -90,6 +92,13 @@ class Softmax1(Norm):
     def sink_refusal(cls, options) -> str | None:
         if not options.stack:
             return "softmax1 would add a second sink to the model's own learned sinks: pass stack=True to combine them"
+        return None
+
+    @classmethod
+    def serve_refusal(cls, options, heads: list[int] | None) -> str | None:
+        if heads is not None:  # vLLM's sinks are every head's: unselected heads would get one too
+            return ("retrofit's vLLM plugin does not serve softmax1 on selected heads (heads=) yet: run it with "
+                    "retrofit.from_pretrained")
         return None
 
     def forward(self, module, query, key, value, attention_mask, *, base, **kwargs):

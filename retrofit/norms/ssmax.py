@@ -42,7 +42,8 @@ from ..errors import RetrofitError, closest
 from ..kernels import softmax1_attention, ssmax_attention
 from ..kernels.masks import visible_counts
 from . import register_norm
-from .base import Norm, kernel_call, model_sink, option, visible_keys
+from .attention_call import kernel_call, model_sink, visible_keys
+from .base import Norm, option
 
 SCALES = ("learned", "beyond", "llama4")
 
@@ -53,6 +54,7 @@ class SSMax(Norm):
     summary = "Scalable-Softmax: logits times a function of n = visible keys (learned s*log n, or 1 inside L)"
     formula = "a = softmax(f(n) * q.k / sqrt(d)); f = s_h*log n | max(1, log n/log L) | 1 + beta*log(1+floor((n-1)/L))"
     scales_queries_by_position = True
+    serve_as = "queries"  # vLLM: q times logit_factor(n), n = position + 1 (vLLM packs sequences: no padding)
     scheduled_option, schedule_identity = "blend", 0.0
     per_head = True  # heads= selects heads; the others keep plain softmax logits (patch: Norm.keep_unselected)
     card = ("Scalable-Softmax multiplies the logits by s*log(n) (n = keys the query sees), so attention stays as "
@@ -93,6 +95,10 @@ class SSMax(Norm):
             s_init = options.s_init if options.s_init is not None else 1.0 / math.log(self.ref_len)
             self.s = nn.Parameter(torch.full((shape.num_heads,), s_init))  # (H,)
         self.blend = options.blend  # the scheduled knob
+
+    @classmethod
+    def stacks_query_scaling(cls, options) -> bool:
+        return options.stack
 
     def logit_factor(self, n: torch.Tensor) -> torch.Tensor:
         """(B, H, R, 1) visible keys -> the factor (B, H, R, 1) this norm's logits are multiplied by."""

@@ -83,11 +83,13 @@ class PatchSection:
 
     def tokens_to_calibrate(self, pretrained: bool) -> int:
         """patch.calibrate_tokens, or its default: 8192 for a norm calibrated by default (AVNorm: Norm.
-        calibrated_by_default) on a pretrained model when no gain is given, else 0."""
+        calibrated_by_default) on a pretrained model unless the options given set what it calibrates (AVNorm's
+        gain: Norm.calibration_given), else 0."""
         if self.calibrate_tokens is not None:
             return self.calibrate_tokens
-        default = self.norm is not None and NORMS[self.norm].calibrated_by_default
-        return 8192 if default and pretrained and self.options.get("gain") is None else 0
+        cls = NORMS[self.norm] if self.norm is not None else None
+        default = cls is not None and cls.calibrated_by_default and not cls.calibration_given(self.options)
+        return 8192 if default and pretrained else 0
 
     @staticmethod
     def option_documentation(prefix: str) -> list[tuple[str, str, str]]:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention_seam import observe
-from ..norms.base import visible_keys
+from ..norms.attention_call import visible_keys
 from ..patching import CHILD, is_patched
 from .bypass import patch_bypassed
 from .schedule import scheduled_norms, set_schedule_position

@@ -5,12 +5,15 @@
 A checkpoint without `config.retrofit` builds vLLM's own decoder layers, unchanged. With one, every decoder layer's
 attention is RetrofitLlamaAttention, built through vLLM's seams (LlamaForCausalLM's `layer_type`, LlamaDecoderLayer's
 `attn_layer_type`), and the patched ones hold retrofit's own norm module as their `retrofit` child, so the checkpoint's
-`model.layers.i.self_attn.retrofit.*` weights load by name and the formulas are retrofit's code, not a copy:
+`model.layers.i.self_attn.retrofit.*` weights load by name and the formulas are retrofit's code, not a copy. Each
+norm says which step runs it (Norm.serve_as, one of plan.SERVE_STEPS); nothing here asks a norm's name:
 
-    avnorm  out (T, H, D) -> norm(out) before o_proj           (mode=beyond: out * (max(n, L) / L)^b_h)
-    ssmax   q (T, H, D) -> q * f(n), n = position + 1          (vLLM packs sequences: no padding, cached keys count)
-    softmax1  the norm's sink b_h handed to vLLM's Attention as its sinks (exp(b_h) in every row's denominator)
-    nope    no rotary embedding on q and k
+    plain    vLLM's attention as it is                          (softmax: a RoPE extension or NoPE alone)
+    queries  q (T, H, D) -> q * norm.logit_factor(n), n = position + 1   (SSMax; vLLM packs sequences: no padding,
+             cached keys count)
+    outputs  out (T, H, D) -> norm(out) before o_proj          (AVNorm; mode=beyond: out * norm.factor(n) per head)
+    sinks    the norm's sink b_h handed to vLLM's Attention as its sinks (softmax+1: exp(b_h) in every denominator)
+    nope     no rotary embedding on q and k
 """
 
 from __future__ import annotations
@@ -46,10 +49,10 @@ class RetrofitLlamaAttention(LlamaAttention):
         norm = get_norm(plan.norm)(make_options(plan.norm, **plan.options), shape)
         norm.select_heads(list(plan.heads) if plan.heads is not None else None)
         self.add_module(CHILD, norm)
-        if plan.norm == "softmax1":
-            self._rebuild_with_sinks(norm.sink, kwargs.get("cache_config"), kwargs.get("quant_config"))
+        if norm.serve_as == "sinks":
+            self._rebuild_with_sinks(norm, kwargs.get("cache_config"), kwargs.get("quant_config"))
 
-    def _rebuild_with_sinks(self, sinks: torch.Tensor, cache_config, quant_config) -> None:
+    def _rebuild_with_sinks(self, norm, cache_config, quant_config) -> None:
         """Build self.attn again with the norm's sink logits (the same tensor: a learned sink loads into it).
         LlamaAttention builds its Attention without sinks and the layer name is registered once: drop that
         registration first (vLLM raises on a duplicate name)."""
@@ -58,10 +61,10 @@ class RetrofitLlamaAttention(LlamaAttention):
         self.attn = Attention(old.num_heads, old.head_size, self.scaling, num_kv_heads=old.num_kv_heads,
                               cache_config=cache_config, quant_config=quant_config,
                               per_layer_sliding_window=old.sliding_window, attn_type=old.attn_type,
-                              prefix=old.layer_name, sinks=sinks)
+                              prefix=old.layer_name, sinks=norm.sink)  # (H,)
         backend = self.attn.attn_backend
         if not (backend.supports_sink() or backend.get_name() in SINK_BACKENDS):
-            raise RetrofitError(SINKS_REFUSED.format(backend=backend.get_name()))
+            raise RetrofitError(SINKS_REFUSED.format(norm=norm.name, backend=backend.get_name()))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         norm = self._modules.get(CHILD)
@@ -71,10 +74,11 @@ class RetrofitLlamaAttention(LlamaAttention):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if not self.nope:
             q, k = self.rotary_emb(positions, q, k)
-        if norm is not None and norm.name == "ssmax":
+        step = norm.serve_as if norm is not None else "plain"
+        if step == "queries":
             q = self._scale_queries(norm, positions, q)
         out = self.attn(q, k, v)  # (T, H D)
-        if norm is not None and norm.name == "avnorm":
+        if step == "outputs":
             out = self._normalize_heads(norm, positions, out)
         output, _ = self.o_proj(out)
         return output
@@ -83,9 +87,10 @@ class RetrofitLlamaAttention(LlamaAttention):
         return x.view(x.shape[0], self.num_heads, self.head_dim)  # (T, H D) -> (T, H, D)
 
     def _scale_queries(self, norm, positions: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """SSMax: q times f(n) per head and query, n = position + 1; unselected heads times exactly 1."""
+        """q times the norm's logit factor per head and query (SSMax: f(n)), n = position + 1; unselected heads times
+        exactly 1."""
         n = positions.float() + 1.0  # (T,) the keys each query may see
-        factor = norm.blended(norm.factor(n))  # (H, T) learned; (T,) beyond, llama4
+        factor = norm.logit_factor(n.view(1, 1, -1, 1))[0, ..., 0]  # (H, T) per head, or (1, T) (SSMax beyond, llama4)
         factor = factor.expand(self.num_heads, n.shape[0]).transpose(0, 1)  # (T, H)
         if norm.head_mask is not None:
             factor = torch.where(norm.head_mask.to(factor.device), factor, torch.ones_like(factor))
@@ -124,7 +129,4 @@ def checked_plan(vllm_config) -> ServePlan | None:
     if plan is not None and get_tensor_model_parallel_world_size() > 1:
         raise RetrofitError("retrofit's vLLM plugin serves a patched model with tensor_parallel_size=1 only (its "
                             "per-head parameters are not sharded yet)")
-    if plan is not None and plan.norm == "softmax1" and plan.heads is not None:
-        raise RetrofitError("retrofit's vLLM plugin does not serve softmax1 on selected heads (heads=) yet: run it "
-                            "with retrofit.from_pretrained")
     return plan

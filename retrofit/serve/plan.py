@@ -4,14 +4,13 @@
     plan.norm, plan.options, plan.layers, plan.heads, plan.nope, plan.original_positions
 
 Decided here, before vLLM builds a module, so nothing is ever served as something else:
-- avnorm (every kind, mode, floor, affine): the heads' outputs normalized before o_proj, by retrofit's own module.
-- ssmax (every scale, blend): q scaled per query by f(n), n = position + 1 (vLLM has no padding; cached keys count).
-- softmax1: vLLM's attention sinks (a sink logit b_h in every row's denominator is softmax+1) where the attention
-  backend takes sinks; otherwise refused (SINKS_REFUSED).
-- softmax (a RoPE extension or NoPE alone): plain attention.
+- the norm: as its `Norm.serve_as` says, one of SERVE_STEPS (retrofit/serve/llama.py runs each), unless its
+  `Norm.serve_refusal` says why not (p-softmax: vLLM's attention returns no log-sum-exp); a norm without serve_as is
+  refused. Which norm is served how is said in the norm's file only (docs/serving.md has the table for people).
+- "sinks" where the attention backend takes sinks; otherwise refused (SINKS_REFUSED, at build time: llama.py).
 - RoPE extensions (yarn, linear, llama3): config.json already carries the extended `rope_parameters`, which vLLM's
   own rope reads. dynamic and longrope: refused (vLLM computes them differently: ROPE_REFUSED).
-- psoftmax: refused (PSOFTMAX_REFUSED). A model family outside ARCHITECTURES: refused.
+- A model family outside ARCHITECTURES: refused.
 - an output gate (retrofit.gate), with any norm: refused (GATE_REFUSED).
 """
 
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from ..errors import RetrofitError
 from ..families import FAMILIES
 from ..load.validate import check_record
+from ..norms import available_norms, get_norm, make_options
 from ..record import GUARD_KEY, GUARDS, read_record
 
 # The architectures (config.json) whose vLLM model code the plugin extends (retrofit.serve.llama), and those retrofit
@@ -32,10 +32,9 @@ from ..record import GUARD_KEY, GUARDS, read_record
 ARCHITECTURES = tuple(f.vllm.architecture for f in FAMILIES.values() if f.vllm is not None and f.vllm.served)
 GUARDED = {f.vllm.architecture: (f"vllm.model_executor.models.{f.vllm.module}", f.vllm.architecture)
            for f in FAMILIES.values() if f.vllm is not None and not f.vllm.served}
-SERVED = ("avnorm", "ssmax", "softmax1", "softmax")
-PSOFTMAX_REFUSED = ("p-softmax is not served by vLLM: it rescales each row by exp(LSE(s) - LSE(p*s)/p) and vLLM's "
-                    "attention returns no log-sum-exp; run it with retrofit.from_pretrained or `retrofit eval`")
-SINKS_REFUSED = ("softmax1 is not served by this vLLM build: its attention backend ({backend}) takes no attention "
+# What retrofit/serve/llama.py does with a norm inside vLLM's attention, by Norm.serve_as (base.py says what each is).
+SERVE_STEPS = ("plain", "queries", "outputs", "sinks")
+SINKS_REFUSED = ("{norm} is not served by this vLLM build: its attention backend ({backend}) takes no attention "
                  "sinks; run it with retrofit.from_pretrained or `retrofit eval`, or serve on a backend with sinks")
 GATE_REFUSED = ("its output gate is not served by vLLM: the gate reads each attention layer's input, which vLLM's "
                 "attention layer does not hand retrofit's module; run it with retrofit.from_pretrained or `retrofit "
@@ -82,11 +81,8 @@ def serve_plan(config, where: str = "this checkpoint") -> ServePlan | None:
         raise RetrofitError(f"{where}: retrofit's vLLM plugin serves {', '.join(ARCHITECTURES)} checkpoints, not "
                             f"{', '.join(map(str, unknown or ['one without architectures']))}; run it with "
                             "retrofit.from_pretrained")
-    norm = record["norm"]
-    if norm == "psoftmax":
-        raise RetrofitError(f"{where}: {PSOFTMAX_REFUSED}")
-    if norm not in SERVED:
-        raise RetrofitError(f"{where}: retrofit's vLLM plugin serves {', '.join(SERVED)}, not {norm!r}")
+    norm, layers, heads = record["norm"], record.get("layers"), record.get("heads")
+    _check_norm(norm, record.get("options") or {}, heads, where)
     if record.get("gate"):
         raise RetrofitError(f"{where}: {GATE_REFUSED}")
     rope = record.get("rope")
@@ -97,13 +93,29 @@ def serve_plan(config, where: str = "this checkpoint") -> ServePlan | None:
             why = ROPE_REFUSED.get(rope_type, "retrofit's vLLM plugin has not checked it")
             raise RetrofitError(f"{where}: rope {rope_type} is not served by vLLM: {why}; it serves "
                                 f"{', '.join(ROPE_TYPES[1:])}, else run it with retrofit.from_pretrained")
-    layers, heads = record.get("layers"), record.get("heads")
     _check_selection(layers, _get(config, "num_hidden_layers"), "layers", "layer", where)
     _check_selection(heads, _get(config, "num_attention_heads"), "heads", "head", where)
     return ServePlan(norm=norm, options=dict(record.get("options") or {}),
                      layers=tuple(layers) if layers is not None else None,
                      heads=tuple(heads) if heads is not None else None,
                      nope=bool(record.get("nope")), original_positions=original)
+
+
+def served_norms() -> list[str]:
+    """The registered norms vLLM serves (those whose Norm.serve_as is a step the plugin runs)."""
+    return [name for name in available_norms() if get_norm(name).serve_as in SERVE_STEPS]
+
+
+def _check_norm(norm: str, options: dict, heads: list | None, where: str) -> None:
+    """The norm serves as one of SERVE_STEPS with these options on these heads, or a one-line refusal (the norm's
+    own, from Norm.serve_refusal, first). check_record has checked the options."""
+    cls = get_norm(norm)
+    why = cls.serve_refusal(make_options(norm, **options), heads)
+    if why:
+        raise RetrofitError(f"{where}: {why}")
+    if cls.serve_as not in SERVE_STEPS:
+        raise RetrofitError(f"{where}: retrofit's vLLM plugin serves {', '.join(served_norms())}, not {norm!r}; run "
+                            "it with retrofit.from_pretrained")
 
 
 def _check_selection(chosen: list | None, count, key: str, unit: str, where: str) -> None:

@@ -49,7 +49,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..attention_seam import attention_modules, eager_attention_of
 from ..errors import RetrofitError
-from ..norms.base import CHILD, SINK_KWARGS
+from ..norms.attention_call import SINK_KWARGS
+from ..norms.base import CHILD
 
 NAME = "retrofit_ulysses"     # the attention implementation while a model runs sharded (retrofit's all-to-all)
 ALST_NAME = "retrofit_alst"   # ... under DeepSpeed: ALST's all-to-all around alst_attention

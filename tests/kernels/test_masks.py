@@ -8,7 +8,7 @@ import torch
 import retrofit
 from retrofit.kernels import masks
 from retrofit.kernels.masks import causal_mask, hides_future
-from retrofit.norms.base import visible_keys
+from retrofit.norms.attention_call import visible_keys
 from tests.kernels.test_kernels import left_padding
 from tests.tiny import random_ids, tiny_model
 

@@ -16,7 +16,7 @@ import torch
 import retrofit
 import retrofit.kernels as K
 from retrofit.kernels.masks import hides_future
-from retrofit.norms.base import visible_keys
+from retrofit.norms.attention_call import visible_keys
 from tests.kernels.test_kernels import KERNELS, extra_param, qkv
 from tests.reference import naive_attention, reference_model, window_mask
 from tests.tiny import random_ids, tiny_model

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import retrofit
-from retrofit.calibration import fit_exponents
-from retrofit.norms.avnorm import AVNorm
+from retrofit.norms.avnorm import AVNorm, fit_exponents
 from retrofit.recovery.schedule import is_patch_parameter, set_schedule_position
 from tests.tiny import TINY, random_ids, tiny_model
 

@@ -8,6 +8,8 @@ because a fresh patch happens to be the identity."""
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 import torch
 
@@ -145,45 +147,112 @@ def test_the_weights_hook_matches_the_forward(norm, gate):
 
 
 # ---- what a norm knows lives in its file --------------------------------------------------------------------------
-# A registered norm's name as a whole string constant outside retrofit/norms/ is knowledge of that norm kept elsewhere
-# (a branch, a table, a list): what is left, and why it is not.
+# A registered norm's name, or one of its option names, as a whole string constant outside retrofit/norms/ is knowledge
+# of that norm kept elsewhere (a branch, a table, a list); so is any option read from a norm's options by name. What is
+# left, and why, is in docs/adding-a-norm.md ("What not to do"), which names every file here.
 NAMED_ELSEWHERE = {
     "retrofit/commands/patch_flags.py": "generated from the registry (python -m retrofit.commands.patch_flags) so "
                                         "that `retrofit patch --help` imports no norm; a test checks it is current",
     "retrofit/bench/attention.py": "names retrofit.kernels' attention functions (psoftmax_attention, ...), not norms",
     "retrofit/bench/gpu.py": "the kernels the attention benchmark runs (bench/attention.py's names), not norms",
-    "retrofit/bench/parity.py": "the kernels' float64 reference, keyed by kernel (psoftmax at p = 1, 2, 3, ...)",
+    "retrofit/bench/parity.py": "the kernels' float64 reference, keyed by kernel (psoftmax at p = 1, 2, 3, ...) with "
+                                "each kernel's per-head argument (s, sink)",
+    "retrofit/bench/decode.py": "--p, the order of the p-softmax kernel the decode benchmark times, passed to a norm "
+                                "whose example options have a p",
     "retrofit/kernels/dispatch.py": "the CUDA backend order per kernel call (psoftmax_attention at p = 1 and p != 1, "
                                     "ssmax_attention, softmax1_attention), keyed as bench/attention.py names them",
     "retrofit/kernels/__init__.py": "each kernel function passes its dispatch key (dispatch.py's CUDA_ORDER)",
-    "retrofit/commands/report.py": "results.json written before `control` was recorded: the control arm's name then",
-    "retrofit/experiment/report.py": "the same: old results' control arm, by the name it had",
-    "retrofit/serve/plan.py": "the vLLM plugin's table of what vLLM's own model code can run (served, or refused "
-                              "with why); a Norm hook for it is the follow-up once a second engine exists",
-    "retrofit/serve/llama.py": "the vLLM-side implementation of each served norm inside vLLM's Llama (its layers, "
-                               "not retrofit's forward)",
 }
+# Option names that are also ordinary words of another part of retrofit: as constants they are not counted (an option
+# read from a norm's options by these names still is).
+GENERIC_OPTION_NAMES = {
+    "kind": "the output gate's kind (gate.py); what a loaded source is (load/info.py, hub/)",
+    "p": "the order p of retrofit.kernels' psoftmax_attention, which the benchmarks sweep and report",
+    "eps": "diagnose's eps measure (diagnose/measures.py, summary.py)",
+}
+OPTION_HOLDERS = ("options", "opts", "norm_options")  # what a norm's options are called where they are passed on
+
+
+def _option_names() -> set[str]:
+    import dataclasses
+
+    return {f.name for norm in available_norms() for f in dataclasses.fields(get_norm(norm).Options)}
+
+
+def _holds_options(node) -> bool:
+    return (node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)) in OPTION_HOLDERS
+
+
+def _text(node) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _option_read(node) -> str | None:
+    """The option name `node` reads from a norm's options: opts.gain, options["p"], options.get("kind"),
+    getattr(opts, "stack", ...), "p" in options; None for anything else."""
+    if isinstance(node, ast.Attribute) and _holds_options(node.value):
+        return node.attr
+    if isinstance(node, ast.Subscript) and _holds_options(node.value):
+        return _text(node.slice)
+    if isinstance(node, ast.Call) and node.args:
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in ("get", "pop") and _holds_options(func.value):
+            return _text(node.args[0])
+        if isinstance(func, ast.Name) and func.id in ("getattr", "hasattr") and len(node.args) >= 2 \
+                and _holds_options(node.args[0]):
+            return _text(node.args[1])
+    if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) \
+            and any(_holds_options(c) for c in node.comparators):
+        return _text(node.left)
+    return None
 
 
 def _norm_names_in(path) -> list[str]:
-    import ast
-
-    return [f"{path}:{node.lineno} {node.value!r}" for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Constant) and node.value in available_norms()]
+    """'path:line 'name'' for each registered norm's name, and each option name not in GENERIC_OPTION_NAMES, as a whole
+    string constant in the file, and for each option of any norm read from a norm's options by name."""
+    norms, options = set(available_norms()), _option_names()
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        text, read = _text(node), _option_read(node)
+        if text in norms or text in options - set(GENERIC_OPTION_NAMES):
+            found.add((node.lineno, text))
+        if read in options:
+            found.add((node.lineno, read))
+    return [f"{path}:{line} {name!r}" for line, name in sorted(found)]
 
 
 def test_no_norm_is_named_outside_its_file():
-    """Adding a norm means adding its file (docs/adding-a-norm.md): the card, diagnose, calibration, reports and
-    benchmarks ask the norm class (Norm's hooks) or iterate the registry, never test its name."""
+    """Adding a norm means adding its file (docs/adding-a-norm.md): the card, diagnose, calibration, serving, reports
+    and benchmarks ask the norm class (Norm's hooks) or iterate the registry, never test its name or read one of its
+    options by name. The files left out each have their reason in docs/adding-a-norm.md."""
     from tests.project.test_layout import ROOT
 
     found = [line for path in sorted(ROOT.rglob("*.py")) if "norms" not in path.relative_to(ROOT).parts
              and str(path.relative_to(ROOT.parent)) not in NAMED_ELSEWHERE for line in _norm_names_in(path)]
     assert found == []
     assert all((ROOT.parent / path).is_file() for path in NAMED_ELSEWHERE)  # no stale exception
+    guide = (ROOT.parent / "docs" / "adding-a-norm.md").read_text()
+    assert [path for path in NAMED_ELSEWHERE if f"`{path}`" not in guide] == []  # each one's reason is written there
+    assert set(GENERIC_OPTION_NAMES) <= _option_names()  # no stale generic name
 
 
 def test_the_name_check_catches_a_branch(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text('def gain(norm):\n    return 1.0 if norm == "avnorm" else None\n')
     assert _norm_names_in(planted) == [f"{planted}:2 'avnorm'"]
+
+
+def test_the_name_check_catches_a_branch_on_an_option(tmp_path):
+    """An option's name as a constant (a branch on which parameter calibrate sets), or any option, generic names
+    included, read from a norm's options by name, is caught; the generic names used for something else are not."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("\n".join([
+        'def fit(norm, spec, opts, options, gate, config):',
+        '    by_length = norm.calibrated_parameter() == "exponent"',  # 2: a specific option name as a constant
+        '    stacked = getattr(opts, "stack", False)',                # 3
+        '    order = spec.options["p"] if "p" in options else 1.0',   # 4: a generic name read from options
+        '    shape = options.get("kind"), opts.floor',                # 5
+        '    return gate["kind"], config["p"], by_length, stacked, order, shape',  # 6: generic, not options: fine
+    ]) + "\n")
+    assert _norm_names_in(planted) == [f"{planted}:{line} {name!r}" for line, name in
+                                       [(2, "exponent"), (3, "stack"), (4, "p"), (5, "floor"), (5, "kind")]]

@@ -25,7 +25,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import retrofit
 from retrofit import families
-from retrofit.norms.base import kernel_call
+from retrofit.norms.attention_call import kernel_call
 from tests.reference import reference_model
 from tests.tiny import COVERAGE, random_ids, tiny_model
 

@@ -67,6 +67,7 @@ def test_a_selection_the_model_does_not_have_is_refused(key, value, message, tmp
                                  "long_factor": [3.0] * 4}}, "rope longrope is not served by vLLM"),
     ("avnorm", "llama", {"gate": "head"}, "its output gate is not served by vLLM: the gate reads"),  # issue 55
     ("softmax", "llama", {"gate": "element:0.5:12"}, "its output gate is not served by vLLM"),
+    ("softmax1", "llama", {"heads": [0, 1]}, "does not serve softmax1 on selected heads"),  # vLLM's sinks: every head
 ])
 def test_refused_in_one_line(norm, model_type, options, message, tmp_path):
     config = saved_config(tmp_path, norm, model_type, **options)

@@ -19,9 +19,9 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (its own e
 import retrofit  # noqa: E402
 from retrofit.cli import main  # noqa: E402
 from retrofit.errors import RetrofitError  # noqa: E402
+from retrofit.norms import get_norm, make_options  # noqa: E402
 from retrofit.serve.engine import load_llm  # noqa: E402
 from retrofit.serve.parity import compare, prompt_logprobs, retrofit_run, vllm_run  # noqa: E402
-from retrofit.serve.plan import PSOFTMAX_REFUSED  # noqa: E402
 from tests.evaluate.test_ruler import BOOK, LENGTH  # noqa: E402
 from tests.tiny import char_tokenizer, tiny_model  # noqa: E402
 
@@ -94,7 +94,7 @@ def test_psoftmax_is_refused_at_load(tmp_path):
     model.save_pretrained(tmp_path)
     with pytest.raises(Exception, match="p-softmax is not served by vLLM") as caught:  # by the model vLLM builds
         vllm.LLM(model=str(tmp_path), dtype="float32", enforce_eager=True, skip_tokenizer_init=True, **ENGINE)
-    assert PSOFTMAX_REFUSED in str(caught.value)
+    assert get_norm("psoftmax").serve_refusal(make_options("psoftmax", p=2), None) in str(caught.value)
     with pytest.raises(RetrofitError, match="p-softmax is not served by vLLM"):  # before any engine starts
         load_llm(tmp_path, **ENGINE)
 

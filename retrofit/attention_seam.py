@@ -4,9 +4,10 @@ transformers calls `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implement
 ...)`. We register two attention functions — `retrofit` (wrapping sdpa) and `retrofit_eager` (wrapping the model's
 eager function) — each with the matching mask function under the same name (without it transformers passes no mask
 at all: padding and KV-cache masks would be silently lost). Each call dispatches to the norm module attached to the
-attention module as its `retrofit` child (norms/attention_call.py: `kernel_call` -> kernels); a module without one runs the
-wrapped function unchanged, so a config object shared with an unpatched model cannot change that model. `observe`
-hooks the same seam to see every call's query, key and value (diagnose, calibrate). patching.py attaches the norms.
+attention module as its `retrofit` child (norms/attention_call.py: `kernel_call` -> kernels); a module without one
+runs the wrapped function unchanged, so a config object shared with an unpatched model cannot change that model.
+`observe` hooks the same seam to see every call's query, key and value (diagnose, calibrate). patching.py attaches
+the norms.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .attention_seam import check_unsharded
 from .errors import RetrofitError
@@ -91,14 +92,14 @@ def _forward(model: nn.Module, batch, device) -> torch.Tensor:
 
 @torch.no_grad()
 def calibrate(model: nn.Module, batches: torch.Tensor | Mapping | Iterable[torch.Tensor | Mapping], *,
-              max_batches: int | None = None) -> dict:
+              max_batches: int | None = None, progress: bool = False) -> dict:
     """Set each head's gain to mean_tokens RMS(original head output) / mean_tokens RMS(normalized output)
     (or what else the norm fits from what it records: Norm.fit_calibration; AVNorm mode=beyond: its exponent).
 
     For kind=rms (and layer) the normalized RMS is ~1, so the gain is the head's mean output RMS.
     Padding (attention_mask == 0) is excluded; a batch with position_ids and no attention_mask is packed
-    documents (retrofit/data/packing.py), each attending within itself. Returns a summary, also recorded in
-    config.retrofit.
+    documents (retrofit/data/packing.py), each attending within itself. `progress`: a progress bar over the
+    batches (the CLI's). Returns a summary, also recorded in config.retrofit.
     """
     norms = calibrated_norms(model)
     if not norms:
@@ -112,7 +113,7 @@ def calibrate(model: nn.Module, batches: torch.Tensor | Mapping | Iterable[torch
     for n in norms:
         n.calibration = []
     try:
-        for batch in as_batches(batches):
+        for batch in tqdm(as_batches(batches), desc="calibrate", unit="batch", disable=not progress, leave=False):
             if max_batches is not None and used >= max_batches:
                 break
             valid = _forward(model, batch, device)  # (B, T, 1): the tokens that count

@@ -57,7 +57,9 @@ def _mask(norm: Norm, heads) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _loss(model, ids: torch.Tensor) -> float:
+def text_loss(model, ids: torch.Tensor) -> float:
+    """Mean next-token loss of `model` on token ids: one sequence (T,) or a batch (B, T)."""
+    ids = ids[None] if ids.dim() == 1 else ids
     return float(model(input_ids=ids, labels=ids, use_cache=False).loss)
 
 
@@ -77,7 +79,7 @@ def selection_loss(model, ids: torch.Tensor, layers: list[int] | None, heads: li
         for index, norm in norms:
             acting = layers is None or index in layers
             norm.head_mask = _mask(norm, (heads if heads is not None else _own_heads(norm)) if acting else ())
-        return _loss(model, ids)
+        return text_loss(model, ids)
 
 
 def _bar(items, what: str, progress: bool):
@@ -126,4 +128,30 @@ def suggest(costs: list[Cost], k: int) -> list[int]:
     return sorted(c.index for c in costs[:k])
 
 
-__all__ = ["Cost", "describe_costs", "head_costs", "layer_costs", "selection_loss", "suggest"]
+def rank_and_suggest(model, ids: torch.Tensor, k: int | None = None, *, progress: bool = True,
+                     forward_s: float | None = None, say=print) -> None:
+    """Rank the patched layers (then heads, for per-head norms) by their zero-shot cost on `ids` (1, T), cheapest
+    first, and suggest --layers / --heads for the k cheapest (default half): one forward per layer or head, and one
+    per suggestion. Says first (through `say`, a line at a time) how many forwards that is and, given one forward's
+    time `forward_s`, about how long; then each table and its suggestion."""
+    from .record import describe_selection
+
+    norms = _norms(model)
+    per_head = type(norms[0][1]).per_head
+    rankings = [("layer", "--layers", layer_costs)] + ([("head", "--heads", head_costs)] if per_head else [])
+    counts = [len(norms)] + ([model.config.num_attention_heads] if per_head else [])
+    forwards = sum(2 + n for n in counts)  # per ranking: its baseline, one per layer or head, its suggestion
+    what = f"{len(norms)} patched layers" + (f" and {counts[1]} query heads" if per_head else "")
+    estimate = f", about {forwards * forward_s:.0f} s at {forward_s:.2f} s a forward here" if forward_s else ""
+    say(f"ranking {what}: {forwards} forwards of {ids.shape[-1]} tokens{estimate}")
+    for what, flag, measure in rankings:
+        baseline, costs = measure(model, ids, progress=progress)
+        say(describe_costs(costs, what, baseline))
+        chosen = suggest(costs, min(k or max(1, len(costs) // 2), len(costs)))
+        loss = selection_loss(model, ids, *((chosen, None) if what == "layer" else (None, chosen)))
+        say(f"suggested: {flag} {describe_selection(chosen)} (the {len(chosen)} cheapest {what}s together: loss "
+            f"{loss:.4f}, {loss - baseline:+.4f})")
+
+
+__all__ = ["Cost", "describe_costs", "head_costs", "layer_costs", "rank_and_suggest", "selection_loss", "suggest",
+           "text_loss"]

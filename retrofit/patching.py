@@ -281,6 +281,28 @@ def unpatch(model: nn.Module) -> None:
     drop_record(model)
 
 
+def unpatch_parameter_free(model: nn.Module, source: str, nope: bool) -> str | None:
+    """Take out the patch of a checkpoint retrofit patched with a patch that has no parameters (softmax, ssmax
+    scale=beyond, a RoPE extension: e.g. an experiment's control arm), so another patch can replace it: it is its
+    finetuned weights under a function of them. Returns what was replaced, one line (None: `model` was unpatched).
+    One with trained patch parameters (gains, exponents, sinks) is refused: replacing would drop them; so is one
+    trained without positions when the new patch (`nope` False) would give them back."""
+    if not is_patched(model):
+        return None
+    record = read_record(model) or {}
+    trained = sum(p.numel() for m in model.modules() if CHILD in m._modules for p in m._modules[CHILD].parameters())
+    if trained:
+        raise RetrofitError(f"{source} is already patched with {record.get('norm')} and carries {trained} trained "
+                            "patch parameters that a new patch would drop: patch its unpatched base instead")
+    if record.get("nope") and not nope:
+        raise RetrofitError(f"{source} was trained without positions (nope); a patch without --nope would give them "
+                            "back to weights that never saw them: add --nope")
+    rope = record.get("rope")
+    unpatch(model)
+    return (f"replaced {source}'s own patch ({record.get('norm')}" + (f", rope {describe_rope(record)}" if rope else "")
+            + ", no parameters): the weights are the checkpoint's, the patch is the one above")
+
+
 def patch_record(model: nn.Module) -> dict | None:
     """The recorded patch (config.retrofit) of a patched model, else None."""
     record = read_record(model) if hasattr(model, "config") else None
@@ -303,4 +325,4 @@ def patch_from_record(model: nn.Module, record: dict) -> PatchReport:
 
 
 __all__ = ["CHILD", "FORMAT", "PatchReport", "PushWarning", "has_sinks", "is_patched", "patch", "patch_from_record",
-           "patch_record", "unpatch"]
+           "patch_record", "unpatch", "unpatch_parameter_free"]

@@ -18,7 +18,6 @@ from . import (
     add_patch_flag,
     add_progress_flag,
     check_counts,
-    check_eval_memory,
     check_out,
     check_text_files,
 )
@@ -54,7 +53,6 @@ def run(args) -> int:
     args.out = check_out(args.out, "--out", empty=False)  # `~` expanded, once
     check_text_files([args.data], "--data")
     lengths = parse_lengths(args.lengths)
-    check_eval_memory(args.sources, lengths, max(lengths), dtype=args.dtype)  # one window of the longest length
     command = " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["diagnose"] else "..."
     spec = DiagnoseSpec(data=args.data, out=args.out, lengths=lengths, tokenizer=args.tokenizer, windows=args.windows,
                         queries=args.queries, patches=args.patch, calibrate_tokens=args.calibrate_tokens,

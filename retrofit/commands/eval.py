@@ -27,13 +27,11 @@ from pathlib import Path
 
 from ..atomic import output_folder
 from ..errors import RetrofitError
-from ..lengths import parse_lengths
 from . import (
     add_dtype_flag,
     add_patch_flag,
     add_progress_flag,
     check_counts,
-    check_eval_memory,
     check_out,
     check_text_files,
 )
@@ -130,7 +128,6 @@ def _run_models(args: argparse.Namespace) -> int:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.out = check_out(args.out, "--out", empty=False)  # results (made by retrofit) are rewritten in place
     check_text_files(args.data or [], "--data")
-    check_eval_memory(args.models, parse_lengths(args.lengths), args.batch_tokens, args.device, args.dtype)
     depths = _depths(args.depths)
     variants = _read_variants(args.variants) if args.variants else None
     counting = {"sequences": args.trials, **({"alphabet": args.alphabet} if args.alphabet else {}),

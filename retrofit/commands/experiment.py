@@ -12,7 +12,7 @@ import argparse
 import os
 from pathlib import Path
 
-from . import add_progress_flag, check_out, check_recipe
+from . import add_progress_flag, check_out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,13 +41,11 @@ def run(args) -> int:
 
 
 def _checked_recipe(path, args):
-    """The recipe with its overrides, refused before anything is written when --out or memory cannot do."""
+    """The recipe with its overrides, refused when --out cannot do (run_experiment checks the recipe itself)."""
     from ..recipe import load_recipe
 
     args.out = check_out(args.out, "--out", empty=False)  # an experiment folder (made by retrofit) is resumed
-    recipe = load_recipe(path, [*args.overrides, *(["train.progress=false"] if args.no_progress else [])])
-    check_recipe(recipe)
-    return recipe
+    return load_recipe(path, [*args.overrides, *(["train.progress=false"] if args.no_progress else [])])
 
 
 def run_demo(args) -> int:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 
-from . import check_model
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("source", help="a model folder, run folder, adapter folder, .gguf file or Hub id")
@@ -21,8 +19,9 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from ..load.info import describe, info
+    from ..load.preflight import check_source
 
-    check_model(args.source)  # an unfinished run, a damaged config: one line
+    check_source(args.source)  # an unfinished run, a damaged config: one line
     facts = info(args.source)
     print(json.dumps(facts, indent=2, default=str) if args.json else describe(facts))
     return 0

@@ -12,6 +12,7 @@ is refused unless --check-text asks for a measurement.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -21,15 +22,7 @@ from pathlib import Path
 
 from ..atomic import atomic_folder
 from ..errors import RetrofitError
-from . import (
-    add_dtype_flag,
-    add_progress_flag,
-    check_counts,
-    check_model,
-    check_out,
-    check_selection_counts,
-    check_text_files,
-)
+from . import add_dtype_flag, add_progress_flag, check_counts, check_out, check_text_files
 from .patch_flags import OPTIONS, add_norm_flags, norm_flags
 
 # option -> {type (None = a switch), norms, doc}: one flag per declared norm option (patch_flags.py: no norm imported)
@@ -98,14 +91,6 @@ def _read_tokens(tokenizer, path: str, limit: int):
     return ids
 
 
-def text_loss(model, ids) -> float:
-    """Mean next-token loss of `model` on one sequence of token ids (T,)."""
-    import torch
-
-    with torch.no_grad():
-        return float(model(input_ids=ids[None], labels=ids[None], use_cache=False).loss)
-
-
 def _positions(text: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
@@ -122,62 +107,13 @@ def _check_selection_range(args) -> None:
     if args.layers is None and args.heads is None:
         return
     from ..load import load_config
+    from ..load.preflight import check_selection_counts
 
     try:  # the range, from the config: before loading the weights (a text-only config names both counts)
         config = load_config(args.source)
     except (RetrofitError, OSError, ValueError):
         return  # load() reports what is wrong with the source
     check_selection_counts(config, [(args.layers, "layers", "--layers"), (args.heads, "heads", "--heads")])
-
-
-def _rank(model, ids, k: int | None, progress: bool = True, forward_s: float | None = None) -> None:
-    """Rank the patched layers (then heads, for per-head norms) by their zero-shot cost on `ids`, cheapest first,
-    and suggest --layers / --heads for the k cheapest: one forward per layer or head, and one per suggestion.
-    Says first how many forwards that is and, given one forward's time, about how long."""
-    from ..attention_seam import attention_modules
-    from ..costs import describe_costs, head_costs, layer_costs, selection_loss, suggest
-    from ..norms import NORMS
-    from ..patching import CHILD
-    from ..record import describe_selection, read_record
-
-    per_head = NORMS[read_record(model)["norm"]].per_head
-    rankings = [("layer", "--layers", layer_costs)] + ([("head", "--heads", head_costs)] if per_head else [])
-    layers = sum(1 for _, m in attention_modules(model) if CHILD in m._modules)
-    counts = [layers] + ([model.config.num_attention_heads] if per_head else [])
-    forwards = sum(2 + n for n in counts)  # per ranking: its baseline, one per layer or head, its suggestion
-    what = f"{layers} patched layers" + (f" and {counts[1]} query heads" if per_head else "")
-    estimate = f", about {forwards * forward_s:.0f} s at {forward_s:.2f} s a forward here" if forward_s else ""
-    print(f"ranking {what}: {forwards} forwards of {ids.shape[-1]} tokens{estimate}", flush=True)
-    for what, flag, measure in rankings:
-        baseline, costs = measure(model, ids, progress=progress)
-        print(describe_costs(costs, what, baseline))
-        chosen = suggest(costs, min(k or max(1, len(costs) // 2), len(costs)))
-        loss = selection_loss(model, ids, *((chosen, None) if what == "layer" else (None, chosen)))
-        print(f"suggested: {flag} {describe_selection(chosen)} (the {len(chosen)} cheapest {what}s together: loss "
-              f"{loss:.4f}, {loss - baseline:+.4f})")
-
-
-def _unpatch_parameter_free(model, source: str, nope: bool) -> str | None:
-    """A checkpoint retrofit patched with a patch that has no parameters (softmax, ssmax scale=beyond, a RoPE
-    extension: e.g. an experiment's control arm) is its finetuned weights under a function of them: replace that
-    patch. One with trained patch parameters (gains, exponents, sinks) is refused: replacing would drop them."""
-    from ..patching import CHILD, is_patched, unpatch
-    from ..record import read_record
-    from ..rope import describe_rope
-    if not is_patched(model):
-        return None
-    record = read_record(model) or {}
-    trained = sum(p.numel() for m in model.modules() if CHILD in m._modules for p in m._modules[CHILD].parameters())
-    if trained:
-        raise RetrofitError(f"{source} is already patched with {record.get('norm')} and carries {trained} trained "
-                            "patch parameters that a new patch would drop: patch its unpatched base instead")
-    if record.get("nope") and not nope:
-        raise RetrofitError(f"{source} was trained without positions (nope); a patch without --nope would give them "
-                            "back to weights that never saw them: add --nope")
-    rope = record.get("rope")
-    unpatch(model)
-    return (f"replaced {source}'s own patch ({record.get('norm')}" + (f", rope {describe_rope(record)}" if rope else "")
-            + ", no parameters): the weights are the checkpoint's, the patch is the one above")
 
 
 def save_atomically(model, tokenizer, out: str) -> None:
@@ -192,6 +128,7 @@ def _check_args(args):
     """Every check that needs no model, in one place: (the patch, as a PatchSpec; the schedule positions)."""
     from ..hub import check_repo, find_token
     from ..load import check_finished, source_kind
+    from ..load.preflight import check_source
     from ..norms import calibrated_norm_hints, get_norm
     from ..patch_spec import CLI, PatchSpec
 
@@ -213,7 +150,7 @@ def _check_args(args):
         raise RetrofitError("--rank ranks by the loss on a text: give it with --check-text FILE")
     check_finished(args.source)  # an unfinished run, a missing or damaged local source: the first error
     if source_kind(args.source) != "hub":  # (a Hub id is looked up when it loads, after the token check)
-        check_model(args.source)
+        check_source(args.source)
     if not (args.out or args.push_to_hub or args.check_text):
         raise RetrofitError("nothing would be saved: give --out DIR (or --push-to-hub REPO); without them only "
                             "--check-text FILE measures the patch, saving nothing")
@@ -233,10 +170,10 @@ def _warn_uncalibrated(args, spec) -> None:
 
 
 def run(args) -> int:
-    from ..calibration import text_rows
-    from ..diagnose.driver import calibrate_with_progress
+    from ..calibration import calibrate, text_rows
+    from ..costs import text_loss
     from ..load import load, load_tokenizer
-    from ..patching import patch
+    from ..patching import patch, unpatch_parameter_free
 
     spec, positions = _check_args(args)
     model = load(args.source, task_head=False, dtype=args.dtype)
@@ -244,12 +181,12 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.source) if (needs_tokens or args.out or args.push_to_hub) else None
     check = _read_tokens(tokenizer, args.check_text, args.check_tokens) if args.check_text else None
     before = text_loss(model, check) if check is not None else None
-    replaced = _unpatch_parameter_free(model, args.source, args.nope)
+    replaced = unpatch_parameter_free(model, args.source, args.nope)
     report = patch(model, spec)
     _warn_uncalibrated(args, spec)
     if args.calibration_text:
         ids = _read_tokens(tokenizer, args.calibration_text, args.calibrate_tokens)
-        report.calibration = calibrate_with_progress(model, text_rows(model, ids), progress=not args.no_progress)
+        report.calibration = calibrate(model, text_rows(model, ids), progress=not args.no_progress)
     print(report)
     if replaced:
         print(replaced)
@@ -267,6 +204,7 @@ def run(args) -> int:
 
 def _check(model, check, before: float, positions, args) -> None:
     """--check-text: the loss before and after, the schedule positions' losses, the ranking."""
+    from ..costs import rank_and_suggest, text_loss
     from ..recovery.probe import describe_spread, head_spread, schedule_losses
 
     started = time.perf_counter()
@@ -283,7 +221,8 @@ def _check(model, check, before: float, positions, args) -> None:
             print(f"  recovery.schedule.costs for shape: loss: [{', '.join(f'{c:.4f}' for _, _, c in rows)}]")
         print(describe_spread(head_spread(model, check[None])))
     if args.rank or args.rank_k is not None:
-        _rank(model, check[None], args.rank_k, progress=not args.no_progress, forward_s=forward_s)
+        rank_and_suggest(model, check[None], args.rank_k, progress=not args.no_progress, forward_s=forward_s,
+                         say=functools.partial(print, flush=True))
 
 
 def _push(model, tokenizer, args) -> None:

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import RetrofitError
-from . import add_progress_flag, check_out, check_recipe
+from . import add_progress_flag, check_out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.plan_for:
         raise RetrofitError("--plan-for goes with --dry-run")
-    check_recipe(recipe)
-    result = train(recipe, resume=bool(args.resume))
+    result = train(recipe, resume=bool(args.resume))  # checks the recipe first: data, source, memory
     last = result.losses.get(max(result.losses)) if result.losses else None
     print(f"done: {result.steps} steps" + (f", final loss {last:.4g}" if last is not None else "")
           + f"; model in {result.run_dir}")

@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..atomic import atomic_write_text, check_output, output_folder
 from ..calibration import calibrate
 from ..data.read import read_tokens
 from ..errors import RetrofitError, check_utf8
 from ..load import load, load_tokenizer
+from ..load.preflight import check_eval_memory
 from ..norms import get_norm
 from ..patching import patch, patch_record
 from ..positions import position_limit
@@ -92,9 +92,8 @@ def _diagnose_source(spec: DiagnoseSpec, source: str, label: str, plan, calibrat
     results = []
     for name, variant, norm, info, fresh in _variants(spec.patches, source, label, model):
         if fresh and get_norm(norm).calibrated_by_default and calibrate_tokens:  # a fresh AVNorm: calibrated gains
-            chunk = min(Lmax, 512)
-            batches = [calib[j:j + chunk][None] for j in range(0, len(calib) - chunk + 1, chunk)]
-            info = {**info, "calibration": calibrate_with_progress(variant, batches, progress=spec.progress)}
+            info = {**info, "calibration": calibrate(variant, _calibration_rows(calib, min(Lmax, 512)),
+                                                     progress=spec.progress)}
         result = diagnose(variant, windows, plan, label=name, progress=spec.progress,
                           meta={"source": source, "norm": norm, "patch": _brief(info)})
         print(_headline(result), file=sys.stderr)
@@ -110,6 +109,8 @@ def diagnose_sources(sources: list[str], spec: DiagnoseSpec) -> Path:
     if labels and len(labels) != len(sources):
         raise RetrofitError(f"--label was given {len(labels)} time(s) for {len(sources)} source(s)")
     check_utf8(spec.data, "--data")  # the one text rule (retrofit.errors): UTF-8 or a one-line error
+    # each source loads and one window of the longest length fits: before any tokenizer or model is read
+    check_eval_memory(sources, spec.lengths, max(spec.lengths, default=1), dtype=spec.dtype)
     plan = Plan(lengths=list(spec.lengths), queries=spec.queries, seed=spec.seed)
     calibrate_tokens = spec.calibrate_tokens if any(get_norm(n).calibrated_by_default for n in spec.norms) else 0
     shared_tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer else None
@@ -145,12 +146,12 @@ def dump_json(obj) -> str:
     return re.sub(r"\[[^\[\]{}\"]*\]", lambda m: re.sub(r"\s+", "", m.group(0)), text)
 
 
-def calibrate_with_progress(model, batches, progress: bool = True) -> dict:
-    """AVNorm gains from text (retrofit.calibrate), with a progress bar."""
-    if not batches:
+def _calibration_rows(tokens: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """The calibration tokens as (1, chunk) rows for retrofit.calibrate; none is a one-line error."""
+    rows = [tokens[j:j + chunk][None] for j in range(0, len(tokens) - chunk + 1, chunk)]
+    if not rows:
         raise RetrofitError("no calibration tokens: raise --calibrate-tokens or use a longer --data")
-    return calibrate(model, tqdm(batches, desc="calibrate avnorm", unit="batch", disable=not progress,
-                                          leave=False))
+    return rows
 
 
 def _brief(info):

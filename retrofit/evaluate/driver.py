@@ -23,6 +23,7 @@ from ..data.read import read_tokens
 from ..errors import RetrofitError, check_token_ids
 from ..load import CountingModel, language_model, load, load_tokenizer
 from ..load.loader import same_rope
+from ..load.preflight import check_eval_memory
 from ..load.task_model import TASK_FILE
 from ..memory import PeakMemory
 from ..norms import baseline_norm
@@ -72,6 +73,8 @@ def evaluate_models(sources: list, spec: EvalSpec) -> dict:
     docs/results-schema.md. A model that is already patched is evaluated as it is if it carries the asked patch
     (rope alone: that same rope), else refused; with several variants every source runs once per variant.
     """
+    # each source loads and its longest forward fits (loaded models are skipped): before any data or model is read
+    check_eval_memory(sources, spec.lengths, spec.batch_tokens, spec.device, spec.dtype)
     job_names = evaluation_names(sources, spec)  # checks the names and the reference before anything loads
     references = check_references(spec.reference, job_names)
     prepared = _prepare_data(sources, spec.data, spec.tokens, spec.tokenizer, spec.lengths, spec.tasks)

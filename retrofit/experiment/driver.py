@@ -43,6 +43,7 @@ from ..recipe import (
 )
 from ..rope import describe_rope
 from ..train import read_log, train
+from ..train.preflight import check_recipe_fits
 from .reference import load_reference
 from .report import hardware
 from .results import arm_results, evaluate_all, within, write_results
@@ -221,6 +222,7 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
     if exp is None:
         raise RetrofitError("this recipe has no experiment section (arms, base_steps, finetune_steps); "
                             "use `retrofit train` for a single run")
+    check_recipe_fits(recipe)  # data, source, every arm's selections, memory: before DIR is made or written
     reference = load_reference(exp.reference, [a.name for a in exp.arms]) if exp.reference else None
     out = check_output(out_dir, "--out")  # new, empty or made by retrofit (a re-run resumes it)
     check_base(recipe, exp, out)  # before anything in it is touched, its lock included

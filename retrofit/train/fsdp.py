@@ -76,7 +76,7 @@ def shard_model(model: nn.Module, *, fully_shard=None, **kwargs) -> list[str]:
 
 # ---- train.fsdp: the loop's FSDP2 path (CPU processes included; accelerate's FSDP plugin needs CUDA) -----------------
 
-def check_recipe(recipe, distributed_type: str) -> None:
+def check_fsdp_recipe(recipe, distributed_type: str) -> None:
     """Refuse, in one line, what train.fsdp does not run yet."""
     if not recipe.train.fsdp:
         return

@@ -41,11 +41,11 @@ from ..memory import return_freed_memory
 from ..readers import read_json
 from ..recipe import Recipe, dotted_settings, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, record_schedule, scheduled_values
-from . import checkpoint, engine, fsdp, run_setup, zero
+from . import checkpoint, engine, fsdp, preflight, run_setup, zero
 from .alst import preparing
 from .engine import Engine
 from .runlog import ENGINE_KEY, check_trackers
-from .sequence_parallel import check_recipe
+from .sequence_parallel import plan_sequence_layout
 from .state import Divergence, LogWindow, Run, Split, StepStats, TrainResult
 from .update import train_step
 from .validation import validation_metrics
@@ -104,8 +104,8 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
     while this process holds the run folder's lock."""
     run_dir = run_dir_of(recipe)
     _check_run_dir(run_dir, resume)
-    trackers = check_trackers(recipe.output.trackers)
-    acc = run_setup.make_accelerator(recipe.train, run_dir, trackers)
+    preflight.check_recipe_fits(recipe, model=model, data=data)  # data, source, memory: before anything is allocated
+    acc = run_setup.make_accelerator(recipe.train, run_dir, check_trackers(recipe.output.trackers))
     if acc.device.type == "cpu" and recipe.train.cpu_release_memory:  # freed activations go back to the OS
         return_freed_memory()  # instead of raising the peak (memory.py); it costs small models speed
     # made, marked and locked (one writer per run folder; released on any exit); a run refused before it wrote
@@ -135,9 +135,9 @@ def _train(recipe: Recipe, acc, run_dir: Path, *, model, tokenizer, data, resume
 
 def _split(recipe: Recipe, acc) -> Split:
     deepspeed = acc.distributed_type.name == "DEEPSPEED"  # then DeepSpeed's ALST moves the heads
-    layout = check_recipe(recipe, alst=deepspeed)  # train.sequence_parallel: N processes share each row (None when 1)
-    fsdp.check_recipe(recipe, acc.distributed_type.name)
-    zero.check_recipe(recipe, zero.stage_of(acc))
+    layout = plan_sequence_layout(recipe, alst=deepspeed)  # train.sequence_parallel: N processes per row (None: 1)
+    fsdp.check_fsdp_recipe(recipe, acc.distributed_type.name)
+    zero.check_deepspeed_recipe(recipe, zero.stage_of(acc))
     rank, world = (layout.data_rank, layout.data_size) if layout else (acc.process_index, acc.num_processes)
     return Split(layout, rank, world, run_setup.accumulation(recipe.train, world))
 

@@ -98,7 +98,7 @@ def sequence_layout(size: int, alst: bool = False) -> SequenceLayout | None:
     return SequenceLayout(size, rank % size, rank // size, world // size, groups[rank // size])
 
 
-def check_recipe(recipe, alst: bool = False) -> SequenceLayout | None:
+def plan_sequence_layout(recipe, alst: bool = False) -> SequenceLayout | None:
     """The layout train.sequence_parallel asks for (None when 1), after refusing what it cannot run (one line);
     alst: DeepSpeed runs the model (its ALST moves the heads)."""
     size = recipe.train.sequence_parallel

@@ -102,7 +102,7 @@ def configure(plugin, train, accumulation: int, data_parallel: int, cpu: bool) -
     return stage
 
 
-def check_recipe(recipe, stage: int | None) -> None:
+def check_deepspeed_recipe(recipe, stage: int | None) -> None:
     """Refuse, in one line, what the loop does not run under DeepSpeed (stage None: not DeepSpeed) yet."""
     if stage is None:
         return

@@ -166,7 +166,8 @@ TRANSFORMERS = Path(importlib.util.find_spec("transformers").submodule_search_lo
 DIAGRAMS = {
     "### The attention seam: from a model's forward to a kernel": [
         "transformers/modeling_utils.py:ALL_ATTENTION_FUNCTIONS", "attention_seam.py:retrofit_attention",
-        "attention_seam.py:retrofit_eager_attention", "attention_seam.py:_dispatch", "norms/attention_call.py:kernel_call",
+        "attention_seam.py:retrofit_eager_attention", "attention_seam.py:_dispatch",
+        "norms/attention_call.py:kernel_call",
         "norms/attention_call.py:visible_keys", "kernels/dispatch.py:choose", "kernels/custom_ops.py:attention_op",
         "norms/base.py:ProjectionHook", "norms/avnorm.py:AVNorm.forward"],
     "### The packing path: from packed documents to the keys a query sees": [

@@ -221,15 +221,16 @@ def test_accelerate_launch_with_an_fsdp_config_is_refused_by_every_process(corpu
 
 
 def test_what_the_loop_does_not_run_under_deepspeed_is_refused(tmp_path):
-    from retrofit.train.zero import check_recipe
+    from retrofit.train.zero import check_deepspeed_recipe
     raw = lm_recipe(tmp_path, tmp_path / "run")
-    check_recipe(recipe_from_dict(raw), None)  # not DeepSpeed: nothing to refuse
-    check_recipe(recipe_from_dict({**raw, "train": {**raw["train"], "peft": {"r": 4}}}), 2)  # ZeRO-2: whole weights
+    check_deepspeed_recipe(recipe_from_dict(raw), None)  # not DeepSpeed: nothing to refuse
+    lora = {**raw, "train": {**raw["train"], "peft": {"r": 4}}}
+    check_deepspeed_recipe(recipe_from_dict(lora), 2)  # ZeRO-2: whole weights
     for train_keys, stage, message in [
             ({"compile": True}, 3, "train.compile is not built yet"),
             ({"sequence_parallel": 2, "init_len": 16, "double_every": 2}, 3, "staged length"),
             ({"peft": {"r": 4}}, 3, "ZeRO-3 with LoRA saves the adapter only")]:
         with pytest.raises(RetrofitError, match=message):
-            check_recipe(recipe_from_dict({**raw, "train": {**raw["train"], **train_keys}}), stage)
+            check_deepspeed_recipe(recipe_from_dict({**raw, "train": {**raw["train"], **train_keys}}), stage)
     with pytest.raises(RetrofitError, match="recovery section is not built yet"):
-        check_recipe(recipe_from_dict({**raw, "recovery": {"lm_weight": 0.5, "kl_weight": 0.5}}), 3)
+        check_deepspeed_recipe(recipe_from_dict({**raw, "recovery": {"lm_weight": 0.5, "kl_weight": 0.5}}), 3)

@@ -21,9 +21,9 @@ import retrofit
 from retrofit.errors import RetrofitError
 from retrofit.recipe import load_recipe, recipe_from_dict
 from retrofit.train import checkpoint, read_log, train
-from retrofit.train.fsdp import check_recipe as fsdp_check
+from retrofit.train.fsdp import check_fsdp_recipe
 from retrofit.train.losses import loss_sum
-from retrofit.train.sequence_parallel import SequenceLayout, check_recipe, shard
+from retrofit.train.sequence_parallel import SequenceLayout, plan_sequence_layout, shard
 from retrofit.train.sequence_parallel import sharded as sharded_model
 from tests.train.sequence_parallel_common import CASES, batch, build, grads
 from tests.train.test_train import lm_recipe, losses_of, write_corpus
@@ -202,20 +202,20 @@ def test_what_sequence_parallelism_cannot_run_is_refused_in_one_line(tmp_path):
         recipe_from_dict({**raw, "train": {**raw["train"], "sequence_parallel": 0}})
     counting = {**raw, "data": {"task": "counting", "seq_len": 32}}
     with pytest.raises(RetrofitError, match="counting's regression head is not sharded"):
-        check_recipe(recipe_from_dict(counting))
+        plan_sequence_layout(recipe_from_dict(counting))
     packed = {**raw, "data": {**raw["data"], "packing": "documents"}}
     with pytest.raises(RetrofitError, match="packing documents .* is not supported"):
-        check_recipe(recipe_from_dict(packed))
+        plan_sequence_layout(recipe_from_dict(packed))
     odd = {**raw, "data": {**raw["data"], "seq_len": 33}}
     with pytest.raises(RetrofitError, match="33 is not a multiple of train.sequence_parallel 2"):
-        check_recipe(recipe_from_dict(odd))
+        plan_sequence_layout(recipe_from_dict(odd))
     model = tiny_model("llama")
     assert sharded_model(model, None).__enter__() is model  # off: the model as it is
     fsdp = {**raw, "train": {**raw["train"], "fsdp": True}, "output": {**raw["output"], "save_every": 0}}
-    fsdp_check(recipe_from_dict(fsdp), "MULTI_CPU")  # what it runs
+    check_fsdp_recipe(recipe_from_dict(fsdp), "MULTI_CPU")  # what it runs
     for change, message in [({"train": {**fsdp["train"], "peft": {"r": 4}}}, "saves the adapter only"),
                             ({"train": {**fsdp["train"], "compile": True}}, "train.compile is not built")]:
         with pytest.raises(RetrofitError, match=message):
-            fsdp_check(recipe_from_dict({**fsdp, **change}), "MULTI_CPU")
+            check_fsdp_recipe(recipe_from_dict({**fsdp, **change}), "MULTI_CPU")
     with pytest.raises(RetrofitError, match="accelerate already runs FSDP"):
-        fsdp_check(recipe_from_dict(fsdp), "FSDP")
+        check_fsdp_recipe(recipe_from_dict(fsdp), "FSDP")

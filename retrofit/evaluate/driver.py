@@ -73,10 +73,10 @@ def evaluate_models(sources: list, spec: EvalSpec) -> dict:
     docs/results-schema.md. A model that is already patched is evaluated as it is if it carries the asked patch
     (rope alone: that same rope), else refused; with several variants every source runs once per variant.
     """
-    # each source loads and its longest forward fits (loaded models are skipped): before any data or model is read
-    check_eval_memory(sources, spec.lengths, spec.batch_tokens, spec.device, spec.dtype)
     job_names = evaluation_names(sources, spec)  # checks the names and the reference before anything loads
     references = check_references(spec.reference, job_names)
+    # each source loads and its longest forward fits (loaded models are skipped): before any data or model is read
+    check_eval_memory(sources, spec.lengths, spec.batch_tokens, spec.device, spec.dtype)
     prepared = _prepare_data(sources, spec.data, spec.tokens, spec.tokenizer, spec.lengths, spec.tasks)
     jobs = [(source, prep, ep) for source, prep in zip(sources, prepared) for _, ep in spec.patches]
     results = _results_header(spec, prepared)

@@ -40,7 +40,7 @@ def test_the_cached_answer_follows_in_place_changes():
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 def test_left_padded_decoder_calls_the_kernel_causally(monkeypatch, mode):
-    import retrofit.norms.base as base
+    import retrofit.norms.attention_call as base
     seen = []
     real = base.visible_keys
 

@@ -74,6 +74,17 @@ def tiny_model(model_type: str = "llama", seed: int = 0, attn_implementation: st
     return model.eval()
 
 
+def randomize_patch(model, seed: int = 3):
+    """Every patch parameter (children named `retrofit`) drawn from [0.5, 1.5), so per-head gains, s and sinks are
+    not all equal (a test then sees each head's own value); returns the model."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".retrofit." in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    return model
+
+
 def random_ids(batch: int = 2, length: int = 16, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=g)

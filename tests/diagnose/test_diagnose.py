@@ -17,7 +17,7 @@ from retrofit.diagnose import measures as M
 from retrofit.diagnose.capture import capture_rows
 from retrofit.errors import RetrofitError
 from retrofit.lengths import parse_lengths
-from tests.tiny import VOCAB, random_ids, tiny_model
+from tests.tiny import VOCAB, random_ids, randomize_patch, tiny_model
 
 D64 = torch.float64
 
@@ -221,10 +221,7 @@ def test_capture_sees_every_layer_and_matches_eager_weights(model_type):
 def test_rebuilt_weights_match_each_norms_own_output(norm, options):
     model = tiny_model("llama")
     retrofit.patch(model, norm, **options)
-    g = torch.Generator().manual_seed(1)
-    for name, p in model.named_parameters():
-        if ".retrofit." in name:                                    # per-head gain / s / sink: not all equal
-            p.data.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    randomize_patch(model, seed=1)  # per-head gain / s / sink: not all equal
     seen = {}
     with capture_rows(model, [5, 15], lambda rows: seen.__setitem__(rows.layer, rows)):
         with torch.no_grad():

@@ -15,7 +15,7 @@ import retrofit
 from retrofit.errors import RetrofitError
 from retrofit.norms import get_norm, make_options, patched_norms
 from retrofit.recovery import patch_bypassed
-from tests.tiny import random_ids, tiny_model
+from tests.tiny import random_ids, randomize_patch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,16 +28,9 @@ def _reference(model_type, norm, options, ids):
     """Today's path: the model loaded with sdpa, patched (AVNorm through the hook, the others their kernels)."""
     model = tiny_model(model_type)
     retrofit.patch(model, norm, **options)
-    _randomize_patch(model)
+    randomize_patch(model)
     with torch.no_grad():
         return model(input_ids=ids).logits
-
-
-def _randomize_patch(model):
-    g = torch.Generator().manual_seed(3)
-    for name, p in model.named_parameters():
-        if ".retrofit." in name:
-            p.data.copy_(torch.rand(p.shape, generator=g) + 0.5)
 
 
 def _flex_available():
@@ -57,7 +50,7 @@ def test_every_norm_under_every_implementation_gives_todays_logits(norm, options
     ids = random_ids(2, 12)
     model = tiny_model("llama", attn_implementation=implementation)
     report = retrofit.patch(model, norm, **options)
-    _randomize_patch(model)
+    randomize_patch(model)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     torch.testing.assert_close(logits, _reference("llama", norm, options, ids), atol=1e-5, rtol=1e-5)
@@ -75,7 +68,7 @@ def test_avnorm_survives_an_implementation_switch(model_type):
     ids = random_ids(2, 12)
     model = tiny_model(model_type)
     retrofit.patch(model, "avnorm")
-    _randomize_patch(model)
+    randomize_patch(model)
     with torch.no_grad():
         before = model(input_ids=ids).logits
         model.set_attn_implementation("eager")
@@ -108,7 +101,7 @@ def test_unpatch_removes_the_hooks_and_a_deepcopy_keeps_its_own():
     plain = tiny_model("llama")
     model = tiny_model("llama")
     retrofit.patch(model, "avnorm")
-    _randomize_patch(model)
+    randomize_patch(model)
     twin = copy.deepcopy(model)
     retrofit.unpatch(model)
     with torch.no_grad():
@@ -121,7 +114,7 @@ def test_lora_on_o_proj_sees_the_normalized_input():
     ids = random_ids(2, 12)
     model = tiny_model("llama")
     retrofit.patch(model, "avnorm")
-    _randomize_patch(model)
+    randomize_patch(model)
     with torch.no_grad():
         before = model(input_ids=ids).logits
     lora = get_peft_model(model, LoraConfig(r=4, target_modules=["o_proj"], init_lora_weights=False))
@@ -139,7 +132,7 @@ def test_the_teacher_bypass_turns_the_hook_off():
     plain = tiny_model("llama")
     model = tiny_model("llama")
     retrofit.patch(model, "avnorm")
-    _randomize_patch(model)
+    randomize_patch(model)
     with torch.no_grad(), patch_bypassed(model):
         torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, atol=0, rtol=0)
 

@@ -30,7 +30,7 @@ from torch import nn
 import retrofit
 from retrofit.norms import available_norms, get_norm
 from tests.reference import reference_model
-from tests.tiny import random_ids, tiny_model
+from tests.tiny import random_ids, randomize_patch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS, LR = 10, 1e-2
@@ -46,11 +46,7 @@ def twins(norm: str, options: dict):
     float64-reference twin (tests/reference.py) with the same weights, whose copies of those parameters train too."""
     original, patched = tiny_model("llama"), tiny_model("llama")  # the same seed: the same weights
     retrofit.patch(patched, norm, **options)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in patched.named_parameters():
-            if ".retrofit." in name:
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    randomize_patch(patched)
     reference = reference_model(original, patched, nope=False)
     # reference_model hands the reference detached copies of the norm's tensors; the learned ones become parameters
     # of the reference's attention module (reference_attention reads them from its spec, so gradients reach them).

@@ -15,7 +15,7 @@ import torch
 
 import retrofit
 from retrofit.norms import Norm, available_norms, get_norm
-from tests.tiny import random_ids, tiny_model
+from tests.tiny import random_ids, randomize_patch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 T = 12
@@ -27,11 +27,7 @@ IDS = [f"{norm}{suffix}" for norm in available_norms() for suffix in GATES]
 def _patched(norm: str, gate: str | None = None, **config):
     model = tiny_model("llama", **config)
     retrofit.patch(model, norm, gate=gate, **get_norm(norm).example_options)
-    g = torch.Generator().manual_seed(3)
-    for name, p in model.named_parameters():
-        if ".retrofit." in name:
-            p.data.copy_(torch.rand(p.shape, generator=g) + 0.5)
-    return model.eval()
+    return randomize_patch(model).eval()
 
 
 def _logits(model, ids, **kwargs) -> torch.Tensor:

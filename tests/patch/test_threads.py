@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny import tiny_model
+from tests.tiny import randomize_patch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -16,18 +16,12 @@ THREAD_NORMS = [("avnorm", {"kind": "rms"}), ("avnorm", {"kind": "layer", "affin
 
 
 def randomized(model_type: str, norm: str, options: dict):
-    import torch
 
     import retrofit
 
     model = tiny_model(model_type)
     retrofit.patch(model, norm, **options)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".retrofit." in name:
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-    return model
+    return randomize_patch(model)
 
 
 def run_in_threads(fns: list) -> list:

@@ -30,7 +30,7 @@ _PUBLIC = {
     "PatchReport": "patching", "is_patched": "patching", "patch": "patching", "patch_record": "patching",
     "unpatch": "patching", "observe": "attention_seam", "calibrate": "calibration", "RetrofitError": "errors",
     "from_pretrained": "load", "available_norms": "norms", "describe_norms": "norms", "patch_bypassed": "recovery",
-    "extend_rope": "rope", "info": "load.info", "peft_config": "load.adapters", "PatchSpec": "patch_spec",
+    "extend_rope": "patching", "info": "load.info", "peft_config": "load.adapters", "PatchSpec": "patch_spec",
     "enable": "integrations.auto_classes", "disable": "integrations.auto_classes",
 }
 
@@ -44,9 +44,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from .load.info import info
     from .norms import available_norms, describe_norms
     from .patch_spec import PatchSpec
-    from .patching import PatchReport, is_patched, patch, patch_record, unpatch
+    from .patching import PatchReport, extend_rope, is_patched, patch, patch_record, unpatch
     from .recovery import patch_bypassed
-    from .rope import extend_rope
 
 
 def __getattr__(name: str):

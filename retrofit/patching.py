@@ -47,7 +47,8 @@ from .record import (
     read_record,
     write_record,
 )
-from .rope import apply_rope, describe_rope, plan_rope, reset_to_original, restore_rope
+from .rope import apply_rope, compose_temperature, describe_rope, plan_rope, reset_to_original, restore_rope
+from .rope import extend_rope as _extend_rope
 from .selection import select
 
 
@@ -228,6 +229,8 @@ def patch(model: nn.Module, norm: str | PatchSpec | None = None, *, nope: bool =
     notes = [_check_query_scaling(norm, norm_cls, opts, model.config)]
     notes.append(_detach_config(model))
     rope_plan = plan_rope(model, spec.rope) if spec.rope is not None else None  # refuses before any change
+    if rope_plan is not None:  # SSMax under YaRN: one of the two owns the logits' temperature, not both
+        notes.append(compose_temperature(rope_plan, norm if norm_cls.owns_temperature(opts) else None))
     modules = attention_modules(model)
     if not modules:
         family = family_of(model.config)
@@ -309,6 +312,15 @@ def patch_record(model: nn.Module) -> dict | None:
     return record if record is not None and is_patched(model) else None
 
 
+def extend_rope(model: nn.Module, spec: str | Mapping) -> dict:
+    """retrofit.extend_rope: rope.extend_rope on a patched model, with its norm's say over the logits' temperature
+    (SSMax under YaRN: YaRN's attention factor 1; rope.compose_temperature). Returns the rope record."""
+    record = patch_record(model) or {}
+    norm_cls = get_norm(record["norm"]) if record.get("norm") else None
+    owner = record["norm"] if norm_cls is not None and norm_cls.owns_temperature(record.get("options")) else None
+    return _extend_rope(model, spec, temperature_owner=owner)
+
+
 def patch_from_record(model: nn.Module, record: dict) -> PatchReport:
     """Re-apply a patch recorded in config.retrofit (used when loading a saved checkpoint)."""
     if isinstance(record, dict) and record.get("format", FORMAT) > FORMAT:
@@ -324,5 +336,6 @@ def patch_from_record(model: nn.Module, record: dict) -> PatchReport:
 
 
 
-__all__ = ["CHILD", "FORMAT", "PatchReport", "PushWarning", "has_sinks", "is_patched", "patch", "patch_from_record",
+__all__ = ["CHILD", "FORMAT", "PatchReport", "PushWarning", "extend_rope", "has_sinks", "is_patched", "patch",
+           "patch_from_record",
            "patch_record", "unpatch", "unpatch_parameter_free"]

@@ -53,6 +53,9 @@ ROPE_KEYS: dict[str, tuple[set, set]] = {
     "llama3": ({"factor", "low_freq_factor", "high_freq_factor"}, {"original_max_position_embeddings", "rope_theta"}),
 }
 USES_ORIGINAL = {"yarn", "longrope", "llama3"}  # types whose init function reads original_max_position_embeddings
+# types whose init function also returns an attention factor != 1: the rotary module multiplies cos and sin by it, so
+# q.k, the logits, are scaled by its square at every position (YaRN x4: 1.1386^2 = 1.296)
+SCALES_LOGITS = {"yarn", "longrope"}
 ALIASES = {"original": "original_max_position_embeddings", "type": "rope_type"}
 EXTENDED_LAYER_TYPE = "full_attention"
 ORIGINAL_ATTR = "_retrofit_original"  # on a rebuilt rotary module: [the original module] (a list hides it)
@@ -213,6 +216,27 @@ def plan_rope(model: nn.Module, spec) -> dict:
     return record
 
 
+def compose_temperature(plan: dict, owner: str | None) -> str | None:
+    """Let one correction own the logits' temperature. Under a norm that sets it itself (`owner`, e.g. "ssmax":
+    Norm.owns_temperature), a YaRN or LongRoPE extension gets attention_factor 1, so its factor does not multiply
+    the norm's (SSMax-beyond on YaRN x4 at 16K would be 1.077 x 1.296); recorded in the plan as
+    `temperature_owner`. An attention_factor the user gave is kept (what the user typed wins), and said.
+    Returns the PatchReport's note, or None when nothing composes."""
+    spec = plan["parameters"]
+    if owner is None or spec["rope_type"] not in SCALES_LOGITS:
+        return None
+    if spec.get("attention_factor") == 1.0:  # given as 1 (or a reloaded record): the norm owns it all the same
+        plan["temperature_owner"] = owner
+        return None
+    if "attention_factor" in spec:
+        return (f"rope {describe_rope(plan)} keeps the attention_factor {spec['attention_factor']:g} given, on top of "
+                f"{owner}'s own temperature: both scale the logits")
+    spec["attention_factor"] = 1.0
+    plan["temperature_owner"] = owner
+    return (f"rope {spec['rope_type']}'s attention factor set to 1: {owner} owns the logits' temperature (give "
+            "attention_factor= in the rope to stack both)")
+
+
 def _check_longrope_lengths(spec: dict, config) -> None:
     if spec["rope_type"] != "longrope":
         return
@@ -258,10 +282,12 @@ def _check_reloadable(config, record: dict) -> None:
                             f"to {got[0].get('rope_type')!r} when loading; this model cannot keep it")
 
 
-def extend_rope(model: nn.Module, spec: str | Mapping) -> dict:
+def extend_rope(model: nn.Module, spec: str | Mapping, *, temperature_owner: str | None = None) -> dict:
     """Add a RoPE extension to a model retrofit patched without one, keeping its norm and trained parameters: e.g.
     an arm finetuned at 512 tokens with AVNorm, evaluated with dynamic NTK x4 beyond its 8192 positions (dynamic
-    NTK is the original RoPE inside them, so inside they are the arm itself). Recorded, so unpatch restores it."""
+    NTK is the original RoPE inside them, so inside they are the arm itself). Recorded, so unpatch restores it.
+    temperature_owner: the patched norm's name when it owns the logits' temperature (compose_temperature);
+    retrofit.extend_rope (patching.extend_rope) fills it in from the model's own patch."""
     record = read_record(model) if hasattr(model, "config") else None
     if record is None:
         raise RetrofitError("extend_rope adds a RoPE extension to a patched model; patch an unpatched one with "
@@ -272,6 +298,7 @@ def extend_rope(model: nn.Module, spec: str | Mapping) -> dict:
         raise RetrofitError("this model was patched with nope: its rotary embedding is removed, there is none to "
                             "extend")
     plan = plan_rope(model, spec)
+    compose_temperature(plan, temperature_owner)
     apply_rope(model, plan)
     write_record(model, rope=plan)
     return plan
@@ -357,5 +384,5 @@ def reset_to_original(model: nn.Module, record: dict) -> None:
     _rebuild(model, config, keep_original=False)
 
 
-__all__ = ["ROPE_KEYS", "apply_rope", "describe_rope", "normalize_rope", "original_rope",
+__all__ = ["ROPE_KEYS", "apply_rope", "compose_temperature", "describe_rope", "normalize_rope", "original_rope",
            "parse_rope", "plan_rope", "reset_to_original", "restore_rope", "rotary_modules"]

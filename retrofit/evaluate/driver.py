@@ -28,12 +28,12 @@ from ..load.task_model import TASK_FILE
 from ..memory import PeakMemory
 from ..norms import baseline_norm
 from ..patch_spec import EVAL, PATCH_KEYS, PatchSpec
+from ..patching import extend_rope, patch_record
 from ..patching import patch as patch_model
-from ..patching import patch_record
 from ..positions import position_limit
 from ..readers import expect, read_yaml
 from ..recipe import CountingOptions, build
-from ..rope import describe_rope, extend_rope
+from ..rope import describe_rope
 from .compare import check_references, paired_comparisons
 from .engines import vllm_entry
 from .intervals import METHOD

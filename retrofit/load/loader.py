@@ -238,12 +238,14 @@ def _same_selection(lm: nn.Module, record: dict, spec) -> bool:
 
 def same_rope(record: dict | None, spec) -> bool:
     """Whether a patch record's rope (config.retrofit["rope"]) is what `spec` (a string, mapping or None) asks for.
-    original_max_position_embeddings, filled in by the patch when the spec leaves it out, counts only when given."""
+    original_max_position_embeddings, filled in by the patch when the spec leaves it out, counts only when given; so
+    does the attention factor 1 a temperature-owning norm gave the extension (rope.compose_temperature)."""
     if record is None or spec is None:
         return record is None and spec is None
     wanted, recorded = normalize_rope(spec), dict(record["parameters"])
-    if "original_max_position_embeddings" not in wanted:
-        recorded.pop("original_max_position_embeddings", None)
+    for filled in ("original_max_position_embeddings", "attention_factor"):  # filled in by the patch, not given
+        if filled not in wanted and (filled != "attention_factor" or record.get("temperature_owner")):
+            recorded.pop(filled, None)
     return recorded == wanted
 
 

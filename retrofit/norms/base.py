@@ -140,6 +140,14 @@ class Norm(nn.Module):
         return False
 
     @classmethod
+    def owns_temperature(cls, options) -> bool:
+        """Whether this norm, built with `options`, sets the logits' temperature itself (SSMax's s*log n): then a
+        RoPE extension that also scales the logits (YaRN's and LongRoPE's attention factor, at every position) gets
+        that factor 1, so one correction owns the temperature instead of two stacking (retrofit.rope
+        compose_temperature). An attention_factor the user gives explicitly is kept."""
+        return False
+
+    @classmethod
     def serve_refusal(cls, options, heads: list[int] | None) -> str | None:
         """Why retrofit's vLLM plugin cannot serve this norm built with `options` on `heads` (None = all), in one line
         that says what to run instead; None: it serves it as `serve_as` says (or refuses it for having none)."""

@@ -100,6 +100,10 @@ class SSMax(Norm):
     def stacks_query_scaling(cls, options) -> bool:
         return options.stack
 
+    @classmethod
+    def owns_temperature(cls, options) -> bool:
+        return True  # f(n) is the temperature: YaRN's own sqrt(attention_factor) on q and k would stack on it
+
     def logit_factor(self, n: torch.Tensor) -> torch.Tensor:
         """(B, H, R, 1) visible keys -> the factor (B, H, R, 1) this norm's logits are multiplied by."""
         return self.blended(self.factor(n[..., 0])).unsqueeze(-1)

@@ -14,9 +14,13 @@ APPROX_LEGEND = (f"{APPROX}: the interval covers 0 — no difference shown (a di
 EQUIVALENT = "≡"
 
 
+def _margin(results: dict) -> float | None:
+    return (results.get("settings") or {}).get("equivalence_margin")
+
+
 def legend(results: dict) -> str:
     """APPROX_LEGEND, and the equivalence mark's meaning when the results declare a margin."""
-    margin = (results.get("settings") or {}).get("equivalence_margin")
+    margin = _margin(results)
     if margin is None:
         return APPROX_LEGEND
     return (APPROX_LEGEND + f" {EQUIVALENT}: equivalent within ±{margin:g} (the margin declared before judging: two "
@@ -177,7 +181,8 @@ def comparison_table_markdown(results: dict, reference: str | None = None) -> st
     models = list(dict.fromkeys(c["model"] for c in found))
     cells = {(c["model"], c["length"]): _difference_cell(c) for c in found}
     rows = [[name] + [cells.get((name, n)) for n in lengths] for name in models]
-    return markdown_table([f"model − {reference}"] + lengths, rows) + "\n\n" + verdict_lines(found, "model", "windows")
+    return (markdown_table([f"model − {reference}"] + lengths, rows) + "\n\n"
+            + verdict_lines(found, "model", "windows", _margin(results)))
 
 
 def _difference_cell(c: dict) -> str:
@@ -193,23 +198,38 @@ def difference_cell(difference: float, interval, n: int | None, equivalent: bool
     return text + (f" {EQUIVALENT}" if equivalent else f" {APPROX}" if covers_zero(interval) else "")
 
 
-def verdict_lines(rows: list[dict], key: str, unit: str) -> str:
+def verdict_lines(rows: list[dict], key: str, unit: str, margin: float | None = None) -> str:
     """What each row's model (or arm) shows across the lengths, generated so that no report says 'at every length'
-    unless every length's interval excludes 0: '- avnorm: higher at 256, 512; no difference shown at 1024'."""
+    unless every length's interval excludes 0: '- avnorm: higher at 256, 512; no difference shown at 1024'. A length
+    within the declared margin keeps its direction and size: 'within ±0.02 at 16384 (lower by 0.004 ± 0.004)'."""
     lines = []
+    within = f"within ±{margin:g}" if margin is not None else "within the margin"
     for name in dict.fromkeys(r[key] for r in rows):
-        found = {"higher": [], "lower": [], "within the margin": [], "no difference shown": [], "no interval": []}
+        found = {"higher": [], "lower": [], within: [], "no difference shown": [], "no interval": []}
         for r in sorted((r for r in rows if r[key] == name), key=lambda r: r["length"]):
-            verdict = "within the margin" if r.get("equivalent") else "no interval" if r.get("ci95") is None \
+            verdict = within if r.get("equivalent") else "no interval" if r.get("ci95") is None \
                 else "no difference shown" if covers_zero(r["ci95"]) else "higher" if r["difference"] > 0 else "lower"
-            found[verdict].append(str(r["length"]))
+            found[verdict].append(f"{r['length']} ({_direction(r)})" if verdict == within else str(r["length"]))
         total = sum(map(len, found.values()))
-        parts = [f"{what} at {'every length' if len(at) == total > 1 else ', '.join(at)}" for what, at in found.items()
+        parts = [f"{what} at {_every(at) if len(at) == total > 1 else ', '.join(at)}" for what, at in found.items()
                  if at]
         lines.append(f"- {name}: " + "; ".join(parts))
-    margin = f"; within the margin: equivalent, {EQUIVALENT}" if any("equivalent" in r for r in rows) else ""
-    return (f"By length (higher / lower: the 95% interval over {unit} excludes 0{margin}):\n\n"
+    margin_note = f"; {within}: equivalent, {EQUIVALENT}, with its direction and size" \
+        if any("equivalent" in r for r in rows) else ""
+    return (f"By length (higher / lower: the 95% interval over {unit} excludes 0{margin_note}):\n\n"
             + "\n".join(lines)) if lines else ""
+
+
+def _direction(row: dict) -> str:
+    """'lower by 0.004 ± 0.004' (the 95% half-width), ' ≈' added when that interval covers 0."""
+    size = plus_minus(abs(row["difference"]), row["ci95"])
+    way = "higher" if row["difference"] > 0 else "lower" if row["difference"] < 0 else "equal,"
+    return f"{way} by {size}" + (f" {APPROX}" if covers_zero(row["ci95"]) else "")
+
+
+def _every(items: list[str]) -> str:
+    """'every length' for plain lengths; with sizes, each length still names its own: 'every length: 16 (...), ...'."""
+    return "every length" if all(i.isdigit() for i in items) else "every length: " + ", ".join(items)
 
 
 def windows_table_markdown(results: dict) -> str:
@@ -239,6 +259,8 @@ def seed_sections(results: dict) -> list[tuple[str, str]]:
                  + markdown_table(["arm"] + lengths, [[a] + [means.get((a, n)) for n in lengths] for a in arms]))]
     if summary["differences"]:
         control, shown = summary["control"], md_inline(summary["control"])  # a table's cells are escaped by it
+        if summary.get("controls"):  # evaluation variants: each arm against the control under its own variant
+            control = shown = "the control under the same variant"
         cells = {(r["arm"], r["length"]): difference_cell(r["difference"], r["ci95"], r["seeds"], r.get("equivalent"))
                  for r in summary["differences"]}
         others = list(dict.fromkeys(r["arm"] for r in summary["differences"]))
@@ -248,5 +270,6 @@ def seed_sections(results: dict) -> list[tuple[str, str]]:
                          "seed would be expected to reproduce.\n\n"
                          + markdown_table([f"arm − {control}"] + lengths,
                                           [[a] + [cells.get((a, n)) for n in lengths] for a in others])
-                         + "\n\n" + verdict_lines(summary["differences"], "arm", "seeds") + f"\n\n{legend(results)}"))
+                         + "\n\n" + verdict_lines(summary["differences"], "arm", "seeds", _margin(results))
+                         + f"\n\n{legend(results)}"))
     return sections

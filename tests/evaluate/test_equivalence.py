@@ -89,8 +89,21 @@ def test_verdict_lines_say_every_length_only_when_every_interval_excludes_zero()
     text = verdict_lines(rows, "model", "seeds")
     assert "- rms: higher at 256, 512; no difference shown at 4096, 16384" in text
     assert "- nope: higher at every length" in text
-    assert "- same: within the margin at 256; no interval at 512" in text
+    assert "- same: within the margin at 256 (higher by 0.004 ± 0.003); no interval at 512" in text
     assert "over seeds excludes 0" in text
+
+
+def test_a_verdict_within_the_margin_keeps_its_direction_and_size():
+    # smollm2-yarn-norms' yarn4+avnorm at 16K: -0.004 ± 0.004, equivalent within ±0.02, and the interval excludes 0
+    rows = [_row("yarn4+avnorm", 16384, -0.0041, [-0.0079, -0.0003], True),
+            _row("yarn4+ssmax", 16384, 0.018, [0.013, 0.023], False),
+            _row("flat", 256, 0.001, [-0.002, 0.004], True), _row("flat", 512, -0.002, [-0.005, 0.001], True)]
+    text = verdict_lines(rows, "model", "windows", 0.02)
+    assert "- yarn4+avnorm: within ±0.02 at 16384 (lower by 0.004 ± 0.004)" in text
+    assert "- yarn4+ssmax: higher at 16384" in text
+    assert "- flat: within ±0.02 at every length: 256 (higher by 0.001 ± 0.003 ≈), 512 (lower by 0.002 ± 0.003 ≈)" \
+        in text
+    assert "within ±0.02: equivalent, ≡, with its direction and size" in text
 
 
 def test_report_verb_declares_a_margin(tmp_path, run_cli):
@@ -108,8 +121,9 @@ def test_report_verb_declares_a_margin(tmp_path, run_cli):
     judged = json.loads((folder / "results.json").read_text())
     assert judged["settings"]["equivalence_margin"] == 0.02 and judged["comparisons"]["rows"][0]["equivalent"]
     md = (folder / "results.md").read_text()
-    assert "(n=40) ≡ |" in md and "≡: equivalent within ±0.02" in md and "- b: within the margin at every length" in md
+    assert "(n=40) ≡ |" in md and "≡: equivalent within ±0.02" in md
+    assert "- b: within ±0.02 at every length: 16 (higher by " in md
     one = rejudge(dict(judged, models=[dict(m, lengths=m["lengths"][:1]) for m in judged["models"]], lengths=[16]))
-    assert "- b: within the margin at 16" in verdict_lines(one["comparisons"]["rows"], "model", "windows")
+    assert "- b: within the margin at 16 (higher by " in verdict_lines(one["comparisons"]["rows"], "model", "windows")
     code, lines, _ = run_cli(["report", str(folder), "--margin", "-1"])
     assert code == 2 and lines == ["retrofit report: error: --margin must be a number of nats > 0, e.g. 0.02, got -1"]

@@ -26,6 +26,18 @@ def seed_groups(results: dict) -> dict[str, dict[int, dict]]:
     return groups
 
 
+def controls(results: dict, control: str | None) -> dict[str, str | None]:
+    """arm -> the arm it is compared with: `control`; or, with evaluation variants (entries carrying `variant` and
+    `trained_as`, arms named ARM+VARIANT: an experiment's eval_variants), the control's trained arm under the arm's
+    own variant, so every arm under YaRN is judged against the control under YaRN, never against the raw control."""
+    info = {m["arm"]: (m.get("trained_as"), m.get("variant")) for m in results["models"] if m.get("arm") is not None}
+    if control not in info or info[control][1] is None:
+        return {arm: control for arm in info}
+    trained = info[control][0]
+    by_variant = {variant: arm for arm, (t, variant) in info.items() if t == trained}
+    return {arm: by_variant.get(variant) for arm, (_, variant) in info.items()}
+
+
 # what a model's rows hold, by task: (rows key, the metric, its per-unit values, the count of units)
 METRICS = {"lengths": ("loss", "window_losses", "windows"), "counting": ("l1", "sequence_l1", "sequences")}
 
@@ -57,8 +69,9 @@ def seed_summary(results: dict, control: str | None, margin: float | None = None
     if not groups:
         return None
     metric, _, count = METRICS[task]
-    arms, differences = [], []
+    arms, differences, compared_with = [], [], controls(results, control)
     for arm, by_seed in groups.items():
+        against = compared_with.get(arm)
         rows = {s: {r["length"]: r for r in entry.get(task) or []} for s, entry in sorted(by_seed.items())}
         for length in sorted({n for r in rows.values() for n in r}):
             have = {s: r[length] for s, r in rows.items() if length in r}
@@ -66,9 +79,9 @@ def seed_summary(results: dict, control: str | None, margin: float | None = None
             arms.append({"arm": arm, "length": length, "value": float(np.mean(values)),
                          "ci95": as_list(mean_interval(values)), "seeds": len(values), "seed_list": list(have),
                          "seed_values": values, "units": next(iter(have.values()))[count]})
-            if control is None or arm == control or control not in groups:
+            if against is None or arm == against or against not in groups:
                 continue
-            base = {s: {r["length"]: r for r in e.get(task) or []}.get(length) for s, e in groups[control].items()}
+            base = {s: {r["length"]: r for r in e.get(task) or []}.get(length) for s, e in groups[against].items()}
             paired = {s: _paired(row, base[s], task) for s, row in have.items() if base.get(s) is not None}
             paired = {s: d for s, d in paired.items() if d is not None}
             if paired:
@@ -77,6 +90,9 @@ def seed_summary(results: dict, control: str | None, margin: float | None = None
                                     "ci95": interval, "seeds": len(paired), "covers_zero": covers_zero(interval),
                                     "seed_list": list(paired), "seed_differences": list(paired.values())}
                                    | ({"equivalent": equivalent(list(paired.values()), margin)}
-                                      if margin is not None and task == "lengths" else {}))
-    return {"control": control, "seeds": sorted({s for g in groups.values() for s in g}), "metric": metric,
+                                      if margin is not None and task == "lengths" else {})
+                                   | ({"against": against} if against != control else {}))
+    variant_controls = {a: c for a, c in compared_with.items() if a in groups and c is not None and c != control}
+    return {"control": control, **({"controls": variant_controls} if variant_controls else {}),
+            "seeds": sorted({s for g in groups.values() for s in g}), "metric": metric,
             "arms": arms, "differences": differences}

@@ -20,7 +20,7 @@ import torch
 
 from .intervals import as_list, mean_interval, plus_minus
 from .report_tables import APPROX_LEGEND, difference_cell, markdown_table
-from .seeds import seed_groups
+from .seeds import controls, seed_groups
 from .windows import position_buckets
 
 
@@ -105,13 +105,14 @@ def seed_tail_table(results: dict, control: str | None) -> list[tuple[str, str]]
         mean, interval = float(np.mean(list(values.values()))), as_list(mean_interval(list(values.values())))
         return difference_cell(mean, interval, len(values)) if signed else plus_minus(mean, interval, len(values))
 
-    rows, rises, gaps = [], [], []
+    rows, rises, gaps, compared_with = [], [], [], controls(results, control)
     for arm, by_seed in groups.items():
         rows.append([arm] + [cell(_per_seed(by_seed, n, lambda r: _tails(r)[:, 1].mean()), False) for n in lengths])
         rises.append([arm] + [cell(_per_seed(by_seed, n, lambda r: (_tails(r)[:, 1] - _tails(r)[:, 0]).mean()), True)
                               for n in lengths])
-        if control in groups and arm != control:
-            gaps.append([arm] + [cell(_paired_gap(by_seed, groups[control], n), True) for n in lengths])
+        against = compared_with.get(arm)
+        if against in groups and arm != against:
+            gaps.append([arm] + [cell(_paired_gap(by_seed, groups[against], n), True) for n in lengths])
     header = [f"{n} [{a}, {b})" for n in lengths for a, b in tail_buckets(n)[-1:]]
     sections = [("Last-bucket loss over seeds",
                  "Each arm's loss over positions [L/2, L), averaged over windows within a seed, then over seeds with "
@@ -120,6 +121,8 @@ def seed_tail_table(results: dict, control: str | None) -> list[tuple[str, str]]
                  "Last bucket minus the previous bucket within each window, averaged within a seed, then over seeds "
                  "(n = seeds).\n\n" + markdown_table(["arm"] + header, rises) + f"\n\n{APPROX_LEGEND}")]
     if gaps:
+        if len(set(compared_with.values())) > 1:  # evaluation variants: each arm against the control under its own
+            control = "the control under the same variant"
         sections.append((f"Last-bucket difference to {control} over seeds",
                          f"Loss over [L/2, L) minus {control}'s on the same windows within each seed, then over seeds "
                          "(n = seeds).\n\n" + markdown_table([f"arm − {control}"] + header, gaps)

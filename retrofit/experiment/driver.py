@@ -72,33 +72,50 @@ def _stage_recipe(recipe: Recipe, run_dir: Path, *, patch: PatchSection, steps: 
     return r
 
 
-def run_base(recipe: Recipe, exp: ExperimentSection, out: Path) -> str | None:
-    """The base checkpoint every arm starts from: a folder path, the recipe's pretrained source, or None
-    (base_steps 0 with a config: every arm trains from scratch from the same seeded init)."""
+def base_dir_of(out: Path, seed: int | None = None) -> Path:
+    """DIR/base, or DIR/base-seedS for experiment.base_per_seed."""
+    return out / ("base" if seed is None else f"base-seed{seed}")
+
+
+def base_seeds(exp: ExperimentSection) -> list[int | None]:
+    """The seeds a base is trained for: each of experiment.seeds with base_per_seed, else one base (None)."""
+    return list(exp.seeds) if exp.base_per_seed else [None]
+
+
+def run_base(recipe: Recipe, exp: ExperimentSection, out: Path, seed: int | None = None) -> str | None:
+    """The base checkpoint every arm (of `seed`, with base_per_seed) starts from: a folder path, the recipe's
+    pretrained source, or None (base_steps 0 with a config: every arm trains from scratch from the same seeded init)."""
     if exp.base_steps == 0:
         return recipe.model.source
-    base_dir = out / "base"
+    base_dir = base_dir_of(out, seed)
     if _finished(base_dir):
         print(f"[experiment] base: {base_dir} is finished, skipping")
         return str(base_dir)
     what = "softmax attention" if exp.base_patch.norm is None else \
         f"{exp.base_patch.norm}{' without positions' if exp.base_patch.nope else ''}"
-    print(f"[experiment] base: training {exp.base_steps} steps with {what} -> {base_dir}")
-    train(_base_stage(recipe, exp, out), resume=base_dir.exists())
+    print(f"[experiment] base: training {exp.base_steps} steps with {what}"
+          f"{'' if seed is None else f', seed {seed}'} -> {base_dir}")
+    train(_base_stage(recipe, exp, out, seed), resume=base_dir.exists())
     return str(base_dir)
 
 
-def _base_stage(recipe: Recipe, exp: ExperimentSection, out: Path) -> Recipe:
-    return _stage_recipe(recipe, out / "base", patch=copy.deepcopy(exp.base_patch), steps=exp.base_steps)
+def _base_stage(recipe: Recipe, exp: ExperimentSection, out: Path, seed: int | None = None) -> Recipe:
+    stage = _stage_recipe(recipe, base_dir_of(out, seed), patch=copy.deepcopy(exp.base_patch), steps=exp.base_steps)
+    if seed is not None:  # its own init and data order
+        stage.train = dataclasses.replace(stage.train, seed=seed)
+    return stage
 
 
 def check_base(recipe: Recipe, exp: ExperimentSection, out: Path) -> None:
     """Refuse, before DIR is written to, a base trained with other settings: every arm starts from it, so a changed
     base is a new experiment, not a resume."""
-    change = arm_change(out / "base", _base_stage(recipe, exp, out), out) if exp.base_steps > 0 else None
-    if change is not None:
-        raise RetrofitError(f"{out / 'base'} was trained with other settings ({change}) and every arm starts from "
-                            "it; pass a new --out, or restore the base's settings (experiment.base_steps, base_patch)")
+    for seed in base_seeds(exp) if exp.base_steps > 0 else []:
+        base_dir = base_dir_of(out, seed)
+        change = arm_change(base_dir, _base_stage(recipe, exp, out, seed), out)
+        if change is not None:
+            raise RetrofitError(f"{base_dir} was trained with other settings ({change}) and every arm starts from "
+                                "it; pass a new --out, or restore the base's settings (experiment.base_steps, "
+                                "base_patch)")
 
 
 def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, out: Path) -> dict:
@@ -235,11 +252,15 @@ def _run_stages(recipe, exp, reference, out: Path, progress: bool) -> dict:
     save_recipe(recipe, out / "recipe.yaml")
     clock, failures, recovery = _Clock(out), {}, {}
     start = time.perf_counter()
-    skipped = exp.base_steps > 0 and _finished(out / "base")
-    base = run_base(recipe, exp, out)
-    clock.stage("base", time.perf_counter() - start, skipped)
+    bases = {}
+    for seed in base_seeds(exp):
+        skipped = exp.base_steps > 0 and _finished(base_dir_of(out, seed))
+        bases[seed] = run_base(recipe, exp, out, seed)
+        clock.stage(base_dir_of(out, seed).name, time.perf_counter() - start, skipped)
+        start = time.perf_counter()
     runs = exp.runs()  # each arm, or each arm under each of experiment.seeds
     for arm in runs:
+        base = bases[arm.seed if exp.base_per_seed else None]
         t0 = time.perf_counter()
         recovery_file = out / "arms" / arm.name / "recovery.json"
         before = recovery_file.stat().st_mtime_ns if _finished(recovery_file.parent) and recovery_file.is_file() \
@@ -256,15 +277,17 @@ def _run_stages(recipe, exp, reference, out: Path, progress: bool) -> dict:
     t0 = time.perf_counter()
     done = [a.name for a in runs if a.name not in failures]
     labels = {seeded_name(a.name, s): {"arm": a.name, "seed": s} for a in exp.arms for s in exp.seeds or []}
-    evaluated_base = [base] if base and exp.eval_base else []
-    sources = evaluated_base + [str(out / "arms" / n) for n in done]
-    names = ["base"] * len(evaluated_base) + done
+    evaluated_base = {seed: b for seed, b in bases.items() if b and exp.eval_base}
+    base_names = {seed: "base" if seed is None else seeded_name("base", seed) for seed in evaluated_base}
+    labels |= {base_names[s]: {"arm": "base", "seed": s} for s in evaluated_base if s is not None}
+    sources = list(evaluated_base.values()) + [str(out / "arms" / n) for n in done]
+    names = list(base_names.values()) + done
     evaluation, reused = evaluate_all(sources, names, recipe, exp, progress, out, labels)
     write_report(evaluation, out / "eval")
     earlier = sum(m.get("eval_s") or 0 for m in evaluation["models"] if m["name"] in reused)  # their recorded times
     clock.stage("eval", time.perf_counter() - t0 + earlier, skipped=len(reused) == len(evaluation["models"]))
     results = {"schema": "retrofit.experiment/1", "recipe": recipe.name, "hardware": hardware(),
-               "wall_time_s": clock.rounded(), "base": base,
+               "wall_time_s": clock.rounded(), "base": bases[None] if None in bases else bases,
                "arms": arm_results(out, runs, failures, recovery, labels),
                "control": exp.control, "seeds": exp.seeds, "evaluation": evaluation, "reference": reference}
     write_results(results, out)

@@ -218,7 +218,7 @@ def write_experiment_report(results: dict, out) -> Path:
              f"- Wall time (s): {md_inline(json.dumps(results['wall_time_s']))}, total "
              f"{sum(v or 0 for v in results['wall_time_s'].values()) / 60:.1f} min (a stage a re-run skipped "
              "keeps the time recorded when it ran)",
-             f"- Base: {md_code(results['base'])}",
+             f"- Base: {_bases(results['base'])}",
              f"- Failed or diverged arms: {md_inline(json.dumps(failed)) if failed else 'none'}", "",
              f"## {label} by context length", "", "`*` marks the trained length; the last column is the "
              "longest length's value divided by the trained length's.", "", comparison_table(results), ""]
@@ -278,3 +278,10 @@ def _paired_gap_lines(evaluation: dict) -> list[str]:
                       f"Mean loss minus {md_code(reference)}'s on the same windows, with the 95% interval of the "
                       "per-window differences (negative = better than it).", "", table, "", legend(evaluation), ""]
     return lines
+
+
+def _bases(base) -> str:
+    """The base checkpoint, or with experiment.base_per_seed one per seed."""
+    if isinstance(base, dict):
+        return "one per seed: " + ", ".join(md_code(b) for b in base.values())
+    return md_code(base)

@@ -73,6 +73,7 @@ def _previous_evaluation(path: Path, recipe: Recipe, exp: ExperimentSection) -> 
             and previous.get("settings", {}).get("max_tokens") == exp.eval_max_tokens
             and previous.get("train_len") == (exp.train_len or recipe.data.seq_len)
             and previous.get("settings", {}).get("counting") == _counting_options(exp)
+            and previous.get("settings", {}).get("eval_variants") == exp.eval_variants
             # older retrofits wrote no intervals: capped windows were chosen another way, per-window losses absent
             and "intervals" in previous.get("settings", {}))
     if not same:
@@ -100,7 +101,8 @@ def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: Expe
     saved = out / "eval" / "results.json"
     previous = _previous_evaluation(saved, recipe, exp)
     merged, reused = None, []
-    for source, name in zip(sources, names):
+    sources, names, ropes, labels = _variants(sources, names, exp.eval_variants, labels or {})
+    for source, name, rope in zip(sources, names, ropes):
         limit = learned_limit(source)
         allowed = [n for n in lengths if limit is None or n <= limit]
         if not allowed:
@@ -116,20 +118,40 @@ def evaluate_all(sources: list[str], names: list[str], recipe: Recipe, exp: Expe
             spec = EvalSpec(names=[name], data=exp.eval_data, lengths=allowed,
                             train_len=exp.train_len or recipe.data.seq_len, max_tokens=exp.eval_max_tokens,
                             tokenizer=recipe.model.tokenizer, progress=progress, counting=_counting_options(exp),
-                            dtype=training_dtype(recipe.model.dtype))  # the base as the arms: same dtype
+                            dtype=training_dtype(recipe.model.dtype), rope=rope)  # the base as the arms: same dtype
             one = evaluate_models([source], spec)
             one["models"][0] |= {"checkpoint": within(source, out), "evaluated_at": time.time(),
                                  "eval_s": round(time.perf_counter() - t0, 1)}
         one["models"][0] |= (labels or {}).get(name, {})
         merged = one if merged is None else dict(merged, models=merged["models"] + one["models"])
         merged["lengths"] = lengths
+        merged["settings"] = {**(merged.get("settings") or {}), "eval_variants": exp.eval_variants}
         if entry is None:  # progress on disk, keeping the earlier entries not yet reached
             done = {m["name"] for m in merged["models"]}
             later = [m for m in (previous or {}).get("models", []) if m["name"] not in done]
             atomic_write_text(saved, json.dumps(dict(merged, models=merged["models"] + later), indent=1) + "\n")
     if merged is None:
         raise RetrofitError("no model could be evaluated at any of eval.lengths")
-    return with_comparisons(merged, exp.control), reused
+    control = f"{exp.control}+{exp.eval_variants[0]['name']}" if exp.eval_variants else exp.control
+    return with_comparisons(merged, control), reused
+
+
+def _variants(sources: list[str], names: list[str], variants: list[dict] | None, labels: dict) -> tuple:
+    """(sources, names, ropes, labels), each source once per experiment.eval_variants entry: named NAME+VARIANT,
+    labelled with its variant and the arm it was trained as (arm ARM+VARIANT under seeds), so that
+    retrofit.evaluate.seeds pairs every arm with the control under the same variant. No variants: as given."""
+    if not variants:
+        return sources, names, [None] * len(sources), labels
+    out = ([], [], [], {})
+    for source, name in zip(sources, names):
+        for v in variants:
+            full = f"{name}+{v['name']}"
+            trained = labels.get(name, {}).get("arm", name)
+            for column, value in zip(out[:3], (source, full, v.get("rope"))):
+                column.append(value)
+            out[3][full] = labels.get(name, {}) | {"arm": f"{trained}+{v['name']}", "variant": v["name"],
+                                                   "trained_as": trained}
+    return out
 
 
 # ---- results.json --------------------------------------------------------------------------------------------------

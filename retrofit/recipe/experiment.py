@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import RetrofitError
 from ..norms import baseline_norm
+from ..rope import normalize_rope
 from .model import ZERO_INIT
 from .recovery import RecoverySection
 from .schema import setting
@@ -104,6 +105,9 @@ class ExperimentSection:
                                        doc="the patch the base pretrains with; unset = softmax with the model's "
                                            "positions (a NoPE base: {norm: softmax, nope: true}, the AVnorm post's "
                                            "NoPE runs)")
+    base_per_seed: bool = setting(False, "with seeds and base_steps > 0: pretrain one base per seed (DIR/base-seedS, "
+                                          "train.seed = S) and finetune that seed's arms from it, so a seed replicates "
+                                          "the whole pipeline, not only the finetunes; false: one base for all seeds")
     eval_base: bool = setting(True, "evaluate the base next to the arms; false skips it (e.g. a pretrained base "
                                     "measured elsewhere: one model fewer at every length)")
     finetune_steps: int = setting(100, "optimizer steps of every arm")
@@ -129,6 +133,11 @@ class ExperimentSection:
                                          "of the longest length (the L2 post's evaluation: one forward at the "
                                          "longest, every prefix boundary scored); false = separate sequences per "
                                          "length")
+    eval_variants: list[dict] | None = setting(None, "evaluate every model once per variant {name, rope}, e.g. "
+                                                     "[{name: raw}, {name: yarn4, rope: 'yarn:4,original=256'}]: "
+                                                     "entries NAME+VARIANT, each arm compared with the control under "
+                                                     "the same variant (a norm that owns the logits' temperature, "
+                                                     "SSMax, gets YaRN's attention factor 1); null = as trained")
     train_len: int | None = setting(None, "the length marked as 'trained' in the report; null = data.seq_len")
     reference: ReferenceSection | None = setting(None, "a published loss table to compare directions with "
                                                        "(retrofit.experiment.reference): file, control, arms, note")
@@ -147,6 +156,10 @@ class ExperimentSection:
         if self.base_patch.norm is not None and self.base_steps == 0:
             raise RetrofitError("experiment.base_patch applies to a base pretrained here: set experiment.base_steps "
                                 "> 0, or remove base_patch (the arms' own patch applies to a loaded base)")
+        if self.base_per_seed and (self.seeds is None or self.base_steps == 0):
+            raise RetrofitError("experiment.base_per_seed trains one base per seed: set experiment.seeds and "
+                                "base_steps > 0, or remove base_per_seed")
+        self.eval_variants = check_eval_variants(self.eval_variants)
         if self.eval_sequences is not None and self.eval_sequences < 1:
             raise RetrofitError(f"experiment.eval_sequences must be >= 1 (or null), got {self.eval_sequences}")
         if self.recovery_lengths is not None and not (self.recovery_lengths
@@ -186,6 +199,28 @@ class ExperimentSection:
             return list(self.arms)
         return [dataclasses.replace(arm, name=seeded_name(arm.name, s), seed=s) for s in self.seeds
                 for arm in self.arms]
+
+
+def check_eval_variants(variants) -> list[dict] | None:
+    """experiment.eval_variants checked before anything trains: a list of {name, rope}, names unique folder-safe
+    words (they become NAME+VARIANT), every rope one retrofit.rope reads."""
+    if variants is None:
+        return None
+    if not isinstance(variants, list) or not variants:
+        raise RetrofitError("experiment.eval_variants must be a non-empty list like [{name: raw}, {name: yarn4, rope: "
+                            "'yarn:4,original=256'}] (or null)")
+    names = []
+    for i, v in enumerate(variants):
+        if not isinstance(v, dict) or set(v) - {"name", "rope"} or not isinstance(v.get("name"), str) \
+                or not re.fullmatch(r"[A-Za-z0-9_-]{1,40}", v["name"]):
+            raise RetrofitError(f"experiment.eval_variants[{i}] must be {{name: WORD, rope: TYPE:FACTOR,...}} with a "
+                                f"name of letters, digits, - and _ (rope optional), got {v!r}")
+        if v.get("rope") is not None:
+            normalize_rope(v["rope"])  # a bad rope fails here, not after the training
+        names.append(v["name"])
+    if len(set(names)) != len(names):
+        raise RetrofitError(f"experiment.eval_variants has duplicate names: {names}")
+    return [dict(v) for v in variants]
 
 
 def seeded_name(arm: str, seed: int) -> str:

@@ -26,9 +26,8 @@ from ..load.adapters import has_patch_parameters, write_patch_files
 from ..norms import calibrated_norm_hints, get_norm
 from ..patch_spec import PatchSpec
 from ..patching import patch, patch_record
-from ..recipe.recovery import ScheduleSection
 from .auto_classes import enable
-from .trainer import RetrofitCallback
+from .trainer import RetrofitCallback, schedule_section
 
 try:  # subclassing axolotl's own base when it is installed; its hooks are all this plugin relies on
     from axolotl.integrations.base import BasePlugin
@@ -59,8 +58,8 @@ class RetrofitArgs(BaseModel):
     @field_validator("retrofit_recovery")
     @classmethod
     def _recovery(cls, value):
-        if value is not None:
-            ScheduleSection(**value)
+        if value is not None:  # RetrofitError is a ValueError: pydantic reports it as this key's validation error
+            schedule_section(value, "retrofit_recovery")
         return value
 
 
@@ -113,7 +112,7 @@ class RetrofitPlugin(BasePlugin):
 
     def add_callbacks_post_trainer(self, cfg, trainer) -> list:
         recovery = _get(cfg, "retrofit_recovery")
-        return [RetrofitCallback(schedule=dict(recovery))] if recovery else []
+        return [RetrofitCallback(schedule=schedule_section(recovery, "retrofit_recovery"))] if recovery else []
 
     def post_train(self, cfg, model) -> None:
         if _get(cfg, "retrofit_patch") is not None and hasattr(model, "get_base_model"):

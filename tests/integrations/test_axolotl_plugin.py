@@ -156,3 +156,24 @@ def test_post_train_writes_both_files_atomically_beside_the_adapter(plugin, tmp_
     from safetensors.torch import load_file
     assert any(".retrofit." in key for key in load_file(out / "retrofit.safetensors"))
     assert json.loads((out / "retrofit.json").read_text())["patch"]["norm"] == "ssmax"
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"steps": "2"}, r"retrofit_recovery.steps must be an integer, got '2'"),
+    ({"stepz": 2}, r"unknown recipe key retrofit_recovery.stepz \(did you mean 'steps'\?\); valid keys in "
+                   r"retrofit_recovery: steps, start"),
+    ({"steps": 2, "start": "high"}, r"retrofit_recovery.start must be a number, got 'high'"),
+    ({"steps": 2, "shape": "cosin"}, r"retrofit_recovery.shape must be one of linear, cosine, loss, got 'cosin' "
+                                     r"\(did you mean 'cosine'\?\)"),
+    ({"steps": 2, "costs": [1, "x"]}, r"retrofit_recovery.costs\[1\] must be a number, got 'x'"),
+])
+def test_a_bad_recovery_schedule_is_a_validation_error_not_a_traceback(value, message, plugin):
+    """Issue 61: schedule values reached Python's operators (`"2" >= 1`) or ScheduleSection(**value) (an unknown
+    keyword): a TypeError, which pydantic lets escape (it reports only ValueError), so axolotl would print a
+    traceback. Now RetrofitArgs reports it as this key's validation error, one line of retrofit's."""
+    from retrofit.integrations.axolotl import RetrofitArgs
+    with pytest.raises(ValidationError, match=message) as caught:
+        RetrofitArgs(retrofit_recovery=value)
+    assert caught.value.errors()[0]["loc"] == ("retrofit_recovery",)
+    with pytest.raises(RetrofitError, match=message):
+        plugin.add_callbacks_post_trainer(Cfg(retrofit_recovery=value), None)

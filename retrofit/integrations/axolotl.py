@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field, field_validator
 
-from ..errors import RetrofitError
+from ..errors import RetrofitError, quoted
 from ..load.adapters import has_patch_parameters, write_patch_files
 from ..norms import calibrated_norm_hints, get_norm
 from ..patch_spec import PatchSpec
@@ -68,6 +68,19 @@ def _get(cfg, key):
     return cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
 
 
+def _module_names(value) -> list[str]:
+    """lora_modules_to_save as a list of module names: one name written as a string is that one module (a string is
+    iterable: it was read as a list of its characters, issue 61); anything but names is refused in one line."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(name, str) for name in value):
+        raise RetrofitError(f"lora_modules_to_save must be a module name or a list of them (e.g. [embed_tokens, "
+                            f"lm_head]), got {quoted(value)}")
+    return list(value)
+
+
 class RetrofitPlugin(BasePlugin):
     """See the module docstring."""
 
@@ -90,7 +103,7 @@ class RetrofitPlugin(BasePlugin):
             raise RetrofitError(f"base_model {_get(cfg, 'base_model')} is already patched with {record['norm']}; "
                                 f"retrofit_patch asks for {text}: load the unpatched model, or drop retrofit_patch")
         if _get(cfg, "adapter") in LORA_ADAPTERS and has_patch_parameters(model):
-            cfg["lora_modules_to_save"] = sorted({*(_get(cfg, "lora_modules_to_save") or []), "retrofit"})
+            cfg["lora_modules_to_save"] = sorted({*_module_names(_get(cfg, "lora_modules_to_save")), "retrofit"})
 
     def _calibrate(self, cfg, model, spec: PatchSpec) -> None:
         path = _get(cfg, "retrofit_calibration_text")

@@ -158,6 +158,23 @@ def test_post_train_writes_both_files_atomically_beside_the_adapter(plugin, tmp_
     assert json.loads((out / "retrofit.json").read_text())["patch"]["norm"] == "ssmax"
 
 
+@pytest.mark.parametrize("value, expected", [("embed_tokens", ["embed_tokens", "retrofit"]),
+                                             (["lm_head"], ["lm_head", "retrofit"]), (None, ["retrofit"])])
+def test_lora_modules_to_save_as_one_name_is_that_module(value, expected, plugin):
+    """Issue 61: `lora_modules_to_save: embed_tokens` (a string) became a list of its characters."""
+    cfg = Cfg(retrofit_patch="ssmax", adapter="lora", lora_modules_to_save=value)
+    plugin.post_model_build(cfg, tiny_model("llama"))
+    assert cfg.lora_modules_to_save == expected
+
+
+@pytest.mark.parametrize("value", [3, ["embed_tokens", 3], {"embed_tokens": True}])
+def test_lora_modules_to_save_of_another_type_is_one_line(value, plugin):
+    with pytest.raises(RetrofitError, match=r"^lora_modules_to_save must be a module name or a list of them "
+                                            r"\(e\.g\. \[embed_tokens, lm_head\]\), got "):
+        plugin.post_model_build(Cfg(retrofit_patch="ssmax", adapter="lora", lora_modules_to_save=value),
+                                tiny_model("llama"))
+
+
 @pytest.mark.parametrize("value, message", [
     ({"steps": "2"}, r"retrofit_recovery.steps must be an integer, got '2'"),
     ({"stepz": 2}, r"unknown recipe key retrofit_recovery.stepz \(did you mean 'steps'\?\); valid keys in "

@@ -685,6 +685,8 @@ CASES = [
      r"--gate start 1e\+39 is outside 1e-06\.\.1000 \(the gate's value at step 0.*give a start in that range$"),
     ("patch-gate-start-1e308", "patch {model} --norm avnorm --gate head:1e308 --out {out}",
      r"--gate start 1e\+308 is outside 1e-06\.\.1000"),
+    ("train-gate-start-1e39", "train {recipe} patch.gate=head:1e39 --out {out}",
+     r"patch.gate start 1e\+39 is outside 1e-06\.\.1000"),
 ]
 SIZE_CASES = ["eval-lengths-range-huge", "eval-export-length-huge", "eval-samples-huge", "eval-export-samples-huge",
               "eval-trials-huge", "eval-rope-1e308", "tokenizer-vocab-2-64", "eval-variants-aliases",

@@ -58,6 +58,16 @@ def owned_folder(path) -> Path:
     return path
 
 
+def refuse_link(path) -> Path:
+    """`path`, refused in one line when it is a symbolic link (even one pointing nowhere): a file retrofit writes
+    beside another tool's files (an axolotl run's output_dir) is replaced by atomic_writer, never written through,
+    but the user's link is left as it was."""
+    path = Path(path)
+    if path.is_symlink():
+        raise _link_error(path)
+    return path
+
+
 def _link_error(path: Path) -> RetrofitError:
     return RetrofitError(f"{path} is a symbolic link; retrofit never writes through a link inside a folder it writes "
                          "(move the link away, or give another folder)")

@@ -44,6 +44,10 @@ from .errors import RetrofitError, closest, quoted
 KINDS = ("head", "element")
 GATE_INPUT = "retrofit_gate_input"  # the keyword that carries the attention module's input to the attention function
 KEYS = ("kind", "start", "inputs")
+# START's range: the gate computes 2 * start * sigmoid(z) in float32 and casts it to the model's dtype, so 2 * start
+# must stay finite there, and far from overflow once it multiplies an attention output (fp16's largest is 65,504;
+# start 1e39 gave inf, then every logit NaN: issue 61). 1 is the identity, 0.5 the AVnorm post's; nothing needs more.
+START_RANGE = (1e-6, 1e3)
 
 
 def normalize_gate(value, what: str = "gate") -> dict | None:
@@ -76,9 +80,14 @@ def _start(value, what: str) -> float:
         start = float(value)
     except (TypeError, ValueError):
         start = math.nan
+    low, high = START_RANGE
     if isinstance(value, bool) or not (math.isfinite(start) and start > 0):
         raise RetrofitError(f"{what} start must be a number > 0 (the gate's value at step 0: 1 = the identity, for a "
                             f"retrofit; 0.5 = the AVnorm post's), got {quoted(value)}")
+    if not low <= start <= high:
+        raise RetrofitError(f"{what} start {start:g} is outside {low:g}..{high:g} (the gate's value at step 0, times "
+                            f"2 in float32 and in the model's dtype: 1 = the identity, 0.5 = the AVnorm post's); give "
+                            f"a start in that range")
     return start
 
 

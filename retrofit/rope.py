@@ -98,7 +98,7 @@ def normalize_rope(spec) -> dict:
         raise RetrofitError(f"rope must be a string like 'yarn:4' or a dict, got {type(spec).__name__}")
     spec = {ALIASES.get(k, k): copy.deepcopy(v) for k, v in spec.items()}
     rope_type = spec.get("rope_type")
-    if rope_type not in ROPE_KEYS:
+    if not isinstance(rope_type, str) or rope_type not in ROPE_KEYS:  # a list: unhashable, a TypeError (issue 61)
         raise RetrofitError(f"unknown rope type {rope_type!r}{closest(rope_type, ROPE_KEYS)}; "
                             f"retrofit knows: {', '.join(ROPE_KEYS)}")
     if rope_type not in ROPE_INIT_FUNCTIONS:

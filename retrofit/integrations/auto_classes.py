@@ -22,6 +22,7 @@ enable() imports every causal-LM config class transformers ships (not their mode
 from __future__ import annotations
 
 import copy
+import threading
 
 import transformers
 from transformers import AutoModelForCausalLM
@@ -139,32 +140,43 @@ def _is_loader(value) -> bool:
     return isinstance(value, type) and issubclass(value, AutoLoader)
 
 
+# enable() and disable() read and write the Auto class's registrations as one step each: two threads enabling at once
+# registered a loader over a loader (its `previous`), so disable() left one in place; one thread's loop over the
+# registrations met another's writes ("dictionary changed size during iteration"). Issue 61.
+_SWITCH = threading.RLock()
+
+
 def is_enabled() -> bool:
-    return any(_is_loader(value) for value in _registered().values())
+    with _SWITCH:
+        return any(_is_loader(value) for value in list(_registered().values()))
 
 
 def enable() -> None:
     """Let transformers' Auto classes (and pipeline, PEFT's AutoPeftModel, lm-eval's hf model, which use them) load
-    retrofit checkpoints by path, exactly as retrofit.from_pretrained does. Idempotent; disable() undoes it."""
-    if is_enabled():
-        return
-    registered = _registered()
-    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        config_class = CONFIG_MAPPING[model_type]
-        if _is_loader(registered.get(config_class)):
-            continue  # a config class two model types share (GPT2Config): registered once
-        loader = type(f"AutoLoader{config_class.__name__}", (AutoLoader,),
-                      {"config_class": config_class, "model_type": model_type,
-                       "previous": registered.get(config_class), "__module__": __name__})
-        AutoModelForCausalLM.register(config_class, loader, exist_ok=True)
+    retrofit checkpoints by path, exactly as retrofit.from_pretrained does. Idempotent and thread-safe; disable()
+    undoes it. A loader's `previous` is what was registered before (never another loader)."""
+    with _SWITCH:
+        if is_enabled():
+            return
+        registered = _registered()
+        for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            config_class = CONFIG_MAPPING[model_type]
+            if _is_loader(registered.get(config_class)):
+                continue  # a config class two model types share (GPT2Config): registered once
+            loader = type(f"AutoLoader{config_class.__name__}", (AutoLoader,),
+                          {"config_class": config_class, "model_type": model_type,
+                           "previous": registered.get(config_class), "__module__": __name__})
+            AutoModelForCausalLM.register(config_class, loader, exist_ok=True)
 
 
 def disable() -> None:
-    """transformers' Auto classes as they were before enable(): a retrofit checkpoint is refused by its guard."""
-    registered = _registered()
-    for config_class, value in list(registered.items()):
-        if _is_loader(value):
-            if value.previous is not None:
-                registered[config_class] = value.previous
-            else:
-                del registered[config_class]
+    """transformers' Auto classes exactly as they were before enable() (a class registered before it is back; one
+    transformers had is transformers' again): a retrofit checkpoint is refused by its guard. Thread-safe."""
+    with _SWITCH:
+        registered = _registered()
+        for config_class, value in list(registered.items()):
+            if _is_loader(value):
+                if value.previous is not None:
+                    registered[config_class] = value.previous
+                else:
+                    del registered[config_class]

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field, field_validator
 
-from ..errors import RetrofitError
+from ..errors import RetrofitError, quoted
 from ..load.adapters import has_patch_parameters, write_patch_files
 from ..norms import calibrated_norm_hints, get_norm
 from ..patch_spec import PatchSpec
 from ..patching import patch, patch_record
-from ..recipe.recovery import ScheduleSection
 from .auto_classes import enable
-from .trainer import RetrofitCallback
+from .trainer import RetrofitCallback, schedule_section
 
 try:  # subclassing axolotl's own base when it is installed; its hooks are all this plugin relies on
     from axolotl.integrations.base import BasePlugin
@@ -59,14 +58,27 @@ class RetrofitArgs(BaseModel):
     @field_validator("retrofit_recovery")
     @classmethod
     def _recovery(cls, value):
-        if value is not None:
-            ScheduleSection(**value)
+        if value is not None:  # RetrofitError is a ValueError: pydantic reports it as this key's validation error
+            schedule_section(value, "retrofit_recovery")
         return value
 
 
 def _get(cfg, key):
     """A key of axolotl's config (a DictDefault: missing keys read as None), or of any mapping or object."""
     return cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
+
+
+def _module_names(value) -> list[str]:
+    """lora_modules_to_save as a list of module names: one name written as a string is that one module (a string is
+    iterable: it was read as a list of its characters, issue 61); anything but names is refused in one line."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(name, str) for name in value):
+        raise RetrofitError(f"lora_modules_to_save must be a module name or a list of them (e.g. [embed_tokens, "
+                            f"lm_head]), got {quoted(value)}")
+    return list(value)
 
 
 class RetrofitPlugin(BasePlugin):
@@ -91,7 +103,7 @@ class RetrofitPlugin(BasePlugin):
             raise RetrofitError(f"base_model {_get(cfg, 'base_model')} is already patched with {record['norm']}; "
                                 f"retrofit_patch asks for {text}: load the unpatched model, or drop retrofit_patch")
         if _get(cfg, "adapter") in LORA_ADAPTERS and has_patch_parameters(model):
-            cfg["lora_modules_to_save"] = sorted({*(_get(cfg, "lora_modules_to_save") or []), "retrofit"})
+            cfg["lora_modules_to_save"] = sorted({*_module_names(_get(cfg, "lora_modules_to_save")), "retrofit"})
 
     def _calibrate(self, cfg, model, spec: PatchSpec) -> None:
         path = _get(cfg, "retrofit_calibration_text")
@@ -113,7 +125,7 @@ class RetrofitPlugin(BasePlugin):
 
     def add_callbacks_post_trainer(self, cfg, trainer) -> list:
         recovery = _get(cfg, "retrofit_recovery")
-        return [RetrofitCallback(schedule=dict(recovery))] if recovery else []
+        return [RetrofitCallback(schedule=schedule_section(recovery, "retrofit_recovery"))] if recovery else []
 
     def post_train(self, cfg, model) -> None:
         if _get(cfg, "retrofit_patch") is not None and hasattr(model, "get_base_model"):

@@ -21,12 +21,15 @@ end of training and whenever the Trainer evaluates; it goes into `history`, the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from transformers import TrainerCallback
 
-from ..errors import RetrofitError
+from ..errors import RetrofitError, quoted
 from ..evaluate.losses import evaluate_lengths
 from ..recipe.recovery import ScheduleSection
+from ..recipe.schema import build
 from ..recovery.schedule import apply_schedule, record_schedule
 
 
@@ -37,7 +40,7 @@ class RetrofitCallback(TrainerCallback):
 
     def __init__(self, schedule: ScheduleSection | dict | None = None, *, eval_ids=None,
                  eval_lengths: list[int] | None = None, eval_every: int = 0, eval_max_tokens: int | None = None):
-        self.schedule = ScheduleSection(**schedule) if isinstance(schedule, dict) else schedule
+        self.schedule = schedule_section(schedule) if schedule is not None else None
         if eval_ids is not None and not eval_lengths:
             raise RetrofitError("RetrofitCallback: eval_ids given without eval_lengths; name the lengths to score, "
                                 "e.g. eval_lengths=[512, 2048]")
@@ -89,6 +92,19 @@ class RetrofitCallback(TrainerCallback):
         self.history[state.global_step] = metrics
         state.log_history.append({**metrics, "step": state.global_step})
         return metrics
+
+
+def schedule_section(schedule, what: str = "schedule") -> ScheduleSection:
+    """A recovery schedule given as a ScheduleSection or its keys (a mapping), checked as a recipe's is (types,
+    unknown keys with the closest name) and refused in one line: RetrofitError, a ValueError, so that pydantic (the
+    axolotl plugin's RetrofitArgs) reports it as a validation error (a TypeError from `"2" >= 1` or from an unknown
+    keyword would escape it as a traceback, issue 61)."""
+    if isinstance(schedule, ScheduleSection):
+        return schedule
+    if not isinstance(schedule, Mapping):
+        raise RetrofitError(f"{what} must be a mapping of recovery.schedule's keys (e.g. {{'steps': 100}}) or a "
+                            f"ScheduleSection, got {quoted(schedule)}")
+    return build(ScheduleSection, dict(schedule), what)
 
 
 def _documents(ids) -> list[list[int]]:

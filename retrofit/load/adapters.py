@@ -33,11 +33,12 @@ from typing import TYPE_CHECKING
 
 from huggingface_hub import snapshot_download
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_tensors
 from torch import nn
 from transformers.utils import cached_file
 
-from ..atomic import atomic_folder
+from ..atomic import atomic_folder, atomic_write_text, atomic_writer, refuse_link
 from ..errors import RetrofitError, quoted
 from ..patching import patch_from_record, patch_record
 from ..readers import expect, read_json
@@ -100,12 +101,15 @@ def save_adapter(peft_model, folder, *, base_model: str | None = None, base_revi
 
 def write_patch_files(peft_model, folder, base_model: str, base_revision: str | None = None) -> None:
     """retrofit.json and retrofit.safetensors (the module docstring) into `folder`, beside the adapter PEFT wrote
-    there (save_adapter, and the axolotl plugin after axolotl saved its adapter)."""
+    there (save_adapter, and the axolotl plugin after axolotl saved its adapter). Written by atomic_writer, the one
+    way retrofit writes a file: never through a link (one in either name is refused, before either is written)."""
     record = patch_record(peft_model.get_base_model())
-    save_file(base_patch_tensors(peft_model), str(Path(folder) / TENSORS))
+    tensors, record_path = refuse_link(Path(folder) / TENSORS), refuse_link(Path(folder) / RECORD)
     meta = {"format": FORMAT, "retrofit_version": record.get("retrofit_version"), "base_model": str(base_model),
             "base_revision": base_revision, "patch": record}
-    (Path(folder) / RECORD).write_text(json.dumps(meta, indent=2) + "\n")
+    with atomic_writer(tensors, binary=True) as f:
+        f.write(save_tensors(base_patch_tensors(peft_model)))  # the patch's tensors: kilobytes, held whole
+    atomic_write_text(record_path, json.dumps(meta, indent=2) + "\n")
 
 
 def peft_config(model: nn.Module, config: PeftConfig) -> PeftConfig:

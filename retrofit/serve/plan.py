@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..errors import RetrofitError
+from ..errors import RetrofitError, quoted
 from ..families import FAMILIES
-from ..load.validate import check_record
+from ..load.validate import SIZE_LIMIT, check_record
 from ..norms import available_norms, get_norm, make_options
 from ..record import GUARD_KEY, GUARDS, read_record
 
@@ -74,7 +74,11 @@ def serve_plan(config, where: str = "this checkpoint") -> ServePlan | None:
     record = config.get("retrofit") if isinstance(config, dict) else read_record(config)
     if record is None:
         return None
-    check_record(record, where)
+    try:
+        check_record(record, where)
+    except RetrofitError as err:  # the patch's own rules (PatchSpec) say what is wrong, not where: vLLM's log needs it
+        text = str(err)
+        raise RetrofitError(text if text.startswith(f"{where}: ") else f"{where}: {text}") from None
     architectures = _get(config, "architectures") or []
     unknown = [a for a in architectures if a not in ARCHITECTURES]
     if unknown or not architectures:
@@ -86,7 +90,7 @@ def serve_plan(config, where: str = "this checkpoint") -> ServePlan | None:
     if record.get("gate"):
         raise RetrofitError(f"{where}: {GATE_REFUSED}")
     rope = record.get("rope")
-    original = _original_positions(config, rope)
+    original = _original_positions(config, rope, where)
     if rope:
         rope_type = rope["parameters"].get("rope_type")
         if rope_type not in ROPE_TYPES:
@@ -135,12 +139,21 @@ def _check_selection(chosen: list | None, count, key: str, unit: str, where: str
         raise RetrofitError(f"{where}: retrofit.{key} names {unit} {twice[0]} twice; save the checkpoint again")
 
 
-def _original_positions(config, rope: dict | None) -> int | None:
-    """The positions the model was trained on: a rope extension records them; otherwise the config's."""
-    if rope and rope.get("original_positions"):
-        return int(rope["original_positions"])
+def _original_positions(config, rope: dict | None, where: str) -> int | None:
+    """The positions the model was trained on: a rope extension records them; otherwise the config's. Either is a
+    whole number in 1..SIZE_LIMIT or a one-line refusal here, before vLLM's loader builds a module from it (`"abc"`
+    was a ValueError from int() inside vLLM's loader: issue 61)."""
+    if rope and rope.get("original_positions") is not None:
+        return _positions(rope["original_positions"], "retrofit.rope.original_positions", where)
     value = _get(config, "max_position_embeddings")
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+    return None if value is None else _positions(value, "max_position_embeddings", where)
+
+
+def _positions(value, key: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= SIZE_LIMIT:
+        raise RetrofitError(f"{where}: {key} must be a whole number of positions in 1..{SIZE_LIMIT:,} (the context "
+                            f"the model was trained on), got {quoted(value)}; save the checkpoint again")
+    return value
 
 
 def vllm_config_overrides(config: dict) -> dict:

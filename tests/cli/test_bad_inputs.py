@@ -680,6 +680,13 @@ CASES = [
      r"GLOBAL exec was not an allowed global by default\); it was not written by retrofit"),
     ("adopt-marker-is-a-link", "adopt {marker_link}",
      r"marker_link/.retrofit-owned is a symbolic link; .*never writes through a link"),
+    # issue 61: a gate start whose 2 * start overflows float32 made every logit NaN
+    ("patch-gate-start-1e39", "patch {model} --norm softmax --gate head:1e39 --out {out}",
+     r"--gate start 1e\+39 is outside 1e-06\.\.1000 \(the gate's value at step 0.*give a start in that range$"),
+    ("patch-gate-start-1e308", "patch {model} --norm avnorm --gate head:1e308 --out {out}",
+     r"--gate start 1e\+308 is outside 1e-06\.\.1000"),
+    ("train-gate-start-1e39", "train {recipe} patch.gate=head:1e39 --out {out}",
+     r"patch.gate start 1e\+39 is outside 1e-06\.\.1000"),
 ]
 SIZE_CASES = ["eval-lengths-range-huge", "eval-export-length-huge", "eval-samples-huge", "eval-export-samples-huge",
               "eval-trials-huge", "eval-rope-1e308", "tokenizer-vocab-2-64", "eval-variants-aliases",

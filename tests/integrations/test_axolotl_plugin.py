@@ -6,6 +6,7 @@ and peft 0.20, below retrofit's): the hooks are called directly with a DictDefau
 from __future__ import annotations
 
 import importlib
+import json
 
 import pytest
 import torch
@@ -117,3 +118,79 @@ def test_a_base_patched_otherwise_or_calibration_without_gains_is_one_line(plugi
     with pytest.raises(RetrofitError, match="retrofit_calibration_text sets per-head gains"):
         plugin.post_model_build(Cfg(retrofit_patch="softmax1", base_model=str(base / "base"),
                                     retrofit_calibration_text=str(base / "book.txt")), tiny_model("llama"))
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+    return get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], modules_to_save=["retrofit"],
+                                            task_type="CAUSAL_LM"))
+
+
+@pytest.mark.parametrize("name", ["retrofit.json", "retrofit.safetensors"])
+def test_post_train_never_writes_through_a_link_in_output_dir(name, plugin, tmp_path):
+    """Issue 61: with output_dir/retrofit.json a symbolic link to a file outside, post_train overwrote that file with
+    retrofit's record. Now a link in either name is refused in one line before anything is written; the file it
+    points at and the link stay as they were."""
+    model = tiny_model("llama")
+    retrofit.patch(model, "ssmax")
+    out, outside = tmp_path / "out", tmp_path / "precious.txt"
+    out.mkdir()
+    outside.write_text("the user's own file\n")
+    (out / name).symlink_to(outside)
+    with pytest.raises(RetrofitError, match=rf"^{out / name} is a symbolic link; retrofit never writes through a "
+                                            r"link .*\)$") as caught:
+        plugin.post_train(Cfg(retrofit_patch="ssmax", base_model="base", output_dir=str(out)), _lora(model))
+    assert "\n" not in str(caught.value)
+    assert outside.read_text() == "the user's own file\n" and (out / name).is_symlink()
+    assert sorted(p.name for p in out.iterdir()) == [name]  # neither file written, no temporary left
+
+
+def test_post_train_writes_both_files_atomically_beside_the_adapter(plugin, tmp_path):
+    """The files post_train writes reload, and no temporary sibling is left (atomic_writer)."""
+    model = tiny_model("llama")
+    retrofit.patch(model, "ssmax")
+    out = tmp_path / "out"
+    out.mkdir()
+    plugin.post_train(Cfg(retrofit_patch="ssmax", base_model="base", output_dir=str(out)), _lora(model))
+    assert sorted(p.name for p in out.iterdir()) == ["retrofit.json", "retrofit.safetensors"]
+    from safetensors.torch import load_file
+    assert any(".retrofit." in key for key in load_file(out / "retrofit.safetensors"))
+    assert json.loads((out / "retrofit.json").read_text())["patch"]["norm"] == "ssmax"
+
+
+@pytest.mark.parametrize("value, expected", [("embed_tokens", ["embed_tokens", "retrofit"]),
+                                             (["lm_head"], ["lm_head", "retrofit"]), (None, ["retrofit"])])
+def test_lora_modules_to_save_as_one_name_is_that_module(value, expected, plugin):
+    """Issue 61: `lora_modules_to_save: embed_tokens` (a string) became a list of its characters."""
+    cfg = Cfg(retrofit_patch="ssmax", adapter="lora", lora_modules_to_save=value)
+    plugin.post_model_build(cfg, tiny_model("llama"))
+    assert cfg.lora_modules_to_save == expected
+
+
+@pytest.mark.parametrize("value", [3, ["embed_tokens", 3], {"embed_tokens": True}])
+def test_lora_modules_to_save_of_another_type_is_one_line(value, plugin):
+    with pytest.raises(RetrofitError, match=r"^lora_modules_to_save must be a module name or a list of them "
+                                            r"\(e\.g\. \[embed_tokens, lm_head\]\), got "):
+        plugin.post_model_build(Cfg(retrofit_patch="ssmax", adapter="lora", lora_modules_to_save=value),
+                                tiny_model("llama"))
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"steps": "2"}, r"retrofit_recovery.steps must be an integer, got '2'"),
+    ({"stepz": 2}, r"unknown recipe key retrofit_recovery.stepz \(did you mean 'steps'\?\); valid keys in "
+                   r"retrofit_recovery: steps, start"),
+    ({"steps": 2, "start": "high"}, r"retrofit_recovery.start must be a number, got 'high'"),
+    ({"steps": 2, "shape": "cosin"}, r"retrofit_recovery.shape must be one of linear, cosine, loss, got 'cosin' "
+                                     r"\(did you mean 'cosine'\?\)"),
+    ({"steps": 2, "costs": [1, "x"]}, r"retrofit_recovery.costs\[1\] must be a number, got 'x'"),
+])
+def test_a_bad_recovery_schedule_is_a_validation_error_not_a_traceback(value, message, plugin):
+    """Issue 61: schedule values reached Python's operators (`"2" >= 1`) or ScheduleSection(**value) (an unknown
+    keyword): a TypeError, which pydantic lets escape (it reports only ValueError), so axolotl would print a
+    traceback. Now RetrofitArgs reports it as this key's validation error, one line of retrofit's."""
+    from retrofit.integrations.axolotl import RetrofitArgs
+    with pytest.raises(ValidationError, match=message) as caught:
+        RetrofitArgs(retrofit_recovery=value)
+    assert caught.value.errors()[0]["loc"] == ("retrofit_recovery",)
+    with pytest.raises(RetrofitError, match=message):
+        plugin.add_callbacks_post_trainer(Cfg(retrofit_recovery=value), None)

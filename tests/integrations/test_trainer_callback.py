@@ -93,6 +93,21 @@ def test_bad_settings_are_one_line_before_training(tmp_path):
         trainer.train()
 
 
+@pytest.mark.parametrize("schedule, message", [
+    ({"steps": "2"}, r"^schedule.steps must be an integer, got '2'$"),
+    ({"steps": 2, "stpes": 3}, r"^unknown recipe key schedule.stpes \(did you mean 'steps'\?\); valid keys in "
+                               r"schedule: steps, start, end, shape, by_layer, costs$"),
+    ({"steps": 2.5}, r"^schedule.steps must be an integer, got 2.5$"),
+    ({"steps": True}, r"^schedule.steps must be an integer, got True$"),
+    (["steps", 2], r"^schedule must be a mapping of recovery.schedule's keys .*got \['steps', 2\]$"),
+])
+def test_a_schedule_of_the_wrong_type_or_key_is_one_line_not_a_type_error(schedule, message):
+    """Issue 61: RetrofitCallback(schedule={"steps": "2"}) reached `"2" >= 1`, an unknown key ScheduleSection(**...):
+    raw TypeErrors. The schedule is checked as a recipe's is: RetrofitError (a ValueError), one line."""
+    with pytest.raises(RetrofitError, match=message):
+        RetrofitCallback(schedule=schedule)
+
+
 def test_patch_peft_config_sft_trainer_save_adapter_reload(tmp_path):
     """The documented TRL recipe: the patch's parameters train with the adapter (retrofit.peft_config), the AVNorm
     floor moves to 0 on schedule, and save_adapter's folder reloads with retrofit.from_pretrained to equal logits."""

@@ -43,6 +43,7 @@ def _record(norm="avnorm", **options):
     ("surprise", 1, r"retrofit has no field 'surprise'"),
     ("gate", "head", r"retrofit.gate must be null or a mapping \{kind, start, inputs\}, got 'head'"),
     ("gate", {"kind": "head", "start": -1}, r"gate start must be a number > 0"),  # the spec's own check
+    ("gate", {"kind": "head", "start": 1e39}, r"gate start 1e\+39 is outside 1e-06\.\.1000"),  # issue 61: NaN logits
 ])
 def test_a_record_field_of_the_wrong_type_is_refused_naming_it(field, value, match):
     record = _record()

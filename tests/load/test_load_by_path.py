@@ -208,3 +208,53 @@ def test_trl_sft_trainer_by_path_is_refused_in_retrofit_words_even_when_enabled(
     trainer = trl.SFTTrainer(model=_auto(folders["model"]), args=args, train_dataset=data,
                              processing_class=char_tokenizer())
     assert retrofit.is_patched(trainer.model)
+
+
+def test_enable_and_disable_from_8_threads_never_chain_and_disable_restores_exactly():
+    """Issue 61: 8 threads calling retrofit.enable() at once registered loaders over loaders (a loader's `previous`
+    another loader), so disable() left the switch on (1 trial in 20), and a loop over the registrations once met
+    another thread's writes. Every round, 8 threads enable together (a barrier), each checks the chain, then all
+    disable together; a class the user registered before enable() is the one registered after disable()."""
+    import sys
+    import threading
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from retrofit.integrations.auto_classes import _is_loader, _registered, is_enabled
+
+    mine = type("UsersLlama", (LlamaForCausalLM,), {})  # the user's own registration, from before the switch
+    saved = dict(_registered())
+    AutoModelForCausalLM.register(LlamaConfig, mine, exist_ok=True)
+    before = dict(_registered())
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch every microsecond: the races show in a few rounds
+    rounds, barrier, problems = 10, threading.Barrier(8), []
+
+    def worker():
+        try:
+            for _ in range(rounds):
+                barrier.wait()
+                retrofit.enable()
+                chained = [c.__name__ for c, v in list(_registered().items())
+                           if _is_loader(v) and _is_loader(v.previous)]
+                if chained or not is_enabled():
+                    problems.append(chained or "not enabled after enable()")
+                barrier.wait()
+                retrofit.disable()
+        except Exception as err:  # "dictionary changed size during iteration", a broken barrier
+            problems.append(repr(err))
+            barrier.abort()
+
+    try:
+        threads = [threading.Thread(target=worker) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not problems, problems[:3]
+        assert not is_enabled()
+        assert _registered() == before and _registered()[LlamaConfig] is mine  # exactly what was there, no loader
+    finally:
+        sys.setswitchinterval(interval)
+        _registered().clear()
+        _registered().update(saved)

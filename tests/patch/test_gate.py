@@ -242,6 +242,26 @@ def test_bad_gates_are_refused_in_one_line(value, message):
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize("start", ["1e39", "1e308", "1e-9"])
+def test_a_start_outside_its_range_is_refused_before_it_overflows(start):
+    """Issue 61: `--gate head:1e39` (or 1e308) was accepted, saved and reloaded, and every logit was NaN: the gate's
+    2 * start overflows float32. A start that rounds to nothing (the gate dead, and its gradient) is refused too."""
+    with pytest.raises(RetrofitError, match=r"^gate start \S+ is outside 1e-06\.\.1000 .*give a start in that "
+                                            r"range$") as caught:
+        retrofit.patch(tiny_model("llama"), "softmax", gate=f"head:{start}")
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_largest_start_keeps_every_logit_finite(dtype):
+    """The range's top (start 1000) in each dtype retrofit loads: every logit finite."""
+    model = tiny_model("llama").to(dtype)
+    retrofit.patch(model, "avnorm", gate="head:1000")
+    with torch.no_grad():
+        logits = model(input_ids=random_ids(2, 12)).logits
+    assert logits.dtype == dtype and bool(torch.isfinite(logits).all())
+
+
 def test_gate_rules_need_the_model_or_the_spec():
     with pytest.raises(RetrofitError, match="gate gates every head of the patched layers.*drop heads= or gate"):
         PatchSpec("avnorm", heads="0+1", gate="head")

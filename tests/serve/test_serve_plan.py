@@ -136,3 +136,31 @@ def test_what_the_plugin_serves_or_guards_is_read_from_the_family_table():
         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM", "MixtralForCausalLM",
         "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"}
     assert GUARDED["Gemma3ForCausalLM"][0] == "vllm.model_executor.models.gemma3"  # model type gemma3_text
+
+
+@pytest.mark.parametrize("where, value, message", [
+    ("rope", "abc", r"retrofit.rope.original_positions must be a whole number of positions in 1..16,777,216 \(the "
+                    r"context the model was trained on\), got 'abc'; save the checkpoint again$"),
+    ("rope", 0, r"retrofit.rope.original_positions must be a whole number .*got 0;"),
+    ("rope", 4096.5, r"retrofit.rope.original_positions must be a whole number .*got 4096.5;"),
+    ("rope", 10 ** 400, r"retrofit.rope.original_positions must be a whole number .*got 1000000000000"),
+    ("rope", True, r"retrofit.rope.original_positions must be a whole number .*got True;"),
+    ("config", "64", r"max_position_embeddings must be a whole number of positions .*got '64';"),
+    ("config", -1, r"max_position_embeddings must be a whole number of positions .*got -1;"),
+    ("rope_type", ["yarn"], r"unknown rope type \['yarn'\]; retrofit knows: "),  # check_record's, not a TypeError
+])
+def test_the_plans_values_are_checked_before_vllm_sees_them(where, value, message, tmp_path):
+    """Issue 61 (from round 5): a plan with `original_positions: "abc"` raised ValueError inside vLLM's loader (int()
+    there). The positions (recorded by a rope extension, else the config's) and the rope type are checked here, in
+    one line naming the checkpoint; vLLM itself is not needed for that."""
+    config = saved_config(tmp_path, "ssmax", rope="yarn:2")
+    if where == "rope":
+        config["retrofit"]["rope"]["original_positions"] = value
+    elif where == "rope_type":
+        config["retrofit"]["rope"]["parameters"]["rope_type"] = value
+    else:
+        config["retrofit"]["rope"] = None
+        config["max_position_embeddings"] = value
+    with pytest.raises(RetrofitError, match=message) as caught:
+        serve_plan(config, where="ckpt")
+    assert str(caught.value).startswith("ckpt: ") and "\n" not in str(caught.value)

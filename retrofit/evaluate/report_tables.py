@@ -23,9 +23,9 @@ def legend(results: dict) -> str:
     margin = _margin(results)
     if margin is None:
         return APPROX_LEGEND
-    return (APPROX_LEGEND + f" {EQUIVALENT}: equivalent within ±{margin:g} (the margin declared before judging: two "
-            f"one-sided t tests at 5%, i.e. the 90% interval lies inside ±{margin:g}; it may still exclude 0); only "
-            "these are 'matches'.")
+    return (APPROX_LEGEND + f" {EQUIVALENT}: equivalent within ±{margin:g} (the margin given to `retrofit report "
+            f"--margin`: two one-sided t tests at 5%, i.e. the 90% interval lies inside ±{margin:g}; it may still "
+            "exclude 0); only these are 'matches'.")
 
 # ---- tables -------------------------------------------------------------------------------------------------
 

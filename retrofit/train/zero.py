@@ -218,6 +218,21 @@ def safe_checkpoint_engine():
     return WeightsOnly()
 
 
+def check_files(folder) -> None:
+    """Every DeepSpeed file of the checkpoint read as data before DeepSpeed reads any: a truncated or planted file is
+    one line naming it, on every process alike (each reads them all, mmap: the structure, not the tensors' bytes),
+    before load_checkpoint's collectives (there rank 0 raised torch's zip error and its peer lost the connection)."""
+    import torch
+
+    from .fsdp import not_data
+    for path in sorted((folder / FOLDER / TAG).glob("*.pt")):
+        try:
+            with torch.serialization.safe_globals(_allowed()):
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as err:  # noqa: BLE001 -- whatever torch raises on it: not a file it can read as data
+            raise not_data(path, err) from None
+
+
 def save_state(folder, engine) -> None:
     """Every process writes its partition of the weights and optimizer state into folder/deepspeed (collective)."""
     engine.save_checkpoint(str(folder / FOLDER), tag=TAG, save_latest=False)
@@ -228,6 +243,7 @@ def load_state(folder, engine) -> None:
     if not (folder / FOLDER / TAG).is_dir():
         raise RetrofitError(f"{folder} holds no {FOLDER}/ state: it was not written under DeepSpeed; resume with "
                             "the launch and recipe it was trained with")
+    check_files(folder)
     engine.checkpoint_engine = safe_checkpoint_engine()
     path, _ = engine.load_checkpoint(str(folder / FOLDER), tag=TAG, load_optimizer_states=True,
                                      load_lr_scheduler_states=False, load_module_strict=True)

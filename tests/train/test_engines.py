@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,63 @@ def test_the_recipe_fills_a_deepspeed_configs_autos():
 def test_a_deepspeed_config_the_recipe_would_not_honor_is_refused(given, keys, accumulation, message):
     with pytest.raises(RetrofitError, match=message):
         configure(given, train_section(**keys), accumulation, 2, cpu=True)
+
+
+# ---- issue 61 items 2, 3: a DeepSpeed JSON read as DeepSpeed reads it, on every launcher, before any process group --
+
+BAD_DEEPSPEED = [  # (the JSON, what the one line says)
+    ({"bf16": {"enabled": 1}}, "enables bf16 but train.precision is fp32"),        # DeepSpeed reads 1 as on
+    ({"bf16": {"enabled": "true"}}, "enables bf16 but train.precision is fp32"),
+    ({"bfloat16": {"enabled": "yes"}}, "enables bf16 but train.precision is fp32"),  # DeepSpeed's older name
+    ({"fp16": {"enabled": 1}}, "enables fp16 but train.precision is fp32"),
+    ({"zero_optimization": {"stage": "three"}}, "zero_optimization.stage: Input should be 0, 1, 2, 3"),
+    ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage: .*\(given 4\)"),
+    ({"bf16": True}, "bf16 is true, not an object"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": "cpu"}},
+     "zero_optimization.offload_optimizer: Input should be a valid dictionary"),
+    ({"tensor_parallel": {"autotp_size": "2"}}, r"tensor parallelism \(tensor_parallel.autotp_size 2\)"),
+    ({"tensor_parallel": {"autotp_size": "two"}}, "tensor_parallel.autotp_size: Input should be a valid integer"),
+    ({"zero_optimization": {"stage": 2, "bogus": 1}}, "zero_optimization.bogus: Extra inputs are not permitted"),
+    ({"train_micro_batch_size_per_gpu": "2"}, "train_micro_batch_size_per_gpu is '2' but the recipe's"),
+]
+
+
+@pytest.mark.parametrize("launcher", ["train.deepspeed", "accelerate"])
+@pytest.mark.parametrize("config, message", BAD_DEEPSPEED)
+def test_a_bad_deepspeed_config_is_one_line_exit_2_before_any_process_group(config, message, launcher, tmp_path,
+                                                                            run_cli, monkeypatch):
+    """On 9ab1028 these trained bf16 under train.precision fp32 (log.jsonl saying fp32) or raised ValueError,
+    TypeError, AttributeError or pydantic's multi-line error on every rank. Both launchers' configs take one path:
+    DeepSpeed's own DeepSpeedConfig, then the recipe's refusals."""
+    import torch.distributed as dist
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(config))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(lm_recipe(write_corpus(tmp_path), tmp_path / "run", precision="fp32", steps=2,
+                                               batch_size=2)))
+    # one process: where a case is not refused (as on 9ab1028) it trains and exits 0 rather than wait for a peer
+    for key, value in {**LAUNCHED, "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29593"}.items():
+        monkeypatch.setenv(key, value)
+    argv = ["train", recipe]
+    if launcher == "accelerate":  # what `accelerate launch` sets for a config naming deepspeed_config_file
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ds))
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false")
+    else:
+        argv.append(f"train.deepspeed={ds}")
+    code, lines, _ = run_cli(argv)
+    assert code == 2 and len(lines) == 1, lines
+    assert re.search(message, lines[0]), lines[0]
+    assert not (tmp_path / "run").exists() and not dist.is_initialized()
+
+
+def test_deepspeeds_own_reading_of_a_config_is_what_retrofit_checks():
+    """"auto" is DeepSpeed's default (off) and accelerate fills it from train.precision: no conflict."""
+    for enabled in ("auto", False, 0):
+        configure(plugin(bf16={"enabled": enabled}), train_section(precision="fp32", micro_batch_size=2, batch_size=4),
+                  1, 2, cpu=True)
+    configure(plugin(bf16={"enabled": 1}), train_section(precision="bf16", micro_batch_size=2, batch_size=4), 1, 2,
+              cpu=True)
 
 
 # ---- the command line: exit 2, one line, nothing written --------------------------------------------------------

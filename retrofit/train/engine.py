@@ -61,6 +61,10 @@ def requested(env, train) -> Asked:
             raise RetrofitError(f"the accelerate config asks for {what}, which retrofit's loop does not run: launch "
                                 "with a DDP, FSDP or DeepSpeed config")
     _check_parallelism_config(env, train, _flag(env, "ACCELERATE_USE_DEEPSPEED") or bool(train.deepspeed))
+    world, size = int(env.get("WORLD_SIZE", "1") or 1), train.sequence_parallel
+    if world % size:  # else world // size data-parallel replicas is 0 (a ZeroDivisionError sizing the batch)
+        raise RetrofitError(f"train.sequence_parallel {size} does not divide the {world} process(es): launch a "
+                            f"multiple of {size} processes, or set train.sequence_parallel (and sp_size) to a divisor")
     from_accelerate = _flag(env, "ACCELERATE_USE_DEEPSPEED")
     if train.deepspeed and from_accelerate:
         raise RetrofitError("DeepSpeed is configured twice: by the accelerate config and by train.deepspeed; keep one "

@@ -288,6 +288,38 @@ def test_accelerate_launch_with_an_fsdp_config_is_refused_by_every_process(corpu
     assert len(errors) == 2 and all("accelerate's FSDP config needs GPUs" in x for x in errors)
 
 
+def test_dynamo_config_in_an_accelerate_deepspeed_config_is_read_from_the_launchers_file(tmp_path):
+    """Issue 61 item 7: accelerate's DeepSpeed launcher passes no ACCELERATE_DYNAMO_* to its workers, so a
+    dynamo_config trained uncompiled, silently; the worker reads the file its launcher (its parent) was given."""
+    from retrofit.train.engine import launcher_dynamo
+    config = accelerate_config(tmp_path, 2)
+    launch = ["/venv/bin/python", "/venv/bin/accelerate", "launch", "--config_file", str(config), "-m", "retrofit"]
+    assert launcher_dynamo(launch) is None  # no dynamo_config
+    raw = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**raw, "dynamo_config": {"dynamo_backend": "INDUCTOR"}}))
+    assert launcher_dynamo(launch) == "inductor"
+    assert launcher_dynamo([*launch[:3], f"--config-file={config}", "--dynamo_backend", "no"]) == "no"  # CLI wins
+    assert launcher_dynamo(["/usr/bin/bash", "-c", "retrofit train"]) is None  # not started by accelerate launch
+    env = {**LAUNCHED, "ACCELERATE_USE_DEEPSPEED": "true"}
+    with pytest.raises(RetrofitError, match="dynamo_backend inductor.* drop the config's dynamo_config") as err:
+        check_compile(env, False, launch)
+    assert "\n" not in str(err.value)
+    check_compile({**env, "ACCELERATE_DYNAMO_BACKEND": "NO"}, False, launch)  # a launcher that passed it: as DDP
+
+
+def test_accelerate_launch_with_dynamo_config_and_deepspeed_is_refused_by_every_process(corpus):
+    """The same, launched: the workers find the launcher's config through their parent process."""
+    config = accelerate_config(corpus, 2)
+    raw = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**raw, "dynamo_config": {"dynamo_backend": "INDUCTOR"}}))
+    done = run(["accelerate", "launch", "--config_file", str(config), "--main_process_port", str(free_port()), "-m",
+                "retrofit", "train", "lm.yaml", "--out", str(corpus / "dynamo")], corpus)
+    assert done.returncode != 0 and not (corpus / "dynamo").exists()
+    errors = [x for x in done.stderr.splitlines() if x.startswith("retrofit train: error:")]
+    assert len(errors) == 2 and all("dynamo_backend inductor" in x for x in errors), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr.split("retrofit train: error:")[0]
+
+
 def test_what_the_loop_does_not_run_under_deepspeed_is_refused(tmp_path):
     from retrofit.train.zero import check_deepspeed_recipe
     raw = lm_recipe(tmp_path, tmp_path / "run")

@@ -24,8 +24,10 @@ The table per launcher and what each cell's test is: docs/many-gpus.md, tests/tr
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -61,6 +63,10 @@ def requested(env, train) -> Asked:
             raise RetrofitError(f"the accelerate config asks for {what}, which retrofit's loop does not run: launch "
                                 "with a DDP, FSDP or DeepSpeed config")
     _check_parallelism_config(env, train, _flag(env, "ACCELERATE_USE_DEEPSPEED") or bool(train.deepspeed))
+    world, size = int(env.get("WORLD_SIZE", "1") or 1), train.sequence_parallel
+    if world % size:  # else world // size data-parallel replicas is 0 (a ZeroDivisionError sizing the batch)
+        raise RetrofitError(f"train.sequence_parallel {size} does not divide the {world} process(es): launch a "
+                            f"multiple of {size} processes, or set train.sequence_parallel (and sp_size) to a divisor")
     from_accelerate = _flag(env, "ACCELERATE_USE_DEEPSPEED")
     if train.deepspeed and from_accelerate:
         raise RetrofitError("DeepSpeed is configured twice: by the accelerate config and by train.deepspeed; keep one "
@@ -121,12 +127,65 @@ def check_precision(env, precision: str) -> str:
     return launcher
 
 
-def check_compile(env, compile_: bool) -> None:
-    """accelerate's dynamo_config (ACCELERATE_DYNAMO_BACKEND) is train.compile's: refused unless they agree."""
+def check_compile(env, compile_: bool, launcher_args: list[str] | None = None) -> None:
+    """accelerate's dynamo_config (ACCELERATE_DYNAMO_BACKEND) is train.compile's: refused unless they agree. Under
+    accelerate's DeepSpeed config the launcher passes no ACCELERATE_DYNAMO_* to its workers, so the config it read
+    is read here (launcher_dynamo); retrofit does not compile under DeepSpeed, so any backend is refused."""
+    if _flag(env, "ACCELERATE_USE_DEEPSPEED") and "ACCELERATE_DYNAMO_BACKEND" not in env:
+        backend = launcher_dynamo(launcher_args)
+        if backend not in (None, "", "no"):
+            raise RetrofitError(f"the accelerate config asks for torch.compile (dynamo_backend {backend}), which its "
+                                "DeepSpeed launcher never passes to the processes and retrofit does not run under "
+                                "DeepSpeed: drop the config's dynamo_config (and --dynamo_backend)")
     backend = env.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
     if backend not in ("", "no") and not compile_:
         raise RetrofitError(f"the accelerate config asks for torch.compile (dynamo_backend {backend}) but "
                             "train.compile is false: set train.compile: true or drop the config's dynamo_config")
+
+
+def _parent_args() -> list[str] | None:
+    """The command line of the process that started this one (Linux /proc; None elsewhere or when unreadable)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return None
+
+
+def _option(args: list[str], *names: str) -> str | None:
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def launcher_dynamo(args: list[str] | None = None) -> str | None:
+    """The dynamo backend the `accelerate launch` that started this worker was given: its --dynamo_backend, else its
+    config file's dynamo_config (--config_file, else accelerate's default file). None: not started by `accelerate
+    launch` on this machine (its single-node DeepSpeed launch is the workers' parent), or nothing said."""
+    args = _parent_args() if args is None else args
+    if not args or not any(Path(a).name == "accelerate" or a.endswith("accelerate.commands.accelerate_cli")
+                           for a in args[:3]) or "launch" not in args[:4]:
+        return None
+    given = _option(args, "--dynamo_backend", "--dynamo-backend")
+    if given is not None:
+        return given.lower()
+    path = _option(args, "--config_file", "--config-file")
+    if path is None:
+        from accelerate.commands.config.config_args import default_config_file
+        path = default_config_file
+    try:
+        import yaml
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+    except (OSError, ValueError, yaml.YAMLError):  # accelerate read it to start this process: rarely reached
+        return None
+    dynamo = config.get("dynamo_config") if isinstance(config, dict) else None
+    backend = dynamo.get("dynamo_backend") if isinstance(dynamo, dict) else None
+    return str(backend).lower() if backend is not None else None
 
 
 # ---- what ran ------------------------------------------------------------------------------------------------------

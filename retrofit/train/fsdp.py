@@ -165,6 +165,10 @@ def load_shards(folder, model: nn.Module, optimizer) -> None:
                             "with the recipe it was trained with")
     states = _states(model, optimizer)
     reader, planner = shard_reader(folder / SHARDS)
+    try:  # first on its own: dcp.load logs a traceback for a .metadata it cannot read, then for each fallback
+        reader.read_metadata()
+    except Exception as err:  # noqa: BLE001 -- the allow-list's refusal, a truncated or missing file
+        raise not_data(folder / SHARDS / ".metadata", err) from None
     try:
         dcp.load(states, storage_reader=reader, planner=planner)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 -- dcp gathers each process's error into one

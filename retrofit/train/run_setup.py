@@ -71,9 +71,8 @@ def make_accelerator(train: TrainSection, run_dir, trackers=()):
     gpu = torch.cuda.is_available() and not train.cpu
     plugin, handlers, parallelism = None, [], None
     if asked.engine == "deepspeed":
-        plugin = zero.make_plugin(asked.config)
         data_parallel = world // train.sequence_parallel
-        zero.configure(plugin, train, accumulation(train, data_parallel), data_parallel, cpu=not gpu)
+        plugin = zero.make_plugin(asked.config, train, accumulation(train, data_parallel), data_parallel, cpu=not gpu)
         cpu, handlers = False, ([] if gpu else [InitProcessGroupKwargs(backend="gloo")])
         parallelism = zero.parallelism_config(train.sequence_parallel, world)  # ALST for train.sequence_parallel
     else:

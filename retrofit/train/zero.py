@@ -4,8 +4,8 @@
     torchrun --nproc_per_node 2 -m retrofit train RECIPE train.deepspeed=ds.json  # a DeepSpeed JSON config
     deepspeed --num_gpus 8 --module retrofit train RECIPE train.deepspeed=ds.json
 
-    plugin = make_plugin(train.deepspeed)                 # accelerate's DeepSpeedPlugin (None: its config's)
-    configure(plugin, train, accumulation, cpu)           # the recipe fills the config's "auto"s; conflicts refused
+    plugin = make_plugin(train.deepspeed, train, accumulation, data_parallel, cpu)  # checked as DeepSpeed reads it
+                                                          # (ds_config.py); the recipe fills its "auto"s
     state = full_state_dict(model)                        # ZeRO-3: gathered one module at a time (main process)
 
 On CPU processes DeepSpeed's CPU accelerator runs over gloo: accelerate gates DeepSpeed on `not cpu`, so the
@@ -19,34 +19,38 @@ its partition), read back through a loader that unpickles tensors and three Deep
 from __future__ import annotations
 
 import contextlib
-import json
+import copy
+import os
 
-from ..errors import RetrofitError, read_utf8
+from ..errors import RetrofitError
+from . import ds_config
 
-CONFIG_LIMIT = 1 << 20   # a DeepSpeed JSON config is small: refuse anything larger before reading it
 FOLDER = "deepspeed"     # a checkpoint's subfolder holding DeepSpeed's files
 TAG = "state"            # DeepSpeed's checkpoint tag inside it
 
 
-def make_plugin(path: str | None):
-    """accelerate's DeepSpeedPlugin: from train.deepspeed (a JSON config file; zero.Init off, as retrofit patches the
-    whole model first) or, with path None, from accelerate's own config (ACCELERATE_DEEPSPEED_* set by its launcher)."""
+def make_plugin(path: str | None, train, accumulation: int, data_parallel: int, cpu: bool):
+    """accelerate's DeepSpeedPlugin, its config checked by ds_config.check before accelerate reads it and again after
+    (the recipe filling its "auto"s): from train.deepspeed (a JSON config file; zero.Init off, as retrofit patches the
+    whole model first) or, with path None, from accelerate's own config (ACCELERATE_DEEPSPEED_* set by its launcher;
+    its deepspeed_config_file, when it names one, is checked first the same way)."""
     from accelerate.utils import DeepSpeedPlugin
     if path is None:
+        named = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+        if named != "none":
+            ds_config.check(ds_config.read(named, "the accelerate config's deepspeed_config_file"), train,
+                            accumulation, data_parallel, cpu)
         try:
-            return DeepSpeedPlugin()
-        except ValueError as err:  # accelerate's own checks of its config (a key set both in it and in its JSON)
+            plugin = DeepSpeedPlugin()
+        except (ValueError, TypeError, AttributeError, KeyError) as err:  # accelerate's own checks of its config
             raise RetrofitError(f"the accelerate config's DeepSpeed section: {str(err).splitlines()[0]}") from None
-    try:
-        config = json.loads(read_utf8(path, "train.deepspeed", most=CONFIG_LIMIT))
-    except json.JSONDecodeError as err:
-        raise RetrofitError(f"train.deepspeed {path} is not JSON ({err.msg}, line {err.lineno}); give a DeepSpeed "
-                            "config file") from None
-    if not isinstance(config, dict) or not isinstance(config.get("zero_optimization", {}), dict):
-        raise RetrofitError(f"train.deepspeed {path} is not a DeepSpeed config object ({{\"zero_optimization\": "
-                            "{\"stage\": 3}, ...})")
-    config.setdefault("zero_optimization", {"stage": 0})
-    return DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False)
+    else:
+        config = ds_config.read(path, "train.deepspeed")
+        ds_config.check(copy.deepcopy(config), train, accumulation, data_parallel, cpu)
+        config.setdefault("zero_optimization", {"stage": 0})
+        plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False)
+    configure(plugin, train, accumulation, data_parallel, cpu)
+    return plugin
 
 
 def _get(config: dict, dotted: str):
@@ -57,49 +61,11 @@ def _get(config: dict, dotted: str):
     return config
 
 
-def _fill(config: dict, dotted: str, value, why: str) -> None:
-    """Set `dotted` to the recipe's value where the config leaves it out or says "auto"; refuse a different one."""
-    *parents, leaf = dotted.split(".")
-    for key in parents:
-        config = config.setdefault(key, {})
-    given = config.get(leaf, "auto")
-    if given == "auto":
-        config[leaf] = value
-    elif given != value:
-        raise RetrofitError(f"the DeepSpeed config's {dotted} is {given!r} but the recipe's {why} makes it {value!r}: "
-                            f"set it to \"auto\" (or {value!r}) and let the recipe decide")
-
-
 def configure(plugin, train, accumulation: int, data_parallel: int, cpu: bool) -> int:
-    """Fill `plugin`'s config from the recipe and refuse what the loop would not honor; returns the ZeRO stage."""
-    config = plugin.deepspeed_config
-    for section in ("optimizer", "scheduler"):
-        if section in config:
-            raise RetrofitError(f"the DeepSpeed config has a {section} section, but the recipe's train section sets "
-                                f"the {section} (AdamW, warmup + cosine): remove it from the DeepSpeed config")
-    stage = int(_get(config, "zero_optimization.stage") or 0)
-    if stage == 3 and plugin.zero3_init_flag:
-        raise RetrofitError("zero3_init_flag (deepspeed.zero.Init) builds the model already partitioned, but retrofit "
-                            "patches and calibrates the whole model first: set zero3_init_flag: false")
-    for part in ("offload_optimizer", "offload_param"):
-        device = _get(config, f"zero_optimization.{part}.device")
-        if cpu and device not in (None, "none"):
-            raise RetrofitError(f"zero_optimization.{part} to {device}: these processes already run on the CPU, "
-                                "there is nothing to offload from; set its device to none")
-    if (_get(config, "tensor_parallel.autotp_size") or 0) > 1:
-        raise RetrofitError("the DeepSpeed config asks for tensor parallelism (autotp_size), which retrofit's loop "
-                            "does not run: remove it")
-    if accumulation != 1:
-        raise RetrofitError("with DeepSpeed set train.micro_batch_size = batch_size / processes (no accumulation)")
-    _fill(config, "train_micro_batch_size_per_gpu", train.micro_batch_size, "train.micro_batch_size")
-    _fill(config, "gradient_accumulation_steps", accumulation, "accumulation")
-    _fill(config, "train_batch_size", train.micro_batch_size * accumulation * data_parallel, "train.batch_size")
-    _fill(config, "gradient_clipping", float(train.grad_clip), "train.grad_clip")
-    for half in ("fp16", "bf16"):
-        if _get(config, f"{half}.enabled") is True and train.precision != half:
-            raise RetrofitError(f"the DeepSpeed config enables {half} but train.precision is {train.precision}: make "
-                                f"them agree (train.precision {half}, or \"enabled\": \"auto\")")
-    return stage
+    """Fill `plugin`'s config from the recipe and refuse what the loop would not honor (ds_config.check: DeepSpeed's
+    own parse of it); returns the ZeRO stage."""
+    return ds_config.check(plugin.deepspeed_config, train, accumulation, data_parallel, cpu,
+                           zero3_init=plugin.zero3_init_flag)
 
 
 def check_deepspeed_recipe(recipe, stage: int | None) -> None:
@@ -218,6 +184,21 @@ def safe_checkpoint_engine():
     return WeightsOnly()
 
 
+def check_files(folder) -> None:
+    """Every DeepSpeed file of the checkpoint read as data before DeepSpeed reads any: a truncated or planted file is
+    one line naming it, on every process alike (each reads them all, mmap: the structure, not the tensors' bytes),
+    before load_checkpoint's collectives (there rank 0 raised torch's zip error and its peer lost the connection)."""
+    import torch
+
+    from .fsdp import not_data
+    for path in sorted((folder / FOLDER / TAG).glob("*.pt")):
+        try:
+            with torch.serialization.safe_globals(_allowed()):
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as err:  # noqa: BLE001 -- whatever torch raises on it: not a file it can read as data
+            raise not_data(path, err) from None
+
+
 def save_state(folder, engine) -> None:
     """Every process writes its partition of the weights and optimizer state into folder/deepspeed (collective)."""
     engine.save_checkpoint(str(folder / FOLDER), tag=TAG, save_latest=False)
@@ -228,6 +209,7 @@ def load_state(folder, engine) -> None:
     if not (folder / FOLDER / TAG).is_dir():
         raise RetrofitError(f"{folder} holds no {FOLDER}/ state: it was not written under DeepSpeed; resume with "
                             "the launch and recipe it was trained with")
+    check_files(folder)
     engine.checkpoint_engine = safe_checkpoint_engine()
     path, _ = engine.load_checkpoint(str(folder / FOLDER), tag=TAG, load_optimizer_states=True,
                                      load_lr_scheduler_states=False, load_module_strict=True)

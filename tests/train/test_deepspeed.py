@@ -222,3 +222,25 @@ def test_the_checkpoint_reader_refuses_a_pickled_object(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         safe_checkpoint_engine().load(str(path))
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "planted"])
+def test_a_damaged_zero_shard_is_one_line_naming_it_before_deepspeed_reads(damage, tmp_path):
+    """Issue 61 item 5: a truncated optimizer shard (manifest re-signed) was torch's "PytorchStreamReader failed
+    reading zip archive" on rank 0 and a lost gloo connection on rank 1; every process now refuses it in one line
+    before DeepSpeed's load_checkpoint (the engine here would fail on any attribute: it is never reached)."""
+    from retrofit.errors import RetrofitError
+    from retrofit.train.zero import FOLDER, TAG, load_state
+    state = tmp_path / FOLDER / TAG
+    state.mkdir(parents=True)
+    torch.save({"module": {"w": torch.ones(3)}}, state / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    shard = state / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"state": {0: torch.zeros(64)}}}, shard)
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    else:
+        shard.write_bytes(pickle.dumps({"optimizer_state_dict": os.system}))
+    with pytest.raises(RetrofitError) as caught:
+        load_state(tmp_path, engine=None)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"{shard} is not data"), message

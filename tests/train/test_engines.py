@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,73 @@ def test_a_deepspeed_config_the_recipe_would_not_honor_is_refused(given, keys, a
         configure(given, train_section(**keys), accumulation, 2, cpu=True)
 
 
+# ---- issue 61 items 2, 3: a DeepSpeed JSON read as DeepSpeed reads it, on every launcher, before any process group --
+
+BAD_DEEPSPEED = [  # (the JSON, what the one line says)
+    ({"bf16": {"enabled": 1}}, "enables bf16 but train.precision is fp32"),        # DeepSpeed reads 1 as on
+    ({"bf16": {"enabled": "true"}}, "enables bf16 but train.precision is fp32"),
+    ({"bfloat16": {"enabled": "yes"}}, "enables bf16 but train.precision is fp32"),  # DeepSpeed's older name
+    ({"fp16": {"enabled": 1}}, "enables fp16 but train.precision is fp32"),
+    ({"zero_optimization": {"stage": "three"}}, "zero_optimization.stage: Input should be 0, 1, 2, 3"),
+    ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage: .*\(given 4\)"),
+    ({"bf16": True}, "bf16 is true, not an object"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": "cpu"}},
+     "zero_optimization.offload_optimizer: Input should be a valid dictionary"),
+    ({"tensor_parallel": {"autotp_size": "2"}}, r"tensor parallelism \(tensor_parallel.autotp_size 2\)"),
+    ({"tensor_parallel": {"autotp_size": "two"}}, "tensor_parallel.autotp_size: Input should be a valid integer"),
+    ({"zero_optimization": {"stage": 2, "bogus": 1}}, "zero_optimization.bogus: Extra inputs are not permitted"),
+    ({"train_micro_batch_size_per_gpu": "2"}, "train_micro_batch_size_per_gpu is '2' but the recipe's"),
+]
+
+
+@pytest.mark.parametrize("launcher", ["train.deepspeed", "accelerate"])
+@pytest.mark.parametrize("config, message", BAD_DEEPSPEED)
+def test_a_bad_deepspeed_config_is_one_line_exit_2_before_any_process_group(config, message, launcher, tmp_path,
+                                                                            run_cli, monkeypatch):
+    """On 9ab1028 these trained bf16 under train.precision fp32 (log.jsonl saying fp32) or raised ValueError,
+    TypeError, AttributeError or pydantic's multi-line error on every rank. Both launchers' configs take one path:
+    DeepSpeed's own DeepSpeedConfig, then the recipe's refusals."""
+    import torch.distributed as dist
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(config))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(lm_recipe(write_corpus(tmp_path), tmp_path / "run", precision="fp32", steps=2,
+                                               batch_size=2)))
+    # one process: where a case is not refused (as on 9ab1028) it trains and exits 0 rather than wait for a peer
+    for key, value in {**LAUNCHED, "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29593"}.items():
+        monkeypatch.setenv(key, value)
+    argv = ["train", recipe]
+    if launcher == "accelerate":  # what `accelerate launch` sets for a config naming deepspeed_config_file
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ds))
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false")
+    else:
+        argv.append(f"train.deepspeed={ds}")
+    code, lines, _ = run_cli(argv)
+    assert code == 2 and len(lines) == 1, lines
+    assert re.search(message, lines[0]), lines[0]
+    assert not (tmp_path / "run").exists() and not dist.is_initialized()
+
+
+def test_deepspeeds_own_reading_of_a_config_is_what_retrofit_checks():
+    """"auto" is DeepSpeed's default (off) and accelerate fills it from train.precision: no conflict."""
+    for enabled in ("auto", False, 0):
+        configure(plugin(bf16={"enabled": enabled}), train_section(precision="fp32", micro_batch_size=2, batch_size=4),
+                  1, 2, cpu=True)
+    configure(plugin(bf16={"enabled": 1}), train_section(precision="bf16", micro_batch_size=2, batch_size=4), 1, 2,
+              cpu=True)
+
+
+def test_sp_size_that_does_not_divide_the_world_is_one_line(monkeypatch):
+    """Issue 61 item 4: sp_size 3 (and train.sequence_parallel 3) on 2 processes was a ZeroDivisionError in
+    run_setup.accumulation on every rank; refused with the launch, before any process group."""
+    env = {**LAUNCHED, "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+           "PARALLELISM_CONFIG_SP_SIZE": "3"}
+    with pytest.raises(RetrofitError, match=r"^train.sequence_parallel 3 does not divide the 2 process\(es\)") as err:
+        requested(env, train_section(sequence_parallel=3))
+    assert "\n" not in str(err.value)
+
+
 # ---- the command line: exit 2, one line, nothing written --------------------------------------------------------
 
 def test_an_accelerate_fsdp_config_on_cpu_is_one_line_and_exit_2(tmp_path, run_cli, monkeypatch):
@@ -218,6 +286,38 @@ def test_accelerate_launch_with_an_fsdp_config_is_refused_by_every_process(corpu
     assert done.returncode != 0 and not (corpus / "fsdp").exists()
     errors = [x for x in done.stderr.splitlines() if x.startswith("retrofit train: error:")]
     assert len(errors) == 2 and all("accelerate's FSDP config needs GPUs" in x for x in errors)
+
+
+def test_dynamo_config_in_an_accelerate_deepspeed_config_is_read_from_the_launchers_file(tmp_path):
+    """Issue 61 item 7: accelerate's DeepSpeed launcher passes no ACCELERATE_DYNAMO_* to its workers, so a
+    dynamo_config trained uncompiled, silently; the worker reads the file its launcher (its parent) was given."""
+    from retrofit.train.engine import launcher_dynamo
+    config = accelerate_config(tmp_path, 2)
+    launch = ["/venv/bin/python", "/venv/bin/accelerate", "launch", "--config_file", str(config), "-m", "retrofit"]
+    assert launcher_dynamo(launch) is None  # no dynamo_config
+    raw = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**raw, "dynamo_config": {"dynamo_backend": "INDUCTOR"}}))
+    assert launcher_dynamo(launch) == "inductor"
+    assert launcher_dynamo([*launch[:3], f"--config-file={config}", "--dynamo_backend", "no"]) == "no"  # CLI wins
+    assert launcher_dynamo(["/usr/bin/bash", "-c", "retrofit train"]) is None  # not started by accelerate launch
+    env = {**LAUNCHED, "ACCELERATE_USE_DEEPSPEED": "true"}
+    with pytest.raises(RetrofitError, match="dynamo_backend inductor.* drop the config's dynamo_config") as err:
+        check_compile(env, False, launch)
+    assert "\n" not in str(err.value)
+    check_compile({**env, "ACCELERATE_DYNAMO_BACKEND": "NO"}, False, launch)  # a launcher that passed it: as DDP
+
+
+def test_accelerate_launch_with_dynamo_config_and_deepspeed_is_refused_by_every_process(corpus):
+    """The same, launched: the workers find the launcher's config through their parent process."""
+    config = accelerate_config(corpus, 2)
+    raw = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**raw, "dynamo_config": {"dynamo_backend": "INDUCTOR"}}))
+    done = run(["accelerate", "launch", "--config_file", str(config), "--main_process_port", str(free_port()), "-m",
+                "retrofit", "train", "lm.yaml", "--out", str(corpus / "dynamo")], corpus)
+    assert done.returncode != 0 and not (corpus / "dynamo").exists()
+    errors = [x for x in done.stderr.splitlines() if x.startswith("retrofit train: error:")]
+    assert len(errors) == 2 and all("dynamo_backend inductor" in x for x in errors), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr.split("retrofit train: error:")[0]
 
 
 def test_what_the_loop_does_not_run_under_deepspeed_is_refused(tmp_path):

@@ -84,6 +84,19 @@ def test_a_pickle_planted_in_sharded_state_never_runs(where, tmp_path):
     assert "\n" not in message and str(folder / fsdp.SHARDS) in message and "not data" in message, message
 
 
+def test_a_planted_metadata_is_one_line_and_torch_logs_no_traceback(tmp_path, caplog, capfd):
+    """Issue 61 item 12: dcp.load logged two tracebacks (the allow-list's UnpicklingError, then FileNotFoundError for
+    the rank-local __0.metadata it falls back to) before retrofit's one line; the metadata is now read first."""
+    model, optimizer = _trained()
+    fsdp.save_shards(tmp_path, model, optimizer)
+    (tmp_path / fsdp.SHARDS / ".metadata").write_bytes(pickle.dumps(Canary(tmp_path / "ran")))
+    with caplog.at_level("DEBUG"), pytest.raises(RetrofitError, match=r"fsdp/\.metadata is not data"):
+        fsdp.load_shards(tmp_path, model, optimizer)
+    assert not (tmp_path / "ran").exists()
+    assert [r.getMessage() for r in caplog.records if r.exc_info or r.levelname in ("WARNING", "ERROR")] == []
+    assert "Traceback" not in "".join(capfd.readouterr())
+
+
 # ---- accelerate's files: the RNG states, the optimizer ----------------------------------------------------------
 
 @pytest.fixture(scope="module")

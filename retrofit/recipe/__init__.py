@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import yaml
@@ -61,6 +62,9 @@ class Recipe:
     eval: EvalSection = setting(factory=EvalSection, doc="periodic evaluation")
     output: OutputSection = setting(factory=OutputSection, doc="where results go")
     extras: dict = setting(factory=dict, doc="registered optional sections by name (see register_section)")
+    # the dotted keys given as command-line overrides (load_recipe): an explicit eval.lengths=[64] is not replaced by
+    # experiment.recovery_lengths in the training loop (issue 62). Not a recipe key: never saved.
+    typed: ClassVar[frozenset] = frozenset()
 
     def __post_init__(self):
         data, train = self.data, self.train
@@ -86,7 +90,7 @@ class Recipe:
         eval.lengths are its length evaluation (retrofit.evaluate: windows, intervals, up to 32K): there the loop
         evaluates where each of the experiment's stages does, experiment.recovery_lengths or data.seq_len."""
         experiment = self.section("experiment")
-        if experiment is None:
+        if experiment is None or "eval.lengths" in self.typed:  # what the user typed on the command line wins
             return self.eval_lengths()
         return sorted(set(experiment.recovery_lengths or [self.data.seq_len]))
 
@@ -149,7 +153,9 @@ def load_recipe(path, overrides=()) -> Recipe:
         where = f" at line {mark.line + 1}" if mark else ""
         raise RetrofitError(f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
     require(isinstance(raw, dict), f"{path}: a recipe must be a YAML mapping of sections")
-    return recipe_from_dict(apply_overrides(raw, overrides), name=path.stem)
+    recipe = recipe_from_dict(apply_overrides(raw, overrides), name=path.stem)
+    recipe.typed = frozenset(item.split("=", 1)[0].strip() for item in overrides)
+    return recipe
 
 
 def documentation(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -120,3 +120,18 @@ def test_values_echoed_in_errors_are_cut():
     with pytest.raises(RetrofitError) as err:
         recipe_from_dict({**counting_recipe("x"), "train": {"steps": huge}})
     assert len(str(err.value)) < 200 and "train.steps must be an integer, got [0, 1, 2" in str(err.value)
+
+
+def test_an_eval_lengths_override_wins_over_the_experiments_recovery_lengths(tmp_path):
+    """Issue 62: `retrofit train RECIPE eval.lengths=[64]` of an experiment recipe evaluated at
+    experiment.recovery_lengths all the same. What the user typed wins; the recipe file alone keeps the
+    experiment's lengths for the loop."""
+    raw = counting_recipe(tmp_path / "run")
+    raw["eval"] = {"batches": 1, "lengths": [32, 128]}
+    raw["experiment"] = {"recovery_lengths": [16, 48], "arms": [{"name": "softmax", "patch": {"norm": "softmax"}}]}
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert load_recipe(path).loop_eval_lengths() == [16, 48]
+    typed = load_recipe(path, ["eval.lengths=[64]"])
+    assert typed.loop_eval_lengths() == [64] and typed.eval.lengths == [64]
+    assert load_recipe(path, ["train.steps=3"]).loop_eval_lengths() == [16, 48]  # only eval.lengths itself wins

@@ -299,3 +299,25 @@ def test_every_help_shows_examples(run_cli):
         assert shown and all(f"retrofit {verb}" in line or line.startswith(("--", "data.", "#")) or
                              not line.startswith(("retrofit", "accelerate")) for line in shown), (verb, shown)
         assert any(f"retrofit {verb}" in line for line in shown), (verb, shown)
+
+
+def test_a_cpu_save_prints_no_deepspeed_accelerator_warning(tiny_folder, tmp_path):
+    """Issue 62: with DeepSpeed installed (transformers -> accelerate imports it), every save on a CPU machine printed
+    "[WARNING] ... Setting accelerator to CPU. If you have GPU ...". The CLI drops that one record; DeepSpeed's other
+    warnings still show. In a subprocess, so DeepSpeed's logger is fresh and imported after the CLI starts."""
+    import os
+    code = ("import logging, sys; from retrofit.cli import main\n"
+            f"rc = main(['patch', {str(tiny_folder)!r}, '--norm', 'avnorm', '--gain', '1', '--no-progress',"
+            f" '--out', {str(tmp_path / 'out')!r}])\n"
+            "logging.getLogger('DeepSpeed').warning('Setting accelerator to CPU. If you have GPU ...')\n"
+            "logging.getLogger('DeepSpeed').warning('another deepspeed warning')\n"
+            "sys.exit(rc)\n")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env["PYTHONPATH"] = str(ROOT)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=env)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert "Setting accelerator to CPU" not in output, output
+    assert "another deepspeed warning" in output  # DeepSpeed's logger (or the root's last resort) still speaks

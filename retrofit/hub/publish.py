@@ -54,7 +54,6 @@ from ..readers import read_json
 from ..recipe import load_yaml
 from ..train.runlog import read_log
 from .model_card import GUARD, model_card
-from .origin import card_base_model
 from .public import check_no_links, is_local, local_paths, public_json, public_path, public_recipe, rerun_keys
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -165,16 +164,22 @@ def patch_has_parameters(record: dict) -> bool:
     return built.has_parameters
 
 
+def check_adapter_base(meta: dict, base_model: str | None) -> str:
+    """The base a pushed adapter names (--base-model, else its record's), refused unless Hub users can load it."""
+    base = base_model or meta.get("base_model")
+    if not is_hub_id(base):
+        raise RetrofitError(f"the adapter's base model is {base or 'not named'}, which Hub users cannot "
+                            "load: pass --base-model HUB_ID (the same base on the Hub), or push --merged")
+    return base
+
+
 def _stage_adapter(adapter_dir: Path, model_dir: Path | None, run: Path | None, stage: Path, link: bool,
                    base_model: str | None) -> dict:
     if not (adapter_dir / ADAPTER_WEIGHTS).is_file():
         raise RetrofitError(f"{adapter_dir} has no {ADAPTER_WEIGHTS}; save the adapter with safetensors")
     meta = read_record(adapter_dir)
     recorded = meta.get("base_model")
-    meta["base_model"] = base_model or recorded
-    if not is_hub_id(meta["base_model"]):
-        raise RetrofitError(f"the adapter's base model is {meta['base_model'] or 'not named'}, which Hub users cannot "
-                            "load: pass --base-model HUB_ID (the same base on the Hub), or push --merged")
+    meta["base_model"] = check_adapter_base(meta, base_model)
     adapter_config = _json(adapter_dir / ADAPTER_CONFIG)
     adapter_config["base_model_name_or_path"] = meta["base_model"]
     (stage / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
@@ -353,15 +358,6 @@ def _stage_eval(eval_dir, candidates, out: Path) -> str | None:
     return body.replace("\n## ", "\n### ").strip()
 
 
-def _ask_for_base(info: dict, say) -> None:
-    """One line when the card names no base_model (a base that is not a Hub id: a folder, a .gguf whose header names
-    no Hub origin; or none recorded): the publisher knows it, and --base-model puts it in the card."""
-    if card_base_model(info.get("base_model")) is None:
-        why = (f"{public_path(info['base_model'])} is not a Hub id and names none in its header" if
-               info.get("base_model") else "the model does not record where it came from")
-        say(f"the model card names no base_model ({why}); pass --base-model HUB_ID to name it")
-
-
 # ---- push -----------------------------------------------------------------------------------------------------------
 
 def push(source, repo: str, *, private: bool = False, revision: str | None = None, merged: bool = False,
@@ -370,8 +366,12 @@ def push(source, repo: str, *, private: bool = False, revision: str | None = Non
     """Stage SOURCE and upload it to `repo` (or, with dry_run=DIR, write the staged folder there atomically).
     Returns the commit URL, or the dry-run folder. progress: say what each step is doing (on stdout: stderr is
     for the one-line error)."""
+    # Everything push can refuse without loading is refused here, before any model loads or any folder is made: a
+    # `pkg:` base after a 100 s merge-and-stage was found only at the end (issue 62).
     check_repo(repo)
-    publishable(source, eval_dir)  # links and a bad source refused before any folder is made
+    _, _, adapter_dir, _, _ = publishable(source, eval_dir)  # links and a bad source
+    if adapter_dir is not None and not merged:
+        check_adapter_base(read_record(adapter_dir), base_model)
     token = None if dry_run else find_token()
     kwargs = dict(repo=repo, merged=merged, base_model=base_model, license=license, eval_dir=eval_dir, command=command)
     say = (lambda text: print(f"[push] {text}", flush=True)) if progress else (lambda text: None)
@@ -379,12 +379,12 @@ def push(source, repo: str, *, private: bool = False, revision: str | None = Non
         + (f" into {dry_run}" if dry_run else ""))
     if dry_run:
         with atomic_folder(dry_run, "--dry-run") as tmp:
-            _ask_for_base(stage(source, tmp, **kwargs), say)
+            stage(source, tmp, **kwargs)
         return str(output_path(dry_run))
     parent = Path(os.path.expanduser(str(source))).resolve().parent  # same filesystem: weights are hard-linked
     with tempfile.TemporaryDirectory(prefix=".retrofit-push-",
                                      dir=parent if os.access(parent, os.W_OK) else None) as tmp:
-        _ask_for_base(stage(source, tmp, link=True, **kwargs), say)
+        stage(source, tmp, link=True, **kwargs)
         files = [p for p in Path(tmp).rglob("*") if p.is_file()]
         say(f"uploading {len(files)} files ({sum(p.stat().st_size for p in files) / 2**20:,.1f} MiB) to {repo}")
         try:

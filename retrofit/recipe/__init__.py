@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -24,11 +25,10 @@ import yaml
 
 from ..atomic import atomic_write_text
 from ..errors import RetrofitError, closest, quoted
-from ..norms import NORMS, make_options
 from .experiment import ArmSection, ExperimentSection, ReferenceSection, check_arm_name, seeded_name
 from .model import ModelSection
 from .recovery import RecoverySection, ScheduleSection
-from .schema import apply_overrides, build, load_json, load_yaml, read_yaml_file, require, setting, to_plain
+from .schema import apply_overrides, build, check_keys, load_json, load_yaml, read_yaml_file, require, setting, to_plain
 from .schema import documentation as _documentation
 from .sections import (
     CountingOptions,
@@ -100,6 +100,7 @@ class Recipe:
 
 
 SECTIONS = {f.name: f for f in dataclasses.fields(Recipe) if f.name not in ("name", "extras")}
+SECTION_TYPES = {name: cls for name, cls in typing.get_type_hints(Recipe).items() if name in SECTIONS}
 
 
 def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
@@ -114,6 +115,9 @@ def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
         require(key == "name" or isinstance(value, dict),
                 f"recipe section {key} must be a mapping, got {quoted(value)}")
     core.setdefault("name", name)
+    for key, value in raw.items():  # every key first, values after: a typo is refused before torch is imported
+        if key != "name":
+            check_keys(EXTRA_SECTIONS.get(key) or SECTION_TYPES[key], value or {}, key)
     extras = {k: build(EXTRA_SECTIONS[k], v or {}, k) for k, v in raw.items() if k in EXTRA_SECTIONS}
     recipe = build(Recipe, core, "")
     recipe.extras = extras
@@ -127,6 +131,7 @@ def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
 def check_schedule_endpoints(patch: PatchSection, recovery) -> None:
     """recovery.schedule's start and end (defaults filled in) by the patch's norm's own option rules, as soon as the
     recipe is read: an avnorm floor ending below 0 is a one-line error before any model loads."""
+    from ..norms import NORMS, make_options
     schedule = getattr(recovery, "schedule", None)
     cls = NORMS.get(patch.norm) if schedule is not None and patch.norm else None
     if cls is None or cls.scheduled_option is None:

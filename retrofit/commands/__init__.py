@@ -15,6 +15,7 @@ argument error then take a fraction of a second; `run` imports what it uses (tes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from pathlib import Path
 
@@ -98,3 +99,25 @@ def _check_writable(out: Path, flag: str, path) -> None:
         raise RetrofitError(f"{flag} {path}: {parent} is a file, so no folder can be made under it")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise RetrofitError(f"{flag} {path}: {parent} is not writable; choose a folder you can write to")
+
+
+@contextlib.contextmanager
+def library_bars(show: bool):
+    """transformers' and huggingface_hub's own progress bars (GGUF conversion, "Writing model shards", downloads) off
+    inside the block unless `show` (--no-progress means every bar, issue 62); as they were, after."""
+    if show:
+        yield
+        return
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hub_was_off, hf_was_on = are_progress_bars_disabled(), hf_logging.is_progress_bar_enabled()
+    disable_progress_bars()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if not hub_was_off:
+            enable_progress_bars()
+        if hf_was_on:
+            hf_logging.enable_progress_bar()

@@ -34,6 +34,7 @@ from . import (
     check_counts,
     check_out,
     check_text_files,
+    library_bars,
 )
 
 
@@ -144,7 +145,7 @@ def _run_models(args: argparse.Namespace) -> int:
         ruler={"samples": args.samples, "depths": depths, "needle": args.needle, "seed": args.seed},
     )  # checked now: a bad setting fails before --out is made
     evaluation_names(args.models, spec)  # a wrong --names count or --reference fails before --out is made too
-    with output_folder(args.out, "--out"):  # one `eval --out X` at a time: a second is refused, not overwritten
+    with output_folder(args.out, "--out"), library_bars(not args.no_progress):  # one `eval --out X` at a time
         paths = _evaluate(args.models, spec, args.out)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

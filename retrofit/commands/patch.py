@@ -12,9 +12,11 @@ is refused unless --check-text asks for a measurement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -191,7 +193,7 @@ def run(args) -> int:
     if replaced:
         print(replaced)
     if check is not None:
-        _check(model, check, before, positions, args)
+        _check(model, check, before, positions, args, spec)
     if args.out:
         save_atomically(model, tokenizer, args.out)
         print(f"saved to {args.out}  (load with retrofit.from_pretrained({args.out!r}))")
@@ -202,7 +204,7 @@ def run(args) -> int:
     return 0
 
 
-def _check(model, check, before: float, positions, args) -> None:
+def _check(model, check, before: float, positions, args, spec) -> None:
     """--check-text: the loss before and after, the schedule positions' losses, the ranking."""
     from ..costs import rank_and_suggest, text_loss
     from ..recovery.probe import describe_spread, head_spread, schedule_losses
@@ -212,6 +214,8 @@ def _check(model, check, before: float, positions, args) -> None:
     forward_s = time.perf_counter() - started
     print(f"loss on {args.check_text} ({check.numel()} tokens): original {before:.4f}, "
           f"patched {after:.4f} (ppl {math.exp(min(after, 50)):.2f})")
+    if after - before > RISE_NATS:
+        print(next_step(args.source, spec, after - before, calibrated=bool(args.calibration_text)))
     if positions:
         rows = schedule_losses(model, check[None], positions, start=args.schedule_start, end=args.schedule_end)
         for t, value, loss in rows:
@@ -223,6 +227,38 @@ def _check(model, check, before: float, positions, args) -> None:
     if args.rank or args.rank_k is not None:
         rank_and_suggest(model, check[None], args.rank_k, progress=not args.no_progress, forward_s=forward_s,
                          say=functools.partial(print, flush=True))
+
+
+# A rise in loss past which the patched model is not usable as it is: 0.5 nats multiplies the perplexity by 1.65 (the
+# calibrated AVNorm start on SmolLM2 costs +0.68 and needs training; a recovered arm is within 0.05 of softmax).
+RISE_NATS = 0.5
+RECOVERY_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "llama-recovery.yaml"
+
+
+def next_step(source: str, spec, rise: float, calibrated: bool) -> str:
+    """One line after --check-text shows a rise over RISE_NATS (p-softmax p=2 on SmolLM2: +9.3 nats, issue 62): the
+    recovery-training command, its overrides made from this patch so that the recipe loads as printed, starting at
+    the norm's identity (recovery.schedule: p-softmax p 1, SSMax blend 0) where the norm has a scheduled option."""
+    from ..norms import get_norm
+    from ..recipe import PatchSection, load_yaml
+
+    cls = get_norm(spec.norm)
+    section_keys = {f.name for f in dataclasses.fields(PatchSection)}
+    recipe_patch = load_yaml(RECOVERY_RECIPE.read_text(), str(RECOVERY_RECIPE)).get("patch") or {}
+    ours = {f.name for f in dataclasses.fields(cls.Options)}
+    overrides = [f"model.source={source}", f"patch.norm={spec.norm}",
+                 *(f"patch.{k}={v}" for k, v in spec.options.items()),
+                 *(f"patch.{k}=null" for k in recipe_patch if k not in ours and k not in section_keys)]
+    if not cls.calibrated_by_default:
+        overrides.append("patch.calibrate_tokens=0")
+    start = ""
+    if cls.scheduled_option is not None and cls.schedule_identity is not None:
+        overrides.append("recovery.schedule.steps=20")
+        start = f", from the original model ({cls.scheduled_option} {cls.schedule_identity:g}) to the patch"
+    first = "" if calibrated or not cls.calibrated_by_default else "add --calibration-text FILE, then "
+    recipe = os.path.relpath(RECOVERY_RECIPE) if RECOVERY_RECIPE.is_relative_to(Path.cwd()) else RECOVERY_RECIPE
+    return (f"next step: the patch costs {rise:+.2f} nats here (over {RISE_NATS}); {first}recover it by training"
+            f"{start}: retrofit train {shlex.join([str(recipe), *overrides])}")
 
 
 def _push(model, tokenizer, args) -> None:

@@ -39,8 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..recipe import documentation, documentation_markdown, load_recipe
-    from ..train import train
+    from ..recipe import documentation, documentation_markdown, load_recipe  # no torch: a recipe error comes first
 
     if args.keys and args.markdown:
         print(documentation_markdown())
@@ -69,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.plan_for:
         raise RetrofitError("--plan-for goes with --dry-run")
+    from ..train import train
+
     result = train(recipe, resume=bool(args.resume))  # checks the recipe first: data, source, memory
     last = result.losses.get(max(result.losses)) if result.losses else None
     print(f"done: {result.steps} steps" + (f", final loss {last:.4g}" if last is not None else "")

@@ -240,6 +240,9 @@ def run_experiment(recipe, out_dir, overrides=(), progress: bool = True) -> dict
         raise RetrofitError("this recipe has no experiment section (arms, base_steps, finetune_steps); "
                             "use `retrofit train` for a single run")
     check_recipe_fits(recipe)  # data, source, every arm's selections, memory: before DIR is made or written
+    if "eval.lengths" in recipe.typed:  # the user's eval.lengths is honoured where it applies; say where it does not
+        print(f"eval.lengths {recipe.eval_lengths()} is the final length evaluation; each stage's recovery curve is "
+              f"measured at experiment.recovery_lengths {recipe.loop_eval_lengths()} (set that key to change it)")
     reference = load_reference(exp.reference, [a.name for a in exp.arms]) if exp.reference else None
     out = check_output(out_dir, "--out")  # new, empty or made by retrofit (a re-run resumes it)
     check_base(recipe, exp, out)  # before anything in it is touched, its lock included

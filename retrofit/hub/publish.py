@@ -164,16 +164,22 @@ def patch_has_parameters(record: dict) -> bool:
     return built.has_parameters
 
 
+def check_adapter_base(meta: dict, base_model: str | None) -> str:
+    """The base a pushed adapter names (--base-model, else its record's), refused unless Hub users can load it."""
+    base = base_model or meta.get("base_model")
+    if not is_hub_id(base):
+        raise RetrofitError(f"the adapter's base model is {base or 'not named'}, which Hub users cannot "
+                            "load: pass --base-model HUB_ID (the same base on the Hub), or push --merged")
+    return base
+
+
 def _stage_adapter(adapter_dir: Path, model_dir: Path | None, run: Path | None, stage: Path, link: bool,
                    base_model: str | None) -> dict:
     if not (adapter_dir / ADAPTER_WEIGHTS).is_file():
         raise RetrofitError(f"{adapter_dir} has no {ADAPTER_WEIGHTS}; save the adapter with safetensors")
     meta = read_record(adapter_dir)
     recorded = meta.get("base_model")
-    meta["base_model"] = base_model or recorded
-    if not is_hub_id(meta["base_model"]):
-        raise RetrofitError(f"the adapter's base model is {meta['base_model'] or 'not named'}, which Hub users cannot "
-                            "load: pass --base-model HUB_ID (the same base on the Hub), or push --merged")
+    meta["base_model"] = check_adapter_base(meta, base_model)
     adapter_config = _json(adapter_dir / ADAPTER_CONFIG)
     adapter_config["base_model_name_or_path"] = meta["base_model"]
     (stage / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
@@ -360,8 +366,12 @@ def push(source, repo: str, *, private: bool = False, revision: str | None = Non
     """Stage SOURCE and upload it to `repo` (or, with dry_run=DIR, write the staged folder there atomically).
     Returns the commit URL, or the dry-run folder. progress: say what each step is doing (on stdout: stderr is
     for the one-line error)."""
+    # Everything push can refuse without loading is refused here, before any model loads or any folder is made: a
+    # `pkg:` base after a 100 s merge-and-stage was found only at the end (issue 62).
     check_repo(repo)
-    publishable(source, eval_dir)  # links and a bad source refused before any folder is made
+    _, _, adapter_dir, _, _ = publishable(source, eval_dir)  # links and a bad source
+    if adapter_dir is not None and not merged:
+        check_adapter_base(read_record(adapter_dir), base_model)
     token = None if dry_run else find_token()
     kwargs = dict(repo=repo, merged=merged, base_model=base_model, license=license, eval_dir=eval_dir, command=command)
     say = (lambda text: print(f"[push] {text}", flush=True)) if progress else (lambda text: None)

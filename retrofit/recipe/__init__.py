@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import yaml
 
 from ..atomic import atomic_write_text
 from ..errors import RetrofitError, closest, quoted
-from ..norms import NORMS, make_options
 from .experiment import ArmSection, ExperimentSection, ReferenceSection, check_arm_name, seeded_name
 from .model import ModelSection
 from .recovery import RecoverySection, ScheduleSection
-from .schema import apply_overrides, build, load_json, load_yaml, read_yaml_file, require, setting, to_plain
+from .schema import apply_overrides, build, check_keys, load_json, load_yaml, read_yaml_file, require, setting, to_plain
 from .schema import documentation as _documentation
 from .sections import (
     CountingOptions,
@@ -61,6 +62,9 @@ class Recipe:
     eval: EvalSection = setting(factory=EvalSection, doc="periodic evaluation")
     output: OutputSection = setting(factory=OutputSection, doc="where results go")
     extras: dict = setting(factory=dict, doc="registered optional sections by name (see register_section)")
+    # the dotted keys given as command-line overrides (load_recipe): an explicit eval.lengths=[64] is not replaced by
+    # experiment.recovery_lengths in the training loop (issue 62). Not a recipe key: never saved.
+    typed: ClassVar[frozenset] = frozenset()
 
     def __post_init__(self):
         data, train = self.data, self.train
@@ -86,7 +90,7 @@ class Recipe:
         eval.lengths are its length evaluation (retrofit.evaluate: windows, intervals, up to 32K): there the loop
         evaluates where each of the experiment's stages does, experiment.recovery_lengths or data.seq_len."""
         experiment = self.section("experiment")
-        if experiment is None:
+        if experiment is None or "eval.lengths" in self.typed:  # what the user typed on the command line wins
             return self.eval_lengths()
         return sorted(set(experiment.recovery_lengths or [self.data.seq_len]))
 
@@ -96,6 +100,7 @@ class Recipe:
 
 
 SECTIONS = {f.name: f for f in dataclasses.fields(Recipe) if f.name not in ("name", "extras")}
+SECTION_TYPES = {name: cls for name, cls in typing.get_type_hints(Recipe).items() if name in SECTIONS}
 
 
 def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
@@ -110,6 +115,9 @@ def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
         require(key == "name" or isinstance(value, dict),
                 f"recipe section {key} must be a mapping, got {quoted(value)}")
     core.setdefault("name", name)
+    for key, value in raw.items():  # every key first, values after: a typo is refused before torch is imported
+        if key != "name":
+            check_keys(EXTRA_SECTIONS.get(key) or SECTION_TYPES[key], value or {}, key)
     extras = {k: build(EXTRA_SECTIONS[k], v or {}, k) for k, v in raw.items() if k in EXTRA_SECTIONS}
     recipe = build(Recipe, core, "")
     recipe.extras = extras
@@ -123,6 +131,7 @@ def recipe_from_dict(raw: dict, name: str | None = None) -> Recipe:
 def check_schedule_endpoints(patch: PatchSection, recovery) -> None:
     """recovery.schedule's start and end (defaults filled in) by the patch's norm's own option rules, as soon as the
     recipe is read: an avnorm floor ending below 0 is a one-line error before any model loads."""
+    from ..norms import NORMS, make_options
     schedule = getattr(recovery, "schedule", None)
     cls = NORMS.get(patch.norm) if schedule is not None and patch.norm else None
     if cls is None or cls.scheduled_option is None:
@@ -149,7 +158,9 @@ def load_recipe(path, overrides=()) -> Recipe:
         where = f" at line {mark.line + 1}" if mark else ""
         raise RetrofitError(f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
     require(isinstance(raw, dict), f"{path}: a recipe must be a YAML mapping of sections")
-    return recipe_from_dict(apply_overrides(raw, overrides), name=path.stem)
+    recipe = recipe_from_dict(apply_overrides(raw, overrides), name=path.stem)
+    recipe.typed = frozenset(item.split("=", 1)[0].strip() for item in overrides)
+    return recipe
 
 
 def documentation(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:

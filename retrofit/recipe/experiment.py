@@ -23,12 +23,15 @@ import re
 from dataclasses import dataclass
 
 from ..errors import RetrofitError
-from ..norms import baseline_norm
-from ..rope import normalize_rope
 from .model import ZERO_INIT
 from .recovery import RecoverySection
 from .schema import setting
 from .sections import PatchSection
+
+# retrofit.norms.baseline_norm(), the model's own attention: the default control. Named here, not asked, so that this
+# schema imports no torch (a recipe's keys are checked before torch loads); tests/recipe/test_recipe_yaml.py holds
+# the two equal.
+BASELINE_NORM = "softmax"
 
 # An arm's name becomes a folder (DIR/arms/NAME): letters, digits and -_.+, not starting with a dot, so
 # `..`, `.`, `a/b` or `.hidden` can never point outside DIR/arms or hide there.
@@ -50,7 +53,7 @@ def check_lr(value, key: str) -> None:
 class ReferenceSection:
     file: str = setting("", "JSON with `context_lengths` and the published loss curves (one per key)")
     control: str = setting("", "dotted key of the published curve our control arm stands for, e.g. pe.l1_baseline")
-    control_arm: str = setting(baseline_norm(), "our arm compared against `control`")
+    control_arm: str = setting(BASELINE_NORM, "our arm compared against `control`")
     arms: dict[str, str] = setting(factory=dict,
                                    doc="our arm -> dotted key of its published curve, e.g. avnorm: pe.rmsnorm")
     note: str = setting("", "one line on what the reference measured (model, data, trained length, steps)")
@@ -118,7 +121,7 @@ class ExperimentSection:
                                          "(clipped to finetune_steps): the recovery curve")
     recovery_lengths: list[int] | None = setting(None, "lengths the recovery curve is measured at (the first "
                                                        "eval.batches validation blocks, cut); null = [data.seq_len]")
-    control: str = setting(baseline_norm(), "the arm every other arm's recovery gap is measured against; an experiment "
+    control: str = setting(BASELINE_NORM, "the arm every other arm's recovery gap is measured against; an experiment "
                                       "without an arm of that name reports no gaps")
     seeds: list[int] | None = setting(None, "training seeds: every arm is finetuned once per seed "
                                             "(DIR/arms/NAME-seedS, train.seed = S), all scored on the same windows; "
@@ -216,6 +219,7 @@ def check_eval_variants(variants) -> list[dict] | None:
             raise RetrofitError(f"experiment.eval_variants[{i}] must be {{name: WORD, rope: TYPE:FACTOR,...}} with a "
                                 f"name of letters, digits, - and _ (rope optional), got {v!r}")
         if v.get("rope") is not None:
+            from ..rope import normalize_rope  # torch: not imported before a recipe's keys are checked
             normalize_rope(v["rope"])  # a bad rope fails here, not after the training
         names.append(v["name"])
     if len(set(names)) != len(names):

@@ -8,8 +8,6 @@ import inspect
 from dataclasses import dataclass
 from typing import Literal
 
-from transformers import CONFIG_MAPPING
-
 from ..bounds import check_heads
 from ..errors import RetrofitError, closest, quoted
 from .schema import require, setting
@@ -58,6 +56,8 @@ class ModelSection:
 def _check_model_config(config: dict) -> None:
     """model_type must be an AutoConfig type and every key a field of that config (a typo is silently kept
     otherwise)."""
+    from transformers import CONFIG_MAPPING  # here, not at the top: a recipe's keys are checked before torch loads
+
     model_type = config.get("model_type")
     require(isinstance(model_type, str), "model.config needs model_type (e.g. gpt2, llama)")
     require(model_type in CONFIG_MAPPING, f"model.config.model_type {model_type!r} is not a transformers model type"

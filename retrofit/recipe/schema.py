@@ -128,6 +128,38 @@ def build(cls, data: dict, path: str):
     return cls(**kwargs)
 
 
+def _dataclass_in(tp):
+    """The dataclass a field holds (itself, optional, or as list items), or None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    return next((d for d in map(_dataclass_in, typing.get_args(tp)) if d is not None), None)
+
+
+def check_keys(cls, data, path: str) -> None:
+    """Every key of `data` (nested sections and lists of them included) a field of `cls`, else the one-line error
+    build() gives; values are not read. It needs only the classes' annotations, so a recipe's typo is refused before
+    its values' checks import the norms and torch (issue 62: 8-10 s to reject a misspelled key)."""
+    if not isinstance(data, dict):
+        return  # build() names the wrong type
+    renamed = getattr(cls, "renamed", {})
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key, value in data.items():
+        key = renamed.get(key, key)
+        if key not in names:
+            if getattr(cls, "pass_through", None) is not None:
+                continue  # the class validates these itself (a norm's options)
+            where = f"{path}." if path else ""
+            raise RetrofitError(f"unknown recipe key {where}{key}{_closest(key, names)}; valid keys"
+                                f"{' in ' + path if path else ''}: {', '.join(names)}")
+        nested = _dataclass_in(hints[key])
+        if nested is None:
+            continue
+        where = f"{path}.{key}" if path else key
+        for i, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            check_keys(nested, item, where if i is None else f"{where}[{i}]")
+
+
 def to_plain(obj):
     """A dataclass tree as plain YAML data (a pass-through dict is written flat, as it is read)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

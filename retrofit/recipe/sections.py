@@ -15,12 +15,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from ..errors import closest, quoted
-from ..norms import NORMS
-from ..patch_spec import RECIPE, PatchSpec
 from .schema import require, setting
+
+if TYPE_CHECKING:
+    from ..patch_spec import PatchSpec
+
+# The norms (and so torch) are imported where a method needs them, not here: `retrofit train bad.yaml` checks the
+# recipe's keys before paying for torch (issue 62), and this module is imported for that check.
 
 
 @dataclass
@@ -69,6 +73,7 @@ class PatchSection:
         self.options = self.spec().options  # every rule of the patch is checked there; options typed (p: 2 -> 2.0)
         require(self.calibrate_tokens is None or self.calibrate_tokens >= 0,
              f"patch.calibrate_tokens must be >= 0 tokens, got {self.calibrate_tokens}")
+        from ..norms import NORMS
         by_default = [name for name, cls in sorted(NORMS.items()) if cls.calibrated_by_default]
         require(not self.calibrate_tokens or self.norm in by_default,
              f"patch.calibrate_tokens sets the per-head gains of {', '.join(by_default)}, but patch.norm is "
@@ -76,6 +81,7 @@ class PatchSection:
 
     def spec(self) -> PatchSpec | None:
         """The patch as a PatchSpec (None: patch.norm null, the model as loaded)."""
+        from ..patch_spec import RECIPE, PatchSpec
         if self.norm is None:
             return None
         return PatchSpec(self.norm, self.options, nope=self.nope, rope=self.rope, layers=self.layers,
@@ -87,6 +93,7 @@ class PatchSection:
         gain: Norm.calibration_given), else 0."""
         if self.calibrate_tokens is not None:
             return self.calibrate_tokens
+        from ..norms import NORMS
         cls = NORMS[self.norm] if self.norm is not None else None
         default = cls is not None and cls.calibrated_by_default and not cls.calibration_given(self.options)
         return 8192 if default and pretrained else 0
@@ -94,6 +101,7 @@ class PatchSection:
     @staticmethod
     def option_documentation(prefix: str) -> list[tuple[str, str, str]]:
         """(patch.<option>, default, 'norm: doc') for every option of every registered norm."""
+        from ..norms import NORMS
         rows = []
         for name, cls in sorted(NORMS.items()):
             for f in dataclasses.fields(cls.Options):
@@ -102,6 +110,7 @@ class PatchSection:
 
 
 def _all_norm_options() -> set[str]:
+    from ..norms import NORMS
     return {f.name for cls in NORMS.values() for f in dataclasses.fields(cls.Options)}
 
 

@@ -299,3 +299,61 @@ def test_every_help_shows_examples(run_cli):
         assert shown and all(f"retrofit {verb}" in line or line.startswith(("--", "data.", "#")) or
                              not line.startswith(("retrofit", "accelerate")) for line in shown), (verb, shown)
         assert any(f"retrofit {verb}" in line for line in shown), (verb, shown)
+
+
+def test_a_cpu_save_prints_no_deepspeed_accelerator_warning(tiny_folder, tmp_path):
+    """Issue 62: with DeepSpeed installed (transformers -> accelerate imports it), every save on a CPU machine printed
+    "[WARNING] ... Setting accelerator to CPU. If you have GPU ...". The CLI drops that one record; DeepSpeed's other
+    warnings still show. In a subprocess, so DeepSpeed's logger is fresh and imported after the CLI starts."""
+    import os
+    code = ("import logging, sys; from retrofit.cli import main\n"
+            f"rc = main(['patch', {str(tiny_folder)!r}, '--norm', 'avnorm', '--gain', '1', '--no-progress',"
+            f" '--out', {str(tmp_path / 'out')!r}])\n"
+            "logging.getLogger('DeepSpeed').warning('Setting accelerator to CPU. If you have GPU ...')\n"
+            "logging.getLogger('DeepSpeed').warning('another deepspeed warning')\n"
+            "sys.exit(rc)\n")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env["PYTHONPATH"] = str(ROOT)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=env)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert "Setting accelerator to CPU" not in output, output
+    assert "another deepspeed warning" in output  # DeepSpeed's logger (or the root's last resort) still speaks
+
+
+@pytest.mark.parametrize("norm, flags, after, hint", [
+    ("psoftmax", ["--p", "2"], 12.60, True),    # issue 62: SmolLM2 3.34 -> 12.60, and no word of what to do
+    ("psoftmax", ["--p", "2"], 3.40, False),    # a small rise: nothing to add
+    ("ssmax", [], 4.10, True),
+])
+def test_a_large_check_text_rise_prints_the_recovery_command(tiny_folder, tmp_path, capsys, monkeypatch, norm, flags,
+                                                             after, hint):
+    """--check-text showing a rise over RISE_NATS prints one `next step:` line: the recovery recipe with this
+    patch's overrides, starting at the norm's identity (recovery.schedule); the command it prints loads as printed.
+    The losses are pinned (a random tiny model has nothing to ruin); the rule and the command are what is tested."""
+    import shlex
+
+    from retrofit.commands.patch import RISE_NATS
+    from retrofit.recipe import load_recipe
+    from tests.tiny import char_tokenizer
+
+    char_tokenizer().save_pretrained(tiny_folder)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 4)
+    losses = iter([3.34, after])
+    monkeypatch.setattr("retrofit.costs.text_loss", lambda *a, **k: next(losses))
+    assert main(["patch", str(tiny_folder), "--norm", norm, *flags, "--check-text", str(text), "--check-tokens", "32",
+                 "--no-progress"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("next step:")]
+    assert bool(lines) is hint and (after - 3.34 > RISE_NATS) is hint
+    if not hint:
+        return
+    assert len(lines) == 1 and f"costs {after - 3.34:+.2f} nats" in lines[0]
+    command = shlex.split(lines[0].split(": retrofit train ", 1)[1])
+    recipe = load_recipe(command[0], command[1:])
+    assert recipe.model.source == str(tiny_folder) and recipe.patch.norm == norm
+    assert recipe.extras["recovery"].schedule.steps > 0  # from the identity (p 1, blend 0) to the patch
+    if flags:
+        assert recipe.patch.options == {"p": 2.0}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -209,3 +210,33 @@ def test_counting_runs_are_evaluated_on_counting():
         evaluate_models([model], EvalSpec(tokens=_tokens(), lengths=[16], tasks=["lm"], progress=False))
     with pytest.raises(RetrofitError, match="language model"):
         evaluate_models([tiny_model("llama")], EvalSpec(lengths=[16], tasks=["counting"], progress=False))
+
+
+def test_no_progress_eval_logs_each_length_and_silences_the_libraries_bars(tmp_path, capfd, monkeypatch):
+    """Issue 62: `retrofit eval --no-progress > log` printed nothing until the whole table (16 minutes on SmolLM2),
+    and transformers' own bars (GGUF conversion, "Writing model shards") stayed on. Now one line per model x length
+    as it finishes, before the table; the libraries' bars are off while the models load and back on after."""
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as hf_logging
+
+    from retrofit.cli import main
+    from retrofit.evaluate import driver
+    folder = tmp_path / "tiny-gpt2"
+    tiny_model("gpt2").save_pretrained(folder)
+    (tmp_path / "tokens.json").write_text(json.dumps(_tokens(2000)))
+    bars_during_load = []
+    real_load = driver._load
+    monkeypatch.setattr(driver, "_load", lambda *a, **k: bars_during_load.append(
+        (hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled())) or real_load(*a, **k))
+    assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
+    capfd.readouterr()
+    assert main(["eval", str(folder), "--data", str(tmp_path / "tokens.json"), "--lengths", "16,32",
+                 "--max-tokens", "256", "--out", str(tmp_path / "eval"), "--no-progress"]) == 0
+    out, err = capfd.readouterr()
+    lines = [line for line in out.splitlines() if line.startswith("tiny-gpt2 L=")]
+    assert len(lines) == 2, out
+    assert re.fullmatch(r"tiny-gpt2 L=16: loss \d+\.\d{4} ± \d+\.\d{4} \(16 windows, \d+\.\d s\)", lines[0]), lines
+    assert out.index(lines[1]) < out.index("| ")  # each length as it finishes, before the table
+    assert "it/s" not in err and "%|" not in err  # no bar at all
+    assert bars_during_load == [(False, True)]
+    assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()  # as they were, after

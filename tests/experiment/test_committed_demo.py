@@ -45,7 +45,7 @@ def test_the_committed_demo_report_matches_the_current_recipe(tmp_path):
     missing = [f"| {name} | {label} |" for name, label in labels.items() if f"| {name} | {label} |" not in report]
     assert not missing, f"{COMMITTED} predates the recipe; rows expected now: {missing}"
     assert "gain=1.0" not in report
-    lengths = recipe.section("eval").lengths
+    lengths = recipe.eval.lengths
     header = "| model | patch | " + " | ".join(f"{n}{'*' if n == recipe.data.seq_len else ''}" for n in lengths)
     assert header in report
     steps = sorted({s for s in exp.recovery_at if s <= exp.finetune_steps} | {exp.finetune_steps})

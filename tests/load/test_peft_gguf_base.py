@@ -82,6 +82,9 @@ def test_auto_peft_loads_the_adapter_of_a_gguf_base_run_exactly(tmp_path):
     # retrofit's own record keeps the source the run trained on (what `retrofit push`'s card and info read)
     assert json.loads((run / ADAPTER_DIR / RECORD).read_text())["base_model"] == str(gguf)
     assert torch.equal(_logits(retrofit.from_pretrained(str(run / ADAPTER_DIR))), expected)
+    from peft import AutoPeftModelForCausalLM
+    with pytest.raises(Exception, match=r"retrofit\.enable\(\)"):  # without the switch: the base's guard refuses
+        AutoPeftModelForCausalLM.from_pretrained(str(run / ADAPTER_DIR))
 
 
 def test_auto_peft_loads_the_adapter_of_a_pkg_base_run_exactly(tmp_path, pkg_source):

@@ -118,14 +118,15 @@ def write_patch_files(peft_model, folder, base_model: str, base_revision: str | 
 BASE_DIR = "base"  # beside a run's adapter/: the patched base PEFT's AutoPeftModel loads (a .gguf/pkg: base)
 
 
-def save_loadable_base(peft_model, adapter_dir, base_dir, state_dict=None) -> Path | None:
+def save_loadable_base(peft_model, adapter_dir, base_dir, state_dict=None, named_as=None) -> Path | None:
     """When the adapter's base is a .gguf file or `pkg:` source, which PEFT's AutoPeftModelForCausalLM hands to
     AutoModelForCausalLM as a Hub id (and fails: issue 62), write the patched base without the adapter as a retrofit
     checkpoint in `base_dir`, point adapter_config.json at it (an absolute path: PEFT reads it from any directory)
     and record the source it came from in retrofit.json (what retrofit's own loaders and the model card read).
     After retrofit.enable() PEFT then loads exactly the trained model. None (nothing written) for any other base.
 
-    state_dict: the PEFT model's (gathered) state dict when its parameters are sharded; else its own."""
+    state_dict: the PEFT model's (gathered) state dict when its parameters are sharded; else its own. named_as: where
+    base_dir will be once the caller moves it into place (a run saves into a temporary folder, then renames)."""
     from .sources import resolve_source
 
     config = peft_model.peft_config[peft_model.active_adapter]
@@ -145,7 +146,7 @@ def save_loadable_base(peft_model, adapter_dir, base_dir, state_dict=None) -> Pa
     write_patch_files(peft_model, adapter_dir, str(source), getattr(config, "revision", None), patch_tensors)
     adapter_config = Path(adapter_dir) / ADAPTER_CONFIG
     written = read_json(adapter_config)
-    written["base_model_name_or_path"] = str(base_dir.resolve())
+    written["base_model_name_or_path"] = str(Path(named_as or base_dir).resolve())
     atomic_write_text(adapter_config, json.dumps(written, indent=2, sort_keys=True) + "\n")
     return base_dir
 

@@ -105,3 +105,27 @@ def test_a_folder_base_adapter_is_saved_as_before(tmp_path):
     assert not (run / BASE_DIR).exists() and not (run / ADAPTER_DIR / RECORD).exists()
     config = json.loads((run / ADAPTER_DIR / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(tmp_path / "plain")
+
+
+def test_a_lora_run_on_a_gguf_base_loads_through_auto_peft(tmp_path):
+    """The path the issue took: `retrofit train` (a LoRA recipe, model.source a .gguf), then PEFT on run/adapter. The
+    run saves into a staging folder and renames it: the adapter must name base/ where it ends up."""
+    from retrofit.recipe import recipe_from_dict
+    from retrofit.train import train
+    from tests.train.test_train import lm_recipe, write_corpus
+    gguf = tmp_path / "tiny.gguf"
+    tiny_gguf(gguf)
+    corpus = write_corpus(tmp_path / "corpus")
+    raw = lm_recipe(corpus, tmp_path / "run", steps=3, peft={"r": 2, "alpha": 4, "target_modules": ["q_proj"],
+                                                               "save": "adapter"})
+    raw["model"] = {"source": str(gguf), "tokenizer": str(corpus / "tok")}
+    raw["patch"]["calibrate"] = 64
+    raw["output"]["save_every"] = 0
+    seen = {}
+    train(recipe_from_dict(raw), callbacks=[lambda event, step, info: event == "end" and seen.update(
+        logits=_logits(info["model"].eval()))])
+    adapter = tmp_path / "run" / ADAPTER_DIR
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str((tmp_path / "run" / BASE_DIR).resolve())
+    char_tokenizer().save_pretrained(adapter)
+    assert torch.allclose(_logits(_auto_peft(adapter).eval()), seen["logits"], atol=1e-5)

@@ -1,7 +1,8 @@
 """The model card `retrofit push` writes as README.md: metadata, what was patched and why, how to load
 it, how it was trained (recipe, loss curve) and how it extrapolates (the `retrofit eval` table).
 
-Built from the `info` dict that retrofit.hub.publish.stage gathers; no network, no files read here. Every text
+Built from the `info` dict that retrofit.hub.publish.stage gathers; no network; the one file read is a .gguf base's
+header, for its origin (hub/origin.py). Every text
 it embeds passes one of three escapes (retrofit.escape): _text (markdown text: one line, HTML and markdown characters
 escaped), _code (an inline code span fenced by more backticks than it holds) or _fence (a code block whose fence is
 longer than any run of backticks inside): a recipe `name:` with newlines, backticks or HTML stays text.
@@ -18,10 +19,10 @@ from huggingface_hub import ModelCardData
 from ..escape import md_code as _code
 from ..escape import md_fence as _fence
 from ..escape import md_text as _text
-from ..load.sources import is_hub_id
-from ..norms import get_norm
+from ..norms import NORMS, get_norm
 from ..record import GUARD  # config.json's attn_implementation in every saved patched model: plain transformers refuses
 from ..version import INSTALL
+from .origin import card_base_model
 
 NOPE_WHY = ("Positional information was removed (NoPE): lengths beyond those seen in training carry no "
             "out-of-distribution position signal.")
@@ -30,13 +31,13 @@ NOPE_WHY = ("Positional information was removed (NoPE): lengths beyond those see
 def model_card(info: dict) -> str:
     record, repo, adapter = info["record"], info["repo"], info["kind"] == "adapter"
     norm = record["norm"]
-    base = info["base_model"] if is_hub_id(info["base_model"]) else None
+    base = card_base_model(info["base_model"])  # a Hub id as given, or a .gguf base's own header's origin
     tags = (["retrofit", norm, "attention-normalization", "length-extrapolation"]
             + (["nope"] if record.get("nope") else []))
     tags += ["lora", "peft"] if adapter else []
     data = ModelCardData(library_name="peft" if adapter else "transformers", base_model=base, license=info["license"],
                          tags=tags, pipeline_tag="text-generation")
-    options = _text(", ".join(f"{k}={v}" for k, v in (record.get("options") or {}).items()) or "none")
+    options = _text(", ".join(f"{k}={v}" for k, v in shown_options(record).items()) or "none")
     formula = _code(get_norm(norm).formula)  # a bare | would split the table cell: _code escapes it
     calibration = record.get("calibration")
     what = ("a LoRA adapter (with the patch recorded)" if adapter
@@ -78,6 +79,23 @@ def model_card(info: dict) -> str:
                   "run its original attention and silently drop the patch's weights.", ""]
     lines += _training_section(info) + _eval_section(info)
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines).rstrip() + "\n"
+
+
+def shown_options(record: dict) -> dict:
+    """The recorded options as the card shows them: the option a calibration set (AVNorm's gain) says so, "calibrated
+    on N tokens", never its start value (the card said gain=1.0 of calibrated gains, issue 62); the options that only
+    start a parameter are left out, as PatchReport and the experiment's report leave them out."""
+    options = dict(record.get("options") or {})
+    if record.get("norm") not in NORMS:
+        return options
+    hidden, calibrated = NORMS[record["norm"]].report_options(options)
+    shown = {k: v for k, v in options.items() if k not in hidden or k == calibrated}
+    calibration = record.get("calibration")
+    if calibrated and isinstance(calibration, dict):
+        shown[calibrated] = f"calibrated on {calibration.get('tokens')} tokens"
+    elif calibrated:
+        shown[calibrated] = f"{options.get(calibrated, 1.0)} (not calibrated)"
+    return shown
 
 
 def _training_section(info: dict) -> list[str]:

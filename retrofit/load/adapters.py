@@ -99,17 +99,56 @@ def save_adapter(peft_model, folder, *, base_model: str | None = None, base_revi
     return out
 
 
-def write_patch_files(peft_model, folder, base_model: str, base_revision: str | None = None) -> None:
+def write_patch_files(peft_model, folder, base_model: str, base_revision: str | None = None,
+                      tensors: dict | None = None) -> None:
     """retrofit.json and retrofit.safetensors (the module docstring) into `folder`, beside the adapter PEFT wrote
     there (save_adapter, and the axolotl plugin after axolotl saved its adapter). Written by atomic_writer, the one
-    way retrofit writes a file: never through a link (one in either name is refused, before either is written)."""
+    way retrofit writes a file: never through a link (one in either name is refused, before either is written).
+    tensors: the patch's tensors as the base holds them, when given (a gathered state dict), else read off the model."""
     record = patch_record(peft_model.get_base_model())
+    patch_tensors = base_patch_tensors(peft_model) if tensors is None else tensors
     tensors, record_path = refuse_link(Path(folder) / TENSORS), refuse_link(Path(folder) / RECORD)
     meta = {"format": FORMAT, "retrofit_version": record.get("retrofit_version"), "base_model": str(base_model),
             "base_revision": base_revision, "patch": record}
     with atomic_writer(tensors, binary=True) as f:
-        f.write(save_tensors(base_patch_tensors(peft_model)))  # the patch's tensors: kilobytes, held whole
+        f.write(save_tensors(patch_tensors))  # the patch's tensors: kilobytes, held whole
     atomic_write_text(record_path, json.dumps(meta, indent=2) + "\n")
+
+
+BASE_DIR = "base"  # beside a run's adapter/: the patched base PEFT's AutoPeftModel loads (a .gguf/pkg: base)
+
+
+def save_loadable_base(peft_model, adapter_dir, base_dir, state_dict=None, named_as=None) -> Path | None:
+    """When the adapter's base is a .gguf file or `pkg:` source, which PEFT's AutoPeftModelForCausalLM hands to
+    AutoModelForCausalLM as a Hub id (and fails: issue 62), write the patched base without the adapter as a retrofit
+    checkpoint in `base_dir`, point adapter_config.json at it (an absolute path: PEFT reads it from any directory)
+    and record the source it came from in retrofit.json (what retrofit's own loaders and the model card read).
+    After retrofit.enable() PEFT then loads exactly the trained model. None (nothing written) for any other base.
+
+    state_dict: the PEFT model's (gathered) state dict when its parameters are sharded; else its own. named_as: where
+    base_dir will be once the caller moves it into place (a run saves into a temporary folder, then renames)."""
+    from .sources import resolve_source
+
+    config = peft_model.peft_config[peft_model.active_adapter]
+    source = config.base_model_name_or_path
+    if not source or not (str(source).startswith("pkg:") or resolve_source(source).endswith(".gguf")):
+        return None
+    state = peft_model.state_dict() if state_dict is None else state_dict
+    base_state = {}
+    for name, value in state.items():  # PEFT's names -> the base's: no LoRA tensors, the patch as the base holds it
+        if ".lora_" in name or ".modules_to_save." in name:
+            continue
+        name = name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", ".")
+        base_state[name] = value
+    base_dir = Path(base_dir)
+    peft_model.get_base_model().save_pretrained(str(base_dir), state_dict=base_state)
+    patch_tensors = {k: v.detach().contiguous().cpu() for k, v in base_state.items() if MARKER in k}
+    write_patch_files(peft_model, adapter_dir, str(source), getattr(config, "revision", None), patch_tensors)
+    adapter_config = Path(adapter_dir) / ADAPTER_CONFIG
+    written = read_json(adapter_config)
+    written["base_model_name_or_path"] = str(Path(named_as or base_dir).resolve())
+    atomic_write_text(adapter_config, json.dumps(written, indent=2, sort_keys=True) + "\n")
+    return base_dir
 
 
 def peft_config(model: nn.Module, config: PeftConfig) -> PeftConfig:
@@ -302,5 +341,5 @@ def adapter_patch_keys(folder: Path) -> set:
     return {n.removeprefix("base_model.model.") for n in names if MARKER in n}
 
 
-__all__ = ["adapter_patch_keys", "base_patch_tensors", "is_adapter", "load_adapter", "peft_config", "read_record",
-           "has_patch_parameters", "save_adapter", "write_patch_files"]
+__all__ = ["BASE_DIR", "adapter_patch_keys", "base_patch_tensors", "is_adapter", "load_adapter", "peft_config",
+           "read_record", "has_patch_parameters", "save_adapter", "save_loadable_base", "write_patch_files"]

@@ -43,7 +43,7 @@ from ..readers import read_json
 from ..recipe import PatchSection, Recipe, load_recipe
 from ..rope import normalize_rope
 from ..selection import parse_selection
-from .adapters import ADAPTER_CONFIG, check_adapter_tensors, is_adapter, load_adapter
+from .adapters import ADAPTER_CONFIG, BASE_DIR, check_adapter_tensors, is_adapter, load_adapter, save_loadable_base
 from .checkpoint import checkpoint_or_plain
 from .models import load_tokenizer, model_from_config, training_dtype
 from .sources import HUB_ARGS, check_model_files, location, refuse_remote_code, source_kind
@@ -252,9 +252,10 @@ def same_rope(record: dict | None, spec) -> bool:
 # ---- run folders -----------------------------------------------------------------------------------------------------
 
 def save_model(model: nn.Module, run_dir, *, tokenizer=None, peft_save: str | None = None,
-               state_dict=None) -> nn.Module:
+               state_dict=None, final_dir=None) -> nn.Module:
     """Write the final model into run_dir; returns the model as saved (a LoRA model comes back merged
-    when the merged form was written). Call on the main process with the unwrapped model."""
+    when the merged form was written). Call on the main process with the unwrapped model. final_dir: the run folder
+    run_dir's files are renamed into afterwards (the adapter names its base/ there), when run_dir is a staging one."""
     run_dir = Path(run_dir)
     lm = language_model(model)
     gathered = state_dict
@@ -263,6 +264,8 @@ def save_model(model: nn.Module, run_dir, *, tokenizer=None, peft_save: str | No
     if peft_save is not None:
         if peft_save in ("adapter", "both"):  # state_dict (a sharded model's, gathered): the adapter's part of it
             lm.save_pretrained(run_dir / ADAPTER_DIR, **({"state_dict": state_dict} if state_dict else {}))
+            save_loadable_base(lm, run_dir / ADAPTER_DIR, run_dir / BASE_DIR, state_dict,  # a .gguf / pkg: base
+                               named_as=Path(final_dir or run_dir) / BASE_DIR)
         if peft_save in ("merged", "both"):
             lm = lm.merge_and_unload()
             lm.save_pretrained(run_dir)

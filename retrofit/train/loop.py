@@ -366,7 +366,7 @@ def save_final(acc, model, run_dir: Path, tokenizer, recipe: Recipe, result: Tra
     if acc.is_main_process:
         with _atomic_files(run_dir) as tmp:
             saved = save_model(unwrapped, tmp, tokenizer=tokenizer, peft_save=peft.save if peft else None,
-                               state_dict=state)
+                               state_dict=state, final_dir=run_dir)
         last = max(result.evals) if result.evals else None
         final_loss = result.losses.get(max(result.losses)) if result.losses else None
         summary = {"steps": result.steps, "final_loss": final_loss,

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import re
 
+from ..errors import RetrofitError
 from ..load.sources import is_hub_id, resolve_source
+from .public import public_path
 
 HUB_URL = re.compile(r"https?://(?:www\.)?huggingface\.co/([\w.-]+/[\w.-]+)/?$")
 # Header keys, most direct first: the model converted, then the GGUF's own repository, then its first base model.
@@ -57,3 +59,21 @@ def gguf_origin(path) -> str | None:
         if "/" in hub_id and is_hub_id(hub_id):
             return hub_id
     return None
+
+
+def check_adapter_base(meta: dict, base_model: str | None) -> str:
+    """The base a pushed adapter names (--base-model, else its record's), refused unless Hub users can load it."""
+    base = base_model or meta.get("base_model")
+    if not is_hub_id(base):
+        raise RetrofitError(f"the adapter's base model is {base or 'not named'}, which Hub users cannot "
+                            "load: pass --base-model HUB_ID (the same base on the Hub), or push --merged")
+    return base
+
+
+def ask_for_base(info: dict, say) -> None:
+    """One line when the card names no base_model (a base that is not a Hub id: a folder, a .gguf whose header names
+    no Hub origin; or none recorded): the publisher knows it, and --base-model puts it in the card."""
+    if card_base_model(info.get("base_model")) is None:
+        why = (f"{public_path(info['base_model'])} is not a Hub id and names none in its header" if
+               info.get("base_model") else "the model does not record where it came from")
+        say(f"the model card names no base_model ({why}); pass --base-model HUB_ID to name it")

@@ -54,7 +54,7 @@ from ..readers import read_json
 from ..recipe import load_yaml
 from ..train.runlog import read_log
 from .model_card import GUARD, model_card
-from .origin import card_base_model
+from .origin import ask_for_base, check_adapter_base
 from .public import check_no_links, is_local, local_paths, public_json, public_path, public_recipe, rerun_keys
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -163,15 +163,6 @@ def patch_has_parameters(record: dict) -> bool:
     options = make_options(norm, **(record.get("options") or {}))
     built = get_norm(norm)(options, AttentionShape(num_heads=2, num_kv_heads=2, head_dim=4, max_positions=16))
     return built.has_parameters
-
-
-def check_adapter_base(meta: dict, base_model: str | None) -> str:
-    """The base a pushed adapter names (--base-model, else its record's), refused unless Hub users can load it."""
-    base = base_model or meta.get("base_model")
-    if not is_hub_id(base):
-        raise RetrofitError(f"the adapter's base model is {base or 'not named'}, which Hub users cannot "
-                            "load: pass --base-model HUB_ID (the same base on the Hub), or push --merged")
-    return base
 
 
 def _stage_adapter(adapter_dir: Path, model_dir: Path | None, run: Path | None, stage: Path, link: bool,
@@ -359,15 +350,6 @@ def _stage_eval(eval_dir, candidates, out: Path) -> str | None:
     return body.replace("\n## ", "\n### ").strip()
 
 
-def _ask_for_base(info: dict, say) -> None:
-    """One line when the card names no base_model (a base that is not a Hub id: a folder, a .gguf whose header names
-    no Hub origin; or none recorded): the publisher knows it, and --base-model puts it in the card."""
-    if card_base_model(info.get("base_model")) is None:
-        why = (f"{public_path(info['base_model'])} is not a Hub id and names none in its header" if
-               info.get("base_model") else "the model does not record where it came from")
-        say(f"the model card names no base_model ({why}); pass --base-model HUB_ID to name it")
-
-
 # ---- push -----------------------------------------------------------------------------------------------------------
 
 def push(source, repo: str, *, private: bool = False, revision: str | None = None, merged: bool = False,
@@ -389,12 +371,12 @@ def push(source, repo: str, *, private: bool = False, revision: str | None = Non
         + (f" into {dry_run}" if dry_run else ""))
     if dry_run:
         with atomic_folder(dry_run, "--dry-run") as tmp:
-            _ask_for_base(stage(source, tmp, **kwargs), say)
+            ask_for_base(stage(source, tmp, **kwargs), say)
         return str(output_path(dry_run))
     parent = Path(os.path.expanduser(str(source))).resolve().parent  # same filesystem: weights are hard-linked
     with tempfile.TemporaryDirectory(prefix=".retrofit-push-",
                                      dir=parent if os.access(parent, os.W_OK) else None) as tmp:
-        _ask_for_base(stage(source, tmp, link=True, **kwargs), say)
+        ask_for_base(stage(source, tmp, link=True, **kwargs), say)
         files = [p for p in Path(tmp).rglob("*") if p.is_file()]
         say(f"uploading {len(files)} files ({sum(p.stat().st_size for p in files) / 2**20:,.1f} MiB) to {repo}")
         try:

@@ -74,8 +74,8 @@ def test_kv_cache_and_left_padding(family, scale):
 
 
 def test_L_defaults_to_the_original_positions_when_rope_extends():
-    base = tiny("llama")
-    retrofit.patch(base, "softmax", rope="yarn:4")
+    base = tiny("llama")  # SSMax owns the logits' temperature: YaRN's attention factor is 1 under it (rope.py)
+    retrofit.patch(base, "softmax", rope="yarn:4,attention_factor=1")
     _, model = patched("llama", "beyond", rope="yarn:4")
     assert model.config.max_position_embeddings == 4 * L
     ids = random_ids(2, 40)

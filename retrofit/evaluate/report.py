@@ -148,8 +148,14 @@ def _figure(n_axes=1, width=6.0, height=4.0):
     return fig, axes[:n_axes]
 
 
+MAX_PIXELS = 4_000_000  # a plot of one panel per model (40 in the fair test) stays a file a page can show
+
+
 def save_png(fig, path, dpi: int = 120) -> Path:
-    """The figure as a PNG at `path`, written atomically (never through a link below a folder retrofit owns)."""
+    """The figure as a PNG at `path`, written atomically (never through a link below a folder retrofit owns). A figure
+    of many panels is drawn at a lower dpi so that it has at most MAX_PIXELS pixels."""
+    width, height = fig.get_size_inches()
+    dpi = min(dpi, int(math.sqrt(MAX_PIXELS / (width * height))))
     with atomic_writer(path, binary=True) as f:
         fig.savefig(f, format="png", dpi=dpi)
     return Path(path)

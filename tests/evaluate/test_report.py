@@ -174,3 +174,21 @@ def test_names_from_a_results_file_render_as_text_in_results_md(tmp_path):
     assert_renders_as_text(text)
     assert "&lt;img src=x onerror=alert(1)&gt;" in text  # shown, as text
     assert json.loads((tmp_path / "results.json").read_text())["models"][1]["name"] == HOSTILE
+
+
+def test_a_plot_of_many_panels_stays_within_the_pixel_budget(tmp_path):
+    """One panel per model: 40 models (the fair test) drew a 2160 x 6720 PNG of 3 MB at 120 dpi. A small figure keeps
+    its dpi; a large one is drawn at the dpi that fits MAX_PIXELS."""
+    import struct
+
+    from retrofit.evaluate.report import MAX_PIXELS, _figure, save_png
+
+    def pixels(path):
+        width, height = struct.unpack(">II", path.read_bytes()[16:24])  # the PNG's IHDR chunk
+        return width, height
+
+    small = save_png(_figure(1)[0], tmp_path / "small.png")
+    assert pixels(small) == (720, 480)  # 6 x 4 inches at 120 dpi, as before
+    large = save_png(_figure(40)[0], tmp_path / "large.png")
+    width, height = pixels(large)
+    assert width * height <= MAX_PIXELS and width >= 1000  # still readable: 3 panels across

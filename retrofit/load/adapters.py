@@ -40,11 +40,12 @@ from transformers.utils import cached_file
 
 from ..atomic import atomic_folder, atomic_write_text, atomic_writer, refuse_link
 from ..errors import RetrofitError, quoted
+from ..patch_tensors import check_finite, listed
 from ..patching import patch_from_record, patch_record
 from ..readers import expect, read_json
-from .checkpoint import checkpoint_or_plain, listed
+from .checkpoint import checkpoint_or_plain
 from .sources import hub_error, hub_reachable, source_kind
-from .validate import check_finite, check_record, quiet_peft
+from .validate import check_record, quiet_peft
 
 if TYPE_CHECKING:  # PEFT is imported where an adapter is loaded: its import costs ~1 s, most runs load none
     from peft import PeftConfig

@@ -22,12 +22,12 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import cached_file
 
 from ..errors import RetrofitError
-from ..families import family_of
+from ..patch_tensors import check_base_keys, listed, load_patch_tensors
 from ..patching import CHILD, patch_from_record
-from ..record import drop_record
+from ..record import drop_record, is_standalone_export
 from .models import as_dtype, checked_config, load_config, plain_model
 from .sources import HUB_ARGS, call_loader, check_safetensors, hub_reachable, location, source_kind
-from .validate import check_finite, check_loaded_keys, check_record, listed, quiet_transformers
+from .validate import check_record, quiet_transformers
 
 __all__ = ["check_base_keys", "checkpoint_or_plain", "is_checkpoint", "listed", "load_checkpoint", "load_patch_tensors",
            "patch_record_of", "patch_tensors", "quiet_transformers"]
@@ -105,6 +105,8 @@ def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, dev
     if record is None:
         raise RetrofitError(f"{source} is not a retrofit checkpoint (its config.json has no 'retrofit' section); "
                             "load it with retrofit.load.load or transformers")
+    if is_standalone_export(config):  # its modeling file stays with the export: a save of this model is retrofit's
+        del config.auto_map
     drop_record(config)  # the base loads plain; the patch is rebuilt from `record`
     # transformers' loading report calls our patch tensors "unexpected" and a NoPE-removed table "missing": it is
     # kept quiet, and checked here instead (check_base_keys): anything else missing or unexpected is an error.
@@ -122,27 +124,3 @@ def load_checkpoint(source: str, *, revision: str | None = None, dtype=None, dev
                         cache_dir=hub.get("cache_dir"))
     load_patch_tensors(model, saved, source)
     return model.eval()
-
-
-def check_base_keys(source: str, model, record: dict, info: dict) -> None:
-    """The base weights of a checkpoint are all there and nothing else is, apart from what the patch itself adds
-    (keys containing `.retrofit.`, checked by load_patch_tensors) or removes (NoPE's learned position table)."""
-    family = family_of(model.config)
-    removed = f"{family.positions_path}." if record.get("nope") and family and family.positions == "learned" else None
-    check_loaded_keys(source, info, removed=removed, patch_marker=f".{CHILD}.")
-
-
-def load_patch_tensors(model, saved: dict, source: str) -> None:
-    """Put the saved patch tensors into the patched model: exactly the ones the patch has, of its shapes."""
-    check_finite(saved, source)
-    expected = {k: v for k, v in model.state_dict().items() if f".{CHILD}." in k}
-    missing, unexpected = expected.keys() - saved.keys(), saved.keys() - expected.keys()
-    wrong = {k for k in expected.keys() & saved.keys() if saved[k].shape != expected[k].shape}
-    if missing:
-        raise RetrofitError(f"{source} lacks {len(missing)} patch tensors ({listed(missing)}): "
-                            "the checkpoint is incomplete; save it again with model.save_pretrained")
-    if unexpected or wrong:
-        what = f"unexpected {listed(unexpected)}" if unexpected else f"of the wrong shape {listed(wrong)}"
-        raise RetrofitError(f"{source}'s patch tensors do not match its config.retrofit record ({what}); "
-                            "save the model again with model.save_pretrained")
-    model.load_state_dict(saved, strict=False)

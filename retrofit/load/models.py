@@ -19,8 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2To
 
 from ..bounds import check_model_size
 from ..errors import RetrofitError
+from ..patch_tensors import check_loaded_keys
 from .sources import call_loader, location, refuse_custom_code, resolve_source, source_kind
-from .validate import check_config, check_loaded_keys, check_raw_config, config_errors, quiet_transformers
+from .validate import check_config, check_raw_config, config_errors, quiet_transformers
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}

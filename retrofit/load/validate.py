@@ -5,8 +5,8 @@ built from it, and what was loaded is checked before anything runs.
     with config_errors(where): config = AutoConfig.from_pretrained(...)   # its own validation, one line
     check_config(config, where)          # config.json's sizes, heads, dtype, RoPE factor
     check_record(record, where)          # config.retrofit against record.FIELDS, with types
-    check_loaded_keys(source, info)      # no weight missing, extra or misshapen (plain folders and checkpoints)
-    check_finite(tensors, source)        # the patch's saved parameters: no NaN or inf
+    check_loaded_keys(source, info)      # no weight missing, extra or misshapen (retrofit/patch_tensors.py)
+    check_finite(tensors, source)        # the patch's saved parameters: no NaN or inf (retrofit/patch_tensors.py)
 
 Each refusal is one line naming the file, the key and what is allowed. A plain folder and a retrofit checkpoint
 go through the same checks: a missing weight would otherwise be left at its random initialization, silently.
@@ -39,8 +39,6 @@ SIZE_LIMIT = 2**24
 # The attention implementations a recorded patch may name as its base: transformers' built-in ones. Never a Hub
 # kernel ("org/kernel" would be fetched and run) nor paged attention (our kernels cannot use its state).
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
-# Buffers older checkpoints saved that transformers now recomputes: not weights, so never "unexpected".
-STALE_BUFFERS = (".attn.masked_bias", ".attn.bias", ".rotary_emb.inv_freq")
 
 
 # The same sizes under the names config.json files use (GPT-2's n_head, n_embd, ...), checked in the raw JSON
@@ -174,36 +172,6 @@ def _option_type_ok(default, value) -> bool:
     if isinstance(default, (int, float)):
         return number
     return isinstance(value, type(default))
-
-
-def check_loaded_keys(source: str, info: dict, *, removed: str | None = None, patch_marker: str | None = None) -> None:
-    """What transformers loaded matches the model built: nothing missing (it would stay random), nothing extra
-    (another model's weights, or a config that builds fewer layers), nothing of the wrong shape. removed: a
-    prefix the patch itself removes (NoPE's learned position table); patch_marker: keys the patch adds, checked
-    apart (load_patch_tensors)."""
-    missing = {k for k in info.get("missing_keys", ()) if not (removed and k.startswith(removed))}
-    unexpected = {k for k in info.get("unexpected_keys", ())
-                  if not (patch_marker and patch_marker in k) and not k.endswith(STALE_BUFFERS)}
-    mismatched = {k[0] if isinstance(k, (tuple, list)) else k for k in info.get("mismatched_keys", ())}
-    problems = [f"{what} {listed(keys)}" for what, keys in (("missing", missing), ("unexpected", unexpected),
-                                                             ("of the wrong shape", mismatched)) if keys]
-    if problems:
-        raise RetrofitError(f"{source} is damaged or was saved from another model: weights {'; '.join(problems)}; "
-                            "save the model again (loading it would leave those weights random)")
-
-
-def check_finite(tensors: dict, source: str) -> None:
-    """The patch's saved parameters are finite: a NaN gain would make every output NaN, silently until used."""
-    for key, tensor in sorted(tensors.items()):
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise RetrofitError(f"{source}: patch tensor {key} holds NaN or infinite values; the checkpoint is "
-                                "damaged (or training diverged): save a good model again")
-
-
-def listed(keys) -> str:
-    """Up to three names of a set of keys, for a one-line error."""
-    keys = sorted(keys)
-    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
 @contextlib.contextmanager

@@ -37,7 +37,12 @@ GATED_FORMAT = 3    # a record with a gate (format 2 readers would rebuild the p
 # (transformers would read "a/b" as a Hub kernel to fetch) and no "sdpa", "flash" or "flex" (its own checks).
 GUARD_KEY = "attn_implementation"
 GUARD = "retrofit checkpoint: load it with retrofit.from_pretrained(path), or call retrofit.enable() first"
-GUARDS = (GUARD, "retrofit.from_pretrained")  # as retrofit writes it, and as older retrofits wrote it
+# a standalone export's (retrofit push --standalone): it ships its own modeling file, loaded by explicit choice only
+STANDALONE_GUARD = ("retrofit checkpoint with its own modeling_retrofit.py: read it, then load with "
+                    "AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True), or with "
+                    "retrofit.from_pretrained(path)")
+STANDALONE_FILE = "modeling_retrofit.py"  # what a standalone export's auto_map names (hub/standalone.py writes it)
+GUARDS = (GUARD, STANDALONE_GUARD, "retrofit.from_pretrained")  # as retrofit writes them, and as older retrofits did
 FIELDS = {"format": 1, "retrofit_version": VERSION, "norm": None, "options": {}, "nope": False,
           "base_attn_implementation": None, "calibration": None, "rope": None, "layers": None, "heads": None}
 # Fields a record holds only when they are set (None removes them), so a record without them stays readable by the
@@ -95,6 +100,21 @@ def drop_record(target) -> None:
         del config.__dict__[GUARD_KEY]
     if getattr(config, "_attn_implementation", None) in GUARDS:
         config._attn_implementation = None
+
+
+def standalone_auto_map(architecture: str) -> dict:
+    """The auto_map of a standalone export of a model of transformers class `architecture`."""
+    return {"AutoModelForCausalLM": f"{STANDALONE_FILE.removesuffix('.py')}.Retrofit{architecture}"}
+
+
+def is_standalone_export(config) -> bool:
+    """Whether a config (config.json's mapping, or a config object) is a standalone export's: a patch record and an
+    auto_map naming only the export's own class for the model's one transformers architecture. retrofit loads such
+    a folder from its record, with trust_remote_code=False; it never runs the modeling file."""
+    get = config.get if isinstance(config, dict) else (lambda key: getattr(config, key, None))
+    architectures = get("architectures") or []
+    return isinstance(get("retrofit"), dict) and len(architectures) == 1 and \
+        get("auto_map") == standalone_auto_map(architectures[0])
 
 
 def describe_selection(indices: list[int] | None, count: int | None = None) -> str:

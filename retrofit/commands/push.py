@@ -2,6 +2,7 @@
 
     retrofit push runs/llama-avnorm --repo me/smollm2-avnorm [--private] [--revision main]
     retrofit push runs/llama-avnorm --repo me/smollm2-avnorm --dry-run staged/   # write it, upload nothing
+    retrofit push runs/llama-avnorm --repo me/smollm2-avnorm --standalone    # + trust_remote_code modeling file
 
 Parses the command line and calls `retrofit.hub.push` (what goes up, and how: retrofit/hub/publish.py).
 """
@@ -23,6 +24,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--base-model", default=None, help="Hub id of the base model (for the card and adapters)")
     parser.add_argument("--license", default=None, help="license for the card (default: the base model's, when known)")
     parser.add_argument("--eval", dest="eval_dir", default=None, help="folder written by `retrofit eval --out`")
+    parser.add_argument("--standalone", action="store_true",
+                        help="add a modeling file, generated from retrofit's code, that plain transformers loads with "
+                             "trust_remote_code=True (no retrofit needed)")
     parser.add_argument("--dry-run", metavar="DIR", default=None,
                         help="write the folder that would be uploaded, upload nothing")
     add_progress_flag(parser, "no progress bars (staging the folder, the upload)")
@@ -50,7 +54,7 @@ def run(args) -> int:
     with hub_progress(not args.no_progress):
         where = push(args.source, args.repo, private=args.private, revision=args.revision, merged=args.merged,
                      base_model=args.base_model, license=args.license, eval_dir=args.eval_dir, dry_run=args.dry_run,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, standalone=args.standalone)
     if args.dry_run:
         files = sorted(p for p in Path(where).rglob("*") if p.is_file())
         for p in files:

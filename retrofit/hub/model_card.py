@@ -73,7 +73,16 @@ def model_card(info: dict) -> str:
         lines += ["This run trained a counting head (`task.json`, `task_head.safetensors`): "
                   f"{_code(f'retrofit.load.load(huggingface_hub.snapshot_download({json.dumps(repo)}))')} loads LM and "
                   "head.", ""]
-    if not adapter:
+    if info.get("standalone"):
+        lines += ["Without retrofit: this repository ships `modeling_retrofit.py` (generated from retrofit's own code; "
+                  "read it first), which plain transformers runs when asked to:", "",
+                  "```python",
+                  "from transformers import AutoModelForCausalLM",
+                  f"model = AutoModelForCausalLM.from_pretrained({json.dumps(repo)}, trust_remote_code=True)",
+                  "```", "",
+                  "Without `trust_remote_code=True` transformers refuses it by name rather than silently run the "
+                  "original attention.", ""]
+    elif not adapter:
         lines += ["Plain `transformers.AutoModelForCausalLM.from_pretrained` refuses this checkpoint on purpose "
                   f"(config.json asks for attention implementation `{GUARD}`): without retrofit the model would "
                   "run its original attention and silently drop the patch's weights.", ""]

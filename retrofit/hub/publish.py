@@ -56,6 +56,7 @@ from ..train.runlog import read_log
 from .model_card import GUARD, model_card
 from .origin import ask_for_base, check_adapter_base
 from .public import check_no_links, is_local, local_paths, public_json, public_path, public_recipe, rerun_keys
+from .standalone import check_standalone, write_standalone
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
@@ -249,8 +250,9 @@ def publishable(source, eval_dir=None) -> tuple:
 # ---- the folder to upload -------------------------------------------------------------------------------------------
 
 def stage(source, out, *, repo: str, merged: bool = False, base_model: str | None = None, license: str | None = None,
-          eval_dir=None, command: str | None = None, link: bool = False) -> dict:
-    """Write into the empty folder `out` exactly what `push` uploads; returns what the model card was made from."""
+          eval_dir=None, command: str | None = None, link: bool = False, standalone: bool = False) -> dict:
+    """Write into the empty folder `out` exactly what `push` uploads; returns what the model card was made from.
+    standalone: add the modeling file plain transformers loads with trust_remote_code=True (hub/standalone.py)."""
     src, model_dir, adapter_dir, run, experiment_eval = publishable(source, eval_dir)
     out = Path(out)
     if merged and model_dir is None:
@@ -259,6 +261,7 @@ def stage(source, out, *, repo: str, merged: bool = False, base_model: str | Non
         info = _stage_adapter(adapter_dir, model_dir, run, out, link, base_model)
     else:
         info = _stage_model(model_dir, out, link)
+    info["standalone"] = write_standalone(out, info) if standalone else None
     recipe, run_source = (run / "recipe.yaml" if run else None), None
     if recipe is not None and recipe.is_file():
         text, raw = _read_run_files(run)
@@ -354,7 +357,7 @@ def _stage_eval(eval_dir, candidates, out: Path) -> str | None:
 
 def push(source, repo: str, *, private: bool = False, revision: str | None = None, merged: bool = False,
          base_model: str | None = None, license: str | None = None, eval_dir=None, dry_run=None,
-         command: str | None = None, progress: bool = True) -> str:
+         command: str | None = None, progress: bool = True, standalone: bool = False) -> str:
     """Stage SOURCE and upload it to `repo` (or, with dry_run=DIR, write the staged folder there atomically).
     Returns the commit URL, or the dry-run folder. progress: say what each step is doing (on stdout: stderr is
     for the one-line error)."""
@@ -363,9 +366,11 @@ def push(source, repo: str, *, private: bool = False, revision: str | None = Non
     check_repo(repo)
     _, _, adapter_dir, _, _ = publishable(source, eval_dir)  # links and a bad source
     if adapter_dir is not None and not merged:
+        check_standalone(standalone)
         check_adapter_base(read_record(adapter_dir), base_model)
     token = None if dry_run else find_token()
-    kwargs = dict(repo=repo, merged=merged, base_model=base_model, license=license, eval_dir=eval_dir, command=command)
+    kwargs = dict(repo=repo, merged=merged, base_model=base_model, license=license, eval_dir=eval_dir, command=command,
+                  standalone=standalone)
     say = (lambda text: print(f"[push] {text}", flush=True)) if progress else (lambda text: None)
     say(f"staging {source}" + (" (merging the adapter into its base first)" if merged else "")
         + (f" into {dry_run}" if dry_run else ""))

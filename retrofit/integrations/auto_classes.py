@@ -34,7 +34,7 @@ from ..load.checkpoint import load_checkpoint
 from ..load.loader import loading_arguments
 from ..load.sources import refuse_remote_code
 from ..patching import patch_from_record
-from ..record import drop_record, read_record
+from ..record import drop_record, is_standalone_export, read_record
 
 # Keywords the Auto classes add for the class they call (not the caller's): retrofit's loader takes none of them.
 AUTO_KEYWORDS = ("_from_auto", "_from_pipeline", "_commit_hash")
@@ -99,6 +99,8 @@ def _refuse_own_code(config, source: str, trusted) -> None:
     (from_config does not say whether it is), where the loader registered here stands for the built-in class: one
     line instead of silently the built-in class."""
     own = getattr(config, "auto_map", None) or {}
+    if is_standalone_export(config) and trusted is not True:
+        return  # retrofit push --standalone's: retrofit's loader reads its record and never runs its file
     if AutoModelForCausalLM.__name__ in own and trusted is not False:
         raise RetrofitError(f"{source} ships its own code (an auto_map) and retrofit.enable() is on: retrofit never "
                             "runs a model's code; call retrofit.disable() to load it with transformers alone")

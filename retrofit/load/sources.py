@@ -23,6 +23,7 @@ from pathlib import Path
 from huggingface_hub import constants
 
 from ..errors import RetrofitError
+from ..record import is_standalone_export
 
 # Files whose `auto_map` makes transformers import a model folder's own Python (refused: refuse_custom_code).
 CUSTOM_CODE_FILES = ("config.json", "tokenizer_config.json")
@@ -88,6 +89,8 @@ def refuse_custom_code(folder: Path, shown=None) -> None:
             parsed = json.loads(text)
         except ValueError:
             parsed = None
+        if name == "config.json" and isinstance(parsed, dict) and is_standalone_export(parsed):
+            continue  # retrofit push --standalone's: loaded from its record, the modeling file never run
         if (isinstance(parsed, dict) and "auto_map" in parsed) or (parsed is None and '"auto_map"' in text):
             raise RetrofitError(f"{shown or folder}: {name} has an auto_map (custom code); retrofit never runs a "
                                 "model folder's code — use a model whose architecture transformers ships")

@@ -24,8 +24,10 @@ RANKS = {
     "rope": 4, "norms": 4, "gate": 4,
     "patch_spec": 5,  # the one PatchSpec every way of writing a patch builds (tests/patch/test_patch_spec.py)
     "attention_seam": 5,  # retrofit's attention functions, registered with transformers; what runs in them
+    "patch_tensors": 5,  # a checkpoint's weights against the model built for it (retrofit's loader and remote_code)
     "patching": 6,  # the public patch / unpatch
     "calibration": 7, "costs": 7, "recipe": 7, "recovery": 7,
+    "remote_code": 7,  # the loader a standalone export's modeling file runs (vendored by hub/standalone.py)
     "load": 8,
     "data": 9, "serve": 9,
     "train": 10, "evaluate": 10, "diagnose": 10,

@@ -22,8 +22,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from . import notices
 from .version import DISTRIBUTION
 from .version import VERSION as __version__
+
+# before anything can import DeepSpeed: its "Setting accelerator to CPU" at every save on a CPU machine is dropped
+# for the Python API as for the CLI (issue 62); standard-library logging only, so the import stays fast
+notices.quiet_deepspeed_cpu_notice()
 
 # public name -> the module that defines it
 _PUBLIC = {

@@ -16,12 +16,12 @@ import argparse
 import errno
 import importlib
 import json
-import logging
 import os
 import re
 import sys
 
 from .errors import RetrofitError, one_line, write_failure
+from .notices import quiet_deepspeed_cpu_notice
 from .version import DISTRIBUTION, FOREIGN_MARKER, INSTALL, VERSION
 
 # command -> (module providing add_arguments/run, one-line help). Modules are imported lazily so that
@@ -154,26 +154,9 @@ def foreign_package() -> str | None:
     return None
 
 
-class _CpuFallbackNotice(logging.Filter):
-    """DeepSpeed, when installed, is imported by transformers -> accelerate, and on a machine without an accelerator it
-    logs "[WARNING] Setting accelerator to CPU. If you have GPU ..." at every save: on a CPU machine that is the
-    expected outcome, not news (issue 62). Only that record is dropped; DeepSpeed's choice is untouched (it still
-    picks CPU, and DS_ACCELERATOR still wins), so an undetected GPU fails loudly elsewhere, as before."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Setting accelerator to CPU")
-
-
-def quiet_deepspeed_cpu_notice() -> None:
-    """Before DeepSpeed can be imported: its logger is logging.getLogger("DeepSpeed"), the same object later."""
-    logger = logging.getLogger("DeepSpeed")
-    if not any(isinstance(f, _CpuFallbackNotice) for f in logger.filters):
-        logger.addFilter(_CpuFallbackNotice())
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    quiet_deepspeed_cpu_notice()
+    quiet_deepspeed_cpu_notice()  # `import retrofit` did already (idempotent): the CLI says so itself
     foreign = foreign_package()
     if foreign:
         print(f"retrofit: error: {foreign}", file=sys.stderr)

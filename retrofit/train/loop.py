@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -44,6 +43,7 @@ from ..recovery import apply_schedule, is_patch_parameter, record_schedule, sche
 from . import checkpoint, engine, fsdp, preflight, run_setup, zero
 from .alst import preparing
 from .engine import Engine
+from .progress import step_bar
 from .runlog import ENGINE_KEY, check_trackers
 from .sequence_parallel import plan_sequence_layout
 from .state import Divergence, LogWindow, Run, Split, StepStats, TrainResult
@@ -243,12 +243,11 @@ def _open_run(run: Run) -> None:
 
 def _steps(run: Run) -> None:
     """Every step from the start (0 or the checkpoint's) to train.steps, each followed by what is due after it:
-    a log line, an evaluation, a checkpoint."""
-    from tqdm.auto import tqdm
+    a log line, an evaluation, a checkpoint; the bar's s/step and the log's tokens/s leave the last two out."""
     recipe, t = run.recipe, run.recipe.train
-    bar = tqdm(total=t.steps, initial=run.result.steps, unit="step", dynamic_ncols=True,
-               disable=not (run.acc.is_main_process and t.progress))
-    run.window.opened = time.perf_counter()
+    bar = step_bar(run.clock, total=t.steps, initial=run.result.steps, unit="step", dynamic_ncols=True,
+                   disable=not (run.acc.is_main_process and t.progress))
+    run.window.opened = run.clock()
     for step in range(run.result.steps, t.steps):
         stats, done = train_step(run, step), step + 1
         if done % t.log_every == 0 or done == t.steps:
@@ -258,9 +257,11 @@ def _steps(run: Run) -> None:
         bar.update(1)
         run.result.steps = done
         if _eval_due(done, recipe):
-            _evaluate(run, done)
+            with run.clock.paused(run.acc.device):  # the final evaluation too (progress.py)
+                _evaluate(run, done)
         if recipe.output.save_every and (done % recipe.output.save_every == 0 or done == t.steps):
-            _save_checkpoint(run, done)  # the last step's too: raising train.steps extends the run from there
+            with run.clock.paused(run.acc.device):
+                _save_checkpoint(run, done)  # the last step's too: raising train.steps extends the run from there
     bar.close()
 
 
@@ -283,13 +284,13 @@ def _log(run: Run, done: int, stats: StepStats) -> dict:
     mean = float(acc.reduce(window.loss, "sum")) / window.items
     metrics = {"loss": mean, "lr": stats.lr, "seq_len": stats.length,
                "tokens": done * run.recipe.train.batch_size * run.recipe.data.seq_len,
-               "tokens_per_s": window.tokens / max(time.perf_counter() - window.opened, 1e-9)}
+               "tokens_per_s": window.tokens / max(run.clock() - window.opened, 1e-9)}
     if stats.grad_norm is not None:
         metrics["grad_norm"] = float(stats.grad_norm)
     acc.log(metrics, step=done)
     run.result.losses[done] = mean
     run.notify("step", done, metrics=metrics)
-    window.reset()
+    window.reset(run.clock())
     return metrics
 
 
@@ -302,10 +303,9 @@ def _evaluate(run: Run, step: int) -> None:
     say = tqdm.write if acc.is_main_process else (lambda _: None)  # tqdm.write: above the training bar
     say(f"eval after step {step}: lengths {', '.join(map(str, lengths))} x {e.batches} "
         f"batch{'es' if e.batches > 1 else ''} x {e.batch_size} rows = {tokens:,} tokens")
+    progress = f"eval step {step}" if acc.is_main_process and recipe.train.progress else None
     metrics = validation_metrics(run.model, run.data, recipe.data.task, lengths, e.batches, e.batch_size, acc,
-                                 recipe.train.loss_chunk_tokens,
-                                 progress=f"eval step {step}" if acc.is_main_process and recipe.train.progress
-                                 else None)
+                                 recipe.train.loss_chunk_tokens, progress=progress)
     if metrics:
         acc.log(metrics, step=step)
         run.result.evals[step] = metrics

@@ -1,6 +1,7 @@
 """What the training loop carries from step to step, in one place (torchtune's recipes keep the same on `self`).
 
     run.result      TrainResult: steps done, logged losses, evaluations (what train() returns)
+    run.clock       seconds of training, stopped for evaluations and checkpoints: the bar's s/step, tokens/s
     run.window      the open log window: loss sum, items, tokens since the last log line
     run.divergence  the first step whose loss or gradient norm was not finite, kept on the device
 
@@ -9,7 +10,6 @@ loop.py builds one Run and hands it to each step; update.py is one optimizer upd
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from torch import nn
 from ..errors import RetrofitError
 from ..recipe import Recipe
 from .engine import Engine
+from .progress import StepClock
 
 
 @dataclass
@@ -46,16 +47,16 @@ class Split:
 @dataclass
 class LogWindow:
     """The open log window: the loss sum since the last log line (on the device, so no step waits on the host),
-    the items and tokens it covers, and when it opened."""
+    the items and tokens it covers, and when it opened: a reading of the run's clock (training seconds, progress.py)."""
 
     loss: torch.Tensor                 # float64, 0-d
     items: int = 0
     tokens: int = 0
-    opened: float = field(default_factory=time.perf_counter)
+    opened: float = 0.0
 
-    def reset(self) -> None:
+    def reset(self, now: float) -> None:
         self.loss.zero_()
-        self.items, self.tokens, self.opened = 0, 0, time.perf_counter()
+        self.items, self.tokens, self.opened = 0, 0, now
 
 
 @dataclass
@@ -99,6 +100,7 @@ class Run:
     window: LogWindow
     divergence: Divergence
     engine: Engine                     # what trains the run (engine.py): result.json and the log's first line name it
+    clock: StepClock = field(default_factory=StepClock)  # seconds of training: evaluations, checkpoints left out
 
     def notify(self, event: str, step: int, **info) -> None:
         """Call the callbacks: fn(event, step, info), info holding the accelerator too."""

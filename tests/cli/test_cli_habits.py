@@ -323,6 +323,32 @@ def test_a_cpu_save_prints_no_deepspeed_accelerator_warning(tiny_folder, tmp_pat
     assert "another deepspeed warning" in output  # DeepSpeed's logger (or the root's last resort) still speaks
 
 
+def test_import_retrofit_drops_the_deepspeed_cpu_notice_and_stays_light():
+    """Issue 62, the Python API: a script that only does `import retrofit` (then retrofit.patch, save_pretrained ...)
+    printed DeepSpeed's "Setting accelerator to CPU" at every save; the package root now installs the CLI's filter,
+    once however often it is asked (a reloaded module too), without importing torch and leaving DS_ACCELERATOR
+    unset. The record is emitted on DeepSpeed's own logger, so no save (and no DeepSpeed) is needed to see it."""
+    import os
+    code = ("import importlib, logging, os, sys; import retrofit\n"
+            "heavy = [m for m in ('torch', 'transformers', 'accelerate', 'deepspeed') if m in sys.modules]\n"
+            "print('HEAVY', heavy)\n"
+            "from retrofit import notices\n"
+            "notices.quiet_deepspeed_cpu_notice(); importlib.reload(notices).quiet_deepspeed_cpu_notice()\n"
+            "print('FILTERS', len(logging.getLogger('DeepSpeed').filters), 'DS', os.environ.get('DS_ACCELERATOR'))\n"
+            "logging.getLogger('DeepSpeed').warning('Setting accelerator to CPU. If you have GPU or other accelerator,"
+            " we were unable to detect it.')\n"
+            "logging.getLogger('DeepSpeed').warning('Setting accelerator to CPU %s', 'with arguments')\n"
+            "logging.getLogger('DeepSpeed').warning('another deepspeed warning')\n")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env["PYTHONPATH"] = str(ROOT)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert "HEAVY []" in run.stdout and "FILTERS 1 DS None" in run.stdout, output
+    assert "Setting accelerator to CPU" not in output, output
+    assert "another deepspeed warning" in run.stderr, output  # the last resort handler: DeepSpeed's others still show
+
+
 @pytest.mark.parametrize("norm, flags, after, hint", [
     ("psoftmax", ["--p", "2"], 12.60, True),    # issue 62: SmolLM2 3.34 -> 12.60, and no word of what to do
     ("psoftmax", ["--p", "2"], 3.40, False),    # a small rise: nothing to add

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2] / "retrofit"
 # import its own package and anything of a strictly lower rank; siblings of one rank never import each other
 # (evaluate must not need train to load a run, and norms/kernels import nothing above them).
 RANKS = {
-    "errors": 0, "version": 0, "fs": 0,
+    "errors": 0, "version": 0, "fs": 0, "notices": 0,
     "selection": 1, "atomic": 1, "memory": 1, "logit_head": 1, "record": 1, "escape": 1, "readers": 1,
     "kernels": 2, "families": 2, "bounds": 2,
     "positions": 3, "lengths": 3,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RetrofitError, check_regular, check_utf8
+from ..errors import RetrofitError, books_hint, check_regular, check_utf8
 from ..recipe import DataSection
 from .packing import pack_documents, packed_batch
 from .tasks import seeded_generator
@@ -36,7 +36,7 @@ def _expand_files(patterns: list[str], key: str) -> list[str]:
     for pattern in patterns:
         matched = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
         if not matched:
-            raise RetrofitError(f"data.{key}: no such file: {pattern}")
+            raise RetrofitError(f"data.{key}: no such file: {pattern}{books_hint(pattern)}")
         files.extend(matched)
     for f in files:
         if os.path.isdir(f):

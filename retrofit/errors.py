@@ -118,6 +118,14 @@ def _not_utf8(label: str, err: UnicodeDecodeError, offset: int) -> RetrofitError
                          f"convert it to UTF-8, e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8")
 
 
+def books_hint(path) -> str:
+    """What to add to 'no such file' for a path in a `books/` folder: the recipes read data/books/*.txt, which
+    retrofit does not ship (docs/training.md, "The books", says what they are and where to get them)."""
+    folders = Path(os.path.expanduser(str(path))).parts[:-1]
+    return ("; the recipes' books (Austen's six novels, Moby-Dick) are not shipped: docs/training.md, 'The books', "
+            "says where to get them" if "books" in folders else "")
+
+
 def check_regular(path, label: str) -> None:
     """Only a regular file is read as data: a device (/dev/urandom), a FIFO or a socket never ends or blocks, and
     is not 'no such file' either."""
@@ -135,7 +143,7 @@ def _checked_path(path, what: str) -> tuple[Path, str]:
         raise RetrofitError(f"{label} is a folder; give a text file")
     check_regular(p, label)
     if not p.is_file():
-        raise RetrofitError(f"{label}: no such file")
+        raise RetrofitError(f"{label}: no such file{books_hint(path)}")
     return p, label
 
 

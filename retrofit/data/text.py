@@ -7,7 +7,8 @@ blocks of `seq_len` tokens (`data.packing: concat`), or packed whole into rows w
 at every document (`documents`, data/packing.py). The validation set is deterministic and concatenated in both:
 `val_files`/`val_split`, or else the first `val_blocks` blocks of the stream (held out before any shuffling).
 Every process builds the same global batch and trains on its slice, so a run's numbers do not depend on the
-number of processes.
+number of processes. Given both data.dataset and data.files, the files train when they are here (the offline path)
+and the Hub dataset when none is (sources).
 `lm` batches: input_ids (B, T), labels (B, T) = input_ids (the loss predicts t+1 from t); packed documents
 add position_ids (B, T) and label -100 on each document's first token and on the padding.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RetrofitError, check_regular, check_utf8
+from ..errors import RetrofitError, books_hint, check_regular, check_utf8
 from ..recipe import DataSection
 from .packing import pack_documents, packed_batch
 from .tasks import seeded_generator
@@ -36,7 +37,7 @@ def _expand_files(patterns: list[str], key: str) -> list[str]:
     for pattern in patterns:
         matched = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
         if not matched:
-            raise RetrofitError(f"data.{key}: no such file: {pattern}")
+            raise RetrofitError(f"data.{key}: no such file: {pattern}{books_hint(pattern)}")
         files.extend(matched)
     for f in files:
         if os.path.isdir(f):
@@ -56,12 +57,28 @@ def _expand_files(patterns: list[str], key: str) -> list[str]:
     return files
 
 
+def sources(section: DataSection) -> tuple[list[str] | None, list[str] | None, str | None]:
+    """(files, val_files, val_split) this run reads; files None: the Hub's data.dataset trains. Given both
+    data.dataset and data.files, the files are the offline path: they train, validated on data.val_files, when every
+    one is here; the Hub dataset, validated on data.val_split, when none is; some but not all is an error naming the
+    first missing one (a partial copy is a mistake, not a reason to download)."""
+    if section.files is None or section.dataset is None:
+        return section.files, section.val_files, section.val_split
+    here = [bool(glob.glob(os.path.expanduser(p), recursive=True)) for p in section.files]
+    if any(here) and not all(here):
+        missing = section.files[here.index(False)]
+        raise RetrofitError(f"data.files: no such file: {missing}{books_hint(missing)}; data.dataset "
+                            f"{section.dataset!r} trains only when none of data.files is here")
+    return (section.files, section.val_files, None) if all(here) else (None, None, section.val_split)
+
+
 def check_files(section: DataSection) -> None:
-    """data.files and data.val_files exist, are files, are not empty and (text) are UTF-8: checked before
-    the model is loaded, so a bad list fails in a second."""
-    for key in ("files", "val_files"):
-        if getattr(section, key, None):
-            _expand_files(getattr(section, key), key)
+    """The data.files and data.val_files this run reads (sources) exist, are files, are not empty and (text) are
+    UTF-8: checked before the model is loaded, so a bad list fails in a second."""
+    files, val_files, _ = sources(section)
+    for key, paths in (("files", files), ("val_files", val_files)):
+        if paths:
+            _expand_files(paths, key)
 
 
 def open_texts(section: DataSection, *, split: str | None = None, files: list[str] | None = None,
@@ -81,8 +98,10 @@ def open_texts(section: DataSection, *, split: str | None = None, files: list[st
                                      streaming=section.streaming if streaming is None else streaming,
                                      cache_dir=section.cache_dir, trust_remote_code=False)  # never a script
     except ConnectionError as err:
+        local = (f"put its local copy at data.files ({', '.join(section.files)}){books_hint(section.files[0])}"
+                 if section.files else "use data.files with local files instead")
         raise RetrofitError(f"cannot reach Hub dataset {name!r} (offline?): {str(err).splitlines()[0][:160]}; "
-                            "use data.files with local files instead") from None
+                            f"{local}") from None
     except Exception as err:  # DatasetNotFoundError, a bad config or split name: datasets' own first line
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise RetrofitError(f"could not load Hub dataset {name!r}: {first}") from None
@@ -339,11 +358,15 @@ def build_lm(section: DataSection, tokenizer, *, seed: int, val_len: int) -> LMD
     if tokenizer is None:
         raise RetrofitError("the lm task needs a tokenizer: set model.tokenizer (a Hub id or folder)")
     eos, seq_len = _eos(tokenizer), section.seq_len
-    what = section.dataset or ", ".join(section.files)
-    rows = open_texts(section, files=section.files)
-    separate_val = section.val_files is not None or section.val_split is not None
+    files, val_files, val_split = sources(section)  # given data.dataset and data.files both: which one trains
+    if files is None and section.files:
+        print(f"[data] none of data.files is here ({', '.join(section.files)}): training on Hub dataset "
+              f"{section.dataset!r}")
+    what = ", ".join(files) if files else section.dataset
+    rows = open_texts(section, files=files)
+    separate_val = val_files is not None or val_split is not None
     if separate_val:  # read only the first val_blocks blocks of it, however large the split is
-        val_rows = open_texts(section, files=section.val_files, split=section.val_split, streaming=True)
+        val_rows = open_texts(section, files=val_files, split=val_split, streaming=True)
         val_stream, val = StreamBlocks(val_rows, section.text_field, tokenizer, eos, val_len), []
         with contextlib.suppress(RetrofitError):  # fewer blocks than asked for: use what there is
             for _ in range(section.val_blocks):

@@ -146,16 +146,21 @@ class DataSection:
                                                                "L1); passkey: retrieve a number hidden in filler text")
     seq_len: int = setting(1024, "training length in tokens (the longest, when train.init_len stages it); longer = "
                                  "slower, and what 'trained length' means for extrapolation")
-    dataset: str | None = setting(None, "lm: Hub dataset name, e.g. HuggingFaceFW/fineweb-edu")
+    dataset: str | None = setting(None, "lm: Hub dataset name, e.g. HuggingFaceFW/fineweb-edu; with data.files "
+                                        "too, what trains when none of the files is here")
     config: str | None = setting(None, "lm: Hub dataset config, e.g. sample-10BT")
     split: str = setting("train", "lm: Hub split to train on")
     text_field: str = setting("text", "lm: column holding the text")
     streaming: bool = setting(False, "lm: stream the Hub dataset instead of downloading it (needed for FineWeb-Edu "
                                      "size)")
-    files: list[str] | None = setting(None, "lm: local .txt/.jsonl/.parquet files or globs (instead of dataset)")
-    val_files: list[str] | None = setting(None, "lm: local validation files; null = hold out the first val_blocks "
+    files: list[str] | None = setting(None, "lm: local .txt/.jsonl/.parquet files or globs; with data.dataset too, "
+                                            "the offline path: they train when all are here, the Hub dataset when "
+                                            "none is, and some but not all is an error")
+    val_files: list[str] | None = setting(None, "lm: local validation files (given data.dataset and data.files "
+                                                "both: when the files train); null = hold out the first val_blocks "
                                                 "blocks")
-    val_split: str | None = setting(None, "lm: Hub split for validation; null = hold out the first val_blocks blocks")
+    val_split: str | None = setting(None, "lm: Hub split for validation (given data.dataset and data.files both: when "
+                                          "the Hub trains); null = hold out the first val_blocks blocks")
     val_blocks: int = setting(16, "lm: validation blocks (of the longest eval length): the first ones of val_files/"
                                   "val_split, or else held out from the start of the training data (deterministic)")
     max_docs: int | None = setting(None, "lm, not streaming: read at most this many documents (quick runs); null = all")
@@ -176,9 +181,11 @@ class DataSection:
                 f"data.val_blocks must be >= 1 (every evaluation reads them), got {self.val_blocks}")
         require(self.max_docs is None or self.max_docs > 0, f"data.max_docs must be > 0, got {self.max_docs}")
         if self.task == "lm":
-            require((self.dataset is None) != (self.files is None),
-                  "data: the lm task needs exactly one of data.dataset (Hub) or data.files (local)")
-            require(self.val_files is None or self.val_split is None, "data: set val_files or val_split, not both")
+            require(self.files != [], "data.files is an empty list; list files, or remove the key")
+            require(self.dataset is not None or self.files is not None,
+                  "data: the lm task needs data.dataset (Hub) or data.files (local), or both (the files when here)")
+            require(self.val_files is None or self.val_split is None or None not in (self.dataset, self.files),
+                  "data: set val_files or val_split, not both (both only beside data.dataset and data.files)")
         else:
             require(self.dataset is None and self.files is None,
                   f"data: the {self.task} task is generated; remove data.dataset/data.files")

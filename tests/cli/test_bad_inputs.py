@@ -338,6 +338,8 @@ CASES = [
      r"data.files .*latin1.txt is not UTF-8"),
     ("train-data-empty", "train {recipe} data.files=[{empty}] --out {out}", r"data.files: .*empty.txt is empty"),
     ("train-data-missing", "train {recipe} data.files=[{missing}.txt] --out {out}", r"data.files: no such file"),
+    ("train-book-missing", "train {recipe} data.files=[{root}/data/books/emma.txt] --out {out}",
+     r"data.files: no such file: .*/data/books/emma.txt; the recipes' books .*docs/training.md, 'The books'"),
     ("train-data-unknown-type", "train {recipe} data.files=[{notmodel}] --out {out}", r"cannot read .bin files"),
     ("train-seq-len-huge", "train {recipe} data.seq_len=2000000000 --out {out}",
      r"data.seq_len 2,000,000,000 .* GiB .*lower data.seq_len or train.micro_batch_size"),

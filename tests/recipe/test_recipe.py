@@ -71,7 +71,9 @@ def test_every_field_is_documented():
     ({"train": {"batch_size": 6, "micro_batch_size": 4}}, "must be a multiple of micro_batch_size"),
     ({"train": {"init_len": 100, "double_every": 5}}, "divided by a power of two"),
     ({"output": {"trackers": ["tensorbord"]}}, "did you mean 'tensorboard'?"),
-    ({"data": {"files": None}}, "exactly one of data.dataset"),
+    ({"data": {"files": None}}, "the lm task needs data.dataset (Hub) or data.files (local), or both"),
+    ({"data": {"files": []}}, "data.files is an empty list"),
+    ({"data": {"val_files": ["v.txt"], "val_split": "validation"}}, "set val_files or val_split, not both"),
 ])
 def test_bad_recipes_fail_in_one_line(sections, message):
     with pytest.raises(RetrofitError) as err:

@@ -96,6 +96,12 @@ def drop_record(target) -> None:
     config = _config(target)
     if hasattr(config, "retrofit"):
         del config.retrofit
+    drop_guard(config)
+
+
+def drop_guard(target) -> None:
+    """Remove the guard alone (the record stays): the attention implementation back to its default."""
+    config = _config(target)
     if config.__dict__.get(GUARD_KEY) in GUARDS:
         del config.__dict__[GUARD_KEY]
     if getattr(config, "_attn_implementation", None) in GUARDS:

@@ -19,7 +19,7 @@ import json
 from .errors import RetrofitError
 from .patch_tensors import MARKER, check_base_keys, load_patch_tensors
 from .patching import patch_from_record
-from .record import drop_record
+from .record import drop_guard, drop_record
 
 # from_pretrained's keywords that say where the files are (transformers' cached_file takes them too)
 HUB_KEYS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
@@ -45,8 +45,7 @@ class StandaloneModel:
         record = getattr(config, "retrofit", None)
         if record is not None and kwargs.get("attn_implementation") is None:
             config = copy.deepcopy(config)
-            drop_record(config)  # the guard goes with it; the record comes back below, for __init__
-            config.retrofit = record
+            drop_guard(config)  # the record stays, for __init__
             kwargs["attn_implementation"] = record.get("base_attn_implementation") or "sdpa"
         return super()._from_config(config, **kwargs)
 

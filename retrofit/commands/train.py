@@ -13,10 +13,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from ..errors import RetrofitError
-from . import add_progress_flag, check_out
+from . import add_progress_flag, check_out, library_bars
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,10 +71,12 @@ def run(args: argparse.Namespace) -> int:
         raise RetrofitError("--plan-for goes with --dry-run")
     from ..train import train
 
-    result = train(recipe, resume=bool(args.resume))  # checks the recipe first: data, source, memory
+    with library_bars(not args.no_progress):  # --no-progress: transformers' "Writing model shards" bars too
+        result = train(recipe, resume=bool(args.resume))  # checks the recipe first: data, source, memory
     last = result.losses.get(max(result.losses)) if result.losses else None
-    print(f"done: {result.steps} steps" + (f", final loss {last:.4g}" if last is not None else "")
-          + f"; model in {result.run_dir}")
+    if os.environ.get("RANK", "0") == "0":  # under accelerate launch / torchrun: once, not once per process
+        print(f"done: {result.steps} steps" + (f", final loss {last:.4g}" if last is not None else "")
+              + f"; model in {result.run_dir}")
     return 0
 
 

@@ -440,3 +440,14 @@ def test_lora_runs_and_adapter_loads_print_no_transformers_deprecation(tmp_path)
         save_adapter(wrapped, tmp_path / "adapter")
         load_adapter(tmp_path / "adapter")
     assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+
+
+def test_a_second_process_and_no_progress_print_no_done_line_and_no_bars(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")  # what accelerate launch / torchrun give the second process
+    code = main(["train", str(ROOT / "recipes" / "train-tiny-counting.yaml"), "train.steps=2", "train.batch_size=4",
+                 "train.micro_batch_size=4", "eval.lengths=[64]", "output.save_every=0", "--out", str(tmp_path / "r"),
+                 "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "done:" not in out  # the main process says it once
+    assert "Writing model shards" not in err and "it/s]" not in err  # transformers' save bar off too

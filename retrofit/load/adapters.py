@@ -93,11 +93,23 @@ def save_adapter(peft_model, folder, *, base_model: str | None = None, base_revi
         saved_name = config.base_model_name_or_path
         config.base_model_name_or_path = str(base_model)  # adapter_config.json names the same base as retrofit.json
         try:
-            peft_model.save_pretrained(str(tmp))
+            peft_model.save_pretrained(str(tmp), **peft_save_options(peft_model))
         finally:
             config.base_model_name_or_path = saved_name
         write_patch_files(peft_model, tmp, base_model, base_revision)
     return out
+
+
+def peft_save_options(peft_model) -> dict:
+    """save_pretrained's keywords for a PEFT model retrofit saves: the embeddings only where LoRA adapts them.
+    retrofit never resizes the vocabulary, and PEFT's "auto" asks the base's config to find out (a Hub call; for a
+    .gguf or pkg: base a "Could not find a config file in pkg:..." warning at every save)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    base = peft_model.get_base_model()
+    targeted = any(isinstance(layer, BaseTunerLayer) for layer in (base.get_input_embeddings(),
+                                                                   base.get_output_embeddings()))
+    return {"save_embedding_layers": targeted}
 
 
 def write_patch_files(peft_model, folder, base_model: str, base_revision: str | None = None,

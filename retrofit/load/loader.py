@@ -43,7 +43,15 @@ from ..readers import read_json
 from ..recipe import PatchSection, Recipe, load_recipe
 from ..rope import normalize_rope
 from ..selection import parse_selection
-from .adapters import ADAPTER_CONFIG, BASE_DIR, check_adapter_tensors, is_adapter, load_adapter, save_loadable_base
+from .adapters import (
+    ADAPTER_CONFIG,
+    BASE_DIR,
+    check_adapter_tensors,
+    is_adapter,
+    load_adapter,
+    peft_save_options,
+    save_loadable_base,
+)
 from .checkpoint import checkpoint_or_plain
 from .models import load_tokenizer, model_from_config, training_dtype
 from .sources import HUB_ARGS, check_model_files, location, refuse_remote_code, source_kind
@@ -263,7 +271,8 @@ def save_model(model: nn.Module, run_dir, *, tokenizer=None, peft_save: str | No
         state_dict = {k[3:]: v for k, v in state_dict.items() if k.startswith("lm.")}
     if peft_save is not None:
         if peft_save in ("adapter", "both"):  # state_dict (a sharded model's, gathered): the adapter's part of it
-            lm.save_pretrained(run_dir / ADAPTER_DIR, **({"state_dict": state_dict} if state_dict else {}))
+            lm.save_pretrained(run_dir / ADAPTER_DIR, **({"state_dict": state_dict} if state_dict else {}),
+                               **peft_save_options(lm))
             save_loadable_base(lm, run_dir / ADAPTER_DIR, run_dir / BASE_DIR, state_dict,  # a .gguf / pkg: base
                                named_as=Path(final_dir or run_dir) / BASE_DIR)
         if peft_save in ("merged", "both"):

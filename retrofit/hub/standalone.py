@@ -31,6 +31,7 @@ from ..version import VERSION
 FILE = STANDALONE_FILE
 RUNTIME = "retrofit.remote_code"  # what the modeling file runs; everything it imports comes along
 PREFIX = "retrofit_standalone_"
+IMPORT_HEAD = re.compile(r"from\s+[.\w]+\s+import")  # "from ..norms import", the part rename() rewrites
 ROOT_INIT = '"""retrofit\'s own code, vendored by `retrofit push --standalone` (see the modeling file\'s header)."""\n'
 
 
@@ -91,8 +92,7 @@ def rename(name: str, source: str, package: str) -> str:
             target = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else [])) \
                 if node.level else node.module
             line = lines[node.lineno - 1]
-            head = re.compile(r"from\s+[.\w]+\s+import")
-            found = head.search(line, node.col_offset)
+            found = IMPORT_HEAD.search(line, node.col_offset)
             lines[node.lineno - 1] = line[:found.start()] + f"from {package}{target[len('retrofit'):]} import" + \
                 line[found.end():]
         elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "retrofit" for a in node.names):

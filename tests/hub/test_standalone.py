@@ -139,6 +139,27 @@ def test_retrofits_own_loader_reads_an_export_without_running_its_file(exported,
         assert torch.equal(auto(ids).logits, retrofit.from_pretrained(str(saved))(ids).logits)
 
 
+def test_a_planted_modeling_file_never_runs_under_retrofits_loader(exported, tmp_path):
+    """Canary: a folder shaped like an export, whose modeling file would leave a file behind if run."""
+    import shutil
+
+    saved, out = exported["llama-avnorm"]
+    planted = tmp_path / "planted"
+    shutil.copytree(out, planted)
+    canary = tmp_path / "canary"
+    (planted / FILE).write_text(f"open({str(canary)!r}, 'w').write('ran')\n")
+    ids = random_ids(1, 16)
+    with torch.no_grad():
+        assert torch.equal(retrofit.from_pretrained(str(planted))(ids).logits,
+                           retrofit.from_pretrained(str(saved))(ids).logits)
+        retrofit.enable()
+        try:
+            transformers.AutoModelForCausalLM.from_pretrained(str(planted))(ids)
+        finally:
+            retrofit.disable()
+    assert not canary.exists()
+
+
 def test_the_export_says_how_to_load_it(exported):
     saved, out = exported["llama-avnorm"]
     config = json.loads((out / "config.json").read_text())

@@ -21,7 +21,7 @@ def run(args) -> int:
         print(json.dumps(rows, indent=2, default=str))
         return 0
     for row in rows:
-        print(f"{row['name']:<10} {row['summary']}")
+        print(f"{row['name']:<10} {row['summary']}" + ("  [per head: --heads applies]" if row["per_head"] else ""))
         print(f"{'':<10} {row['formula']}")
         for opt in row["options"]:
             print(f"{'':<12}{opt['name']:<10} default {opt['default']!s:<8} {opt['doc']}")

@@ -40,8 +40,8 @@ def add_arguments(parser):
                         help="patch only these attention layers (0-based, model order): 16-29, 0,3, 0-29:4 or :4 "
                              "(every 4th), 16- (to the last); the others keep the original attention")
     parser.add_argument("--heads", metavar="SEL", default=None,
-                        help="avnorm/ssmax/softmax1: act on these query heads only (same syntax); the others keep "
-                             "the original attention")
+                        help="a per-head norm (`retrofit norms` marks them): act on these query heads only (same "
+                             "syntax); the others keep the original attention")
     parser.add_argument("--rope", metavar="TYPE:FACTOR[,KEY=VALUE...]", default=None,
                         help="extend RoPE: yarn:4, dynamic:4, linear:4, llama3:8,low_freq_factor=1,high_freq_factor=4 "
                              "(KEY: any of the type's keys, original = original_max_position_embeddings)")
@@ -245,7 +245,7 @@ def next_step(source: str, spec, rise: float, calibrated: bool) -> str:
     cls = get_norm(spec.norm)
     section_keys = {f.name for f in dataclasses.fields(PatchSection)}
     recipe_patch = load_yaml(RECOVERY_RECIPE.read_text(), str(RECOVERY_RECIPE)).get("patch") or {}
-    ours = {f.name for f in dataclasses.fields(cls.Options)}
+    ours = {o.name for o in cls.option_schema()}
     overrides = [f"model.source={source}", f"patch.norm={spec.norm}",
                  *(f"patch.{k}={v}" for k, v in spec.options.items()),
                  *(f"patch.{k}=null" for k in recipe_patch if k not in ours and k not in section_keys)]

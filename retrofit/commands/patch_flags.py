@@ -1,11 +1,17 @@
-"""`retrofit patch`'s norm flags, built when the parser is built from each norm's declared options.
+"""`retrofit patch`'s norm flags, built when the parser is built from each norm's declared options; and the one
+command that rewrites every copy of what the registry declares.
 
-The registry's options (each norm's Options dataclass: its fields' names, types and docs) are written out below as
-OPTIONS, because reading them from the registry imports every norm, and so torch: `retrofit patch --help` takes
-0.05 s with the table and 2.7 s through the registry (the import alone), and an argument error as long. The table is
-the registry's, field by field, and nothing else: each norm is named once, as the key of its options.
-`python -m retrofit.commands.patch_flags` prints it to paste here; tests/cli/test_cli_habits.py fails while it is
-stale. norm -> {option: (type: "str" | "int" | "float" | None = a switch, its doc)}.
+The registry's options (each norm's option schema: Norm.option_schema, its fields' names, types and docs) are
+written out below as OPTIONS, because reading them from the registry imports every norm, and so torch: `retrofit
+patch --help` takes 0.05 s with the table and 2.7 s through the registry (the import alone), and an argument error as
+long. The table is the registry's, field by field, and nothing else: each norm is named once, as the key of its
+options. norm -> {option: (type: "str" | "int" | "float", a union "float|str", or None = a switch; its doc)}.
+
+    python -m retrofit.commands.patch_flags     # rewrites every derived copy that is stale, and says which
+
+The copies (derived_copies): OPTIONS here, the recipe reference page docs/reference/recipe.md (what `retrofit train
+--keys --markdown` prints, the norms' options among its keys) and the norms' lines of docs/architecture.md's tree
+(each norm's file and summary). tests/cli/test_cli_habits.py fails while any of them is stale.
 """
 
 OPTIONS = {'avnorm': {'kind': ('str', 'rms | layer | global'),
@@ -42,23 +48,33 @@ OPTIONS = {'avnorm': {'kind': ('str', 'rms | layer | global'),
 TYPES = {"str": str, "int": int, "float": float}
 
 
-def declared_options() -> dict[str, dict[str, tuple]]:
-    """Every registered norm's options as OPTIONS writes them, read from the registry (imports every norm, and so
-    torch): norm -> {option: (type name, or None for a bool switch; doc)}, in the order its Options declares them."""
-    import dataclasses
-    import typing
+def flag_type(kind: str | None):
+    """The argparse type of a flag OPTIONS writes as `kind`: None = a switch; "float|str" (a union, from the hint)
+    tries each number kind in turn and takes the text as it is if str is among them."""
+    if kind is None or kind in TYPES:
+        return TYPES.get(kind) if kind else None
+    kinds = kind.split("|")
 
+    def convert(text: str):
+        for number in (k for k in kinds if k != "str"):
+            try:
+                return TYPES[number](text)
+            except ValueError:
+                pass
+        if "str" in kinds:
+            return text
+        raise ValueError(text)
+
+    convert.__name__ = kind  # argparse's error: "invalid float|str value"
+    return convert
+
+
+def declared_options() -> dict[str, dict[str, tuple]]:
+    """Every registered norm's options as OPTIONS writes them, read from the registry's schema (imports every norm,
+    and so torch): norm -> {option: (flag type, None for a bool switch; doc)}, in the order its Options declares."""
     from ..norms import NORMS
 
-    table: dict[str, dict[str, tuple]] = {}
-    for name, cls in sorted(NORMS.items()):
-        hints = typing.get_type_hints(cls.Options)
-        table[name] = {}
-        for f in dataclasses.fields(cls.Options):
-            kinds = [t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None)]
-            kind = None if kinds == [bool] else kinds[0].__name__ if kinds[0] in (int, float, str) else "str"
-            table[name][f.name] = (kind, (f.metadata or {}).get("doc", ""))
-    return table
+    return {name: {o.name: (o.flag_type, o.doc) for o in cls.option_schema()} for name, cls in sorted(NORMS.items())}
 
 
 def norm_flags(options: dict[str, dict[str, tuple]] = OPTIONS) -> dict[str, dict]:
@@ -68,14 +84,16 @@ def norm_flags(options: dict[str, dict[str, tuple]] = OPTIONS) -> dict[str, dict
     flags: dict[str, dict] = {}
     for norm, declared in sorted(options.items()):
         for option, (kind, doc) in declared.items():
-            flag = flags.setdefault(option, {"type": TYPES.get(kind) if kind else None, "norms": [], "docs": {}})
-            if flag["type"] != (TYPES.get(kind) if kind else None):
+            kinds = frozenset(kind.split("|")) if kind else None
+            flag = flags.setdefault(option, {"type": flag_type(kind), "kinds": kinds, "norms": [], "docs": {}})
+            if flag["kinds"] != kinds:
                 raise ValueError(f"norms {flag['norms'][0]!r} and {norm!r} declare option {option!r} with different "
                                  "types; one flag takes one type: give one of them another name")
             flag["norms"].append(norm)
             flag["docs"].setdefault(doc, []).append(norm)
     for flag in flags.values():
         flag["doc"] = "; ".join(f"{'/'.join(norms)}: {doc}" for doc, norms in flag.pop("docs").items())
+        del flag["kinds"]
     return flags
 
 
@@ -98,5 +116,55 @@ def generated() -> str:
     return "OPTIONS = " + pprint.pformat(declared_options(), width=118, sort_dicts=False)
 
 
+def derived_copies() -> dict:
+    """{path: its text as the registry says it should read} for every file holding a copy of what the norms declare
+    (a source checkout's: the docs are not installed)."""
+    from pathlib import Path
+
+    from ..recipe import documentation_markdown
+
+    repo = Path(__file__).resolve().parents[2]
+    this, page, tree = Path(__file__).resolve(), repo / "docs/reference/recipe.md", repo / "docs/architecture.md"
+    text = this.read_text()
+    start, end = text.index("OPTIONS = "), text.index("\n\nTYPES = ")
+    return {this: text[:start] + generated() + text[end:],
+            page: replace_table(page.read_text(), documentation_markdown()),
+            tree: _norm_lines(tree.read_text())}
+
+
+def replace_table(text: str, table: str) -> str:
+    """`text` with its markdown table that starts `table`'s header line replaced by `table`."""
+    lines, header = text.split("\n"), table.split("\n")[0]
+    start = lines.index(header)
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join([*lines[:start], table, *lines[end:]])
+
+
+def _norm_lines(text: str) -> str:
+    """docs/architecture.md with the tree's lines under `norms/` for the registered norms' files written from the
+    registry (`NAME.py  summary`), after the files every norm shares."""
+    from ..norms import NORMS
+
+    lines = text.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("  norms/ "))
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith("    "))
+    shared = [line for line in lines[start + 1:end] if line.split()[0].removesuffix(".py") not in NORMS]
+    norms = [f"    {name}.py".ljust(34) + cls.summary for name, cls in sorted(NORMS.items())]
+    return "\n".join([*lines[:start + 1], *shared, *norms, *lines[end:]])
+
+
+def main() -> int:
+    """Rewrite every stale derived copy; print what changed."""
+    from ..atomic import atomic_write_text
+
+    stale = [(path, text) for path, text in derived_copies().items() if path.read_text() != text]
+    for path, text in stale:
+        atomic_write_text(path, text)
+        print(f"rewrote {path}")
+    if not stale:
+        print("every derived copy is current")
+    return 0
+
+
 if __name__ == "__main__":
-    print(generated())
+    raise SystemExit(main())

@@ -24,7 +24,6 @@ Model arguments besides the harness's own (batch_size, device, ...):
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import torch
@@ -43,7 +42,7 @@ def _split_options(norm: str | None, kwargs: dict) -> dict:
     """Pop the options of `norm` (its Options fields) out of the harness's keyword arguments."""
     if norm is None:
         return {}
-    names = {f.name for f in dataclasses.fields(get_norm(norm).Options)}
+    names = {o.name for o in get_norm(norm).option_schema()}
     return {k: kwargs.pop(k) for k in list(kwargs) if k in names}
 
 

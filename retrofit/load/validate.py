@@ -26,7 +26,7 @@ from transformers.utils import logging as hf_logging
 
 from ..bounds import check_heads, key_name
 from ..errors import RetrofitError, quoted
-from ..norms import available_norms, make_options
+from ..norms import available_norms, get_norm
 from ..patch_spec import PatchSpec
 from ..record import FIELDS, FORMAT, OPTIONAL_FIELDS
 
@@ -138,7 +138,8 @@ assert RECORD_TYPES.keys() == FIELDS.keys() | OPTIONAL_FIELDS.keys(), "every rec
 
 def check_record(record: dict, where: str) -> None:
     """config.retrofit against its schema: every field of its type, nothing else, the options those of the norm with
-    the types of its defaults (a string is never read as a bool or a number)."""
+    the types its option schema declares (Norm.option_schema, from the type hints: a string is never read as a bool
+    or a number, and an option declared `str | float` takes either)."""
     if _is(int, record.get("format")) and record["format"] > FORMAT:  # its fields may be new: say so first
         raise RetrofitError(f"{where}: this checkpoint was written by a newer retrofit (format {record['format']}); "
                             "upgrade retrofit")
@@ -150,28 +151,11 @@ def check_record(record: dict, where: str) -> None:
         test, what = RECORD_TYPES[key]
         if not test(value):
             raise RetrofitError(f"{where}: retrofit.{key} must be {what}, got {quoted(value)}")
-    defaults = make_options(record["norm"]).__dict__
-    for key, value in record.get("options", {}).items():
-        default = defaults.get(key)  # unknown keys: make_options names the closest valid one below
-        if key in defaults and not _option_type_ok(default, value):
-            kind = "true or false" if isinstance(default, bool) else "a number" if isinstance(default, (int, float)) \
-                else "a number or null" if default is None else "a string" if isinstance(default, str) \
-                else type(default).__name__
-            raise RetrofitError(f"{where}: retrofit.options.{key} must be {kind}, got {quoted(value)}")
+    schema = {o.name: o for o in get_norm(record["norm"]).option_schema()}
+    for key, value in record.get("options", {}).items():  # unknown keys: PatchSpec names the closest valid one below
+        if key in schema and not schema[key].accepts(value):
+            raise RetrofitError(f"{where}: retrofit.options.{key} must be {schema[key].expects}, got {quoted(value)}")
     PatchSpec.from_record(record)  # the patch's rules; the options' ranges and unknown keys in the norm's own words
-
-
-def _option_type_ok(default, value) -> bool:
-    """A JSON value of the option's type (its default's): bool for bool, a number for numbers (or null where the
-    default is null: an optional number), a string for strings."""
-    number = _is(float, value) or _is(int, value)
-    if isinstance(default, bool):
-        return isinstance(value, bool)
-    if default is None:
-        return value is None or number
-    if isinstance(default, (int, float)):
-        return number
-    return isinstance(value, type(default))
 
 
 @contextlib.contextmanager

@@ -19,14 +19,17 @@ from typing import Any
 
 from ..errors import RetrofitError, closest
 from .base import AttentionShape, Norm
+from .options import OptionSpec, check_schema
 
 NORMS: dict[str, type[Norm]] = {}
 
 
 def register_norm(cls: type[Norm]) -> type[Norm]:
-    """Class decorator: make `cls` available under `cls.name`."""
+    """Class decorator: make `cls` available under `cls.name`. Its options are checked here, at import: a patch key
+    as an option's name, or a name another norm declares with another type, is refused (options.check_schema)."""
     if cls.name in NORMS:
         raise ValueError(f"norm {cls.name!r} is registered twice")
+    check_schema(cls.name, cls.option_schema(), {name: other.option_schema() for name, other in NORMS.items()})
     NORMS[cls.name] = cls
     return cls
 
@@ -97,15 +100,14 @@ def make_options(name: str, **options: Any):
 
 
 def describe_norms() -> list[dict]:
-    """Every norm with its formula and options (name, default, doc), for `retrofit norms` and the docs."""
+    """Every norm with its formula, whether heads= applies (per_head) and its options (name, type as a record holds
+    it, default, doc), for `retrofit norms` and the docs."""
     rows = []
     for name in available_norms():
         cls = NORMS[name]
-        options = [
-            {"name": f.name, "default": f.default, "doc": (f.metadata or {}).get("doc", "")}
-            for f in dataclasses.fields(cls.Options)
-        ]
-        rows.append({"name": name, "summary": cls.summary, "formula": cls.formula, "options": options})
+        options = [{"name": o.name, "type": o.expects, "default": o.default, "doc": o.doc} for o in cls.option_schema()]
+        rows.append({"name": name, "summary": cls.summary, "formula": cls.formula, "per_head": cls.per_head,
+                     "options": options})
     return rows
 
 
@@ -113,6 +115,6 @@ def describe_norms() -> list[dict]:
 from . import avnorm, psoftmax, softmax, softmax1, ssmax  # noqa: E402,F401
 
 __all__ = [
-    "NORMS", "AttentionShape", "Norm", "available_norms", "baseline_norm", "calibrated_norm_hints", "describe_norms",
-    "get_norm", "make_options", "patched_norms", "register_norm",
+    "NORMS", "AttentionShape", "Norm", "OptionSpec", "available_norms", "baseline_norm", "calibrated_norm_hints",
+    "describe_norms", "get_norm", "make_options", "patched_norms", "register_norm",
 ]

@@ -80,17 +80,22 @@ class AVNorm(Norm):
 
     @dataclass
     class Options:
-        kind: str = option("rms", "rms | layer | global")
+        kind: str = option("rms", "rms | layer | global", example="layer",
+                           elsewhere="the output gate's kind (gate.py); what a loaded source is (load/info.py, hub/)")
         affine: bool = option(False, "add a learned per-channel weight (and bias for layer/global)")
-        eps: float = option(1e-5, "added to the variance before the square root")
-        gain: float = option(1.0, "initial per-head gain; retrofit.calibrate() overwrites it")
+        eps: float = option(1e-5, "added to the variance before the square root", example=1e-3,
+                            elsewhere="diagnose's eps measure (diagnose/measures.py, summary.py)")
+        gain: float = option(1.0, "initial per-head gain; retrofit.calibrate() overwrites it", example=0.5)
         floor: float = option(0.0, "kind=rms: per-head floor eps = floor * gain under the RMS; 0 = AVNorm, large (inf) "
-                                   "= the original model; recovery.schedule anneals it to 0")
+                                   "= the original model; recovery.schedule anneals it to 0", example=0.25)
         mode: str = option("always", "always (normalize every token) | beyond (the original model inside L; beyond "
-                                     "it each head's output times (n / L)^b_h, b_h calibrated and trainable)")
+                                     "it each head's output times (n / L)^b_h, b_h calibrated and trainable)",
+                           example="beyond")
         exponent: float = option(0.0, "mode=beyond: initial b_h (0 = the original model everywhere); "
-                                      "retrofit.calibrate() fits it per head")
-        ref_len: int | None = option(None, "mode=beyond: L; default the model's original max positions (before rope=)")
+                                      "retrofit.calibrate() fits it per head",
+                                example={"mode": "beyond", "exponent": 0.25})
+        ref_len: int | None = option(None, "mode=beyond: L; default the model's original max positions (before rope=)",
+                                     example={"mode": "beyond", "ref_len": 16})
 
         def __post_init__(self):
             if self.kind not in KINDS:

@@ -21,14 +21,19 @@ from torch import nn
 
 from ..errors import RetrofitError
 from ..families import output_projection
+from .options import OptionSpec, option_schema
 
 CHILD = "retrofit"  # name of the norm module attached to each attention module
 _REGISTER = threading.Lock()  # held only while follow_projection adds a hook (never on a plain forward)
 
 
-def option(default, doc: str):
-    """A dataclass field with a docstring that `retrofit norms` prints."""
-    return dataclasses.field(default=default, metadata={"doc": doc})
+def option(default, doc: str, *, example=None, elsewhere: str = ""):
+    """A dataclass field with a docstring that `retrofit norms` prints (options.py reads it as an OptionSpec).
+    `example`: a valid value other than the default, or the options that show one ({"scale": "llama4", "beta": 0.2}
+    where the option applies only beside another); a switch's is its opposite. The tests save and reload each.
+    `elsewhere`: what else in retrofit this word names (the gate's kind, the kernels' p), so that the name test counts
+    only reads of it from a norm's options."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "example": example, "elsewhere": elsewhere})
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,12 @@ class Norm(nn.Module):
 
     def forward(self, module: nn.Module, query, key, value, attention_mask, *, base: Callable, **kwargs):
         raise NotImplementedError
+
+    @classmethod
+    def option_schema(cls) -> tuple[OptionSpec, ...]:
+        """Each option (name, type from its hint, default, doc), in declared order: what the CLI's flags, record
+        validation and the recipe's patch section read (options.py)."""
+        return option_schema(cls.Options, cls.name)
 
     def set_scheduled_value(self, value: float) -> None:
         """Move the scheduled knob (the option named by `scheduled_option`) to `value`; read on the next call."""

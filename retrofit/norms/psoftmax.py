@@ -54,9 +54,10 @@ class PSoftmax(Norm):
 
     @dataclass
     class Options:
-        p: float = option(2.0, "the norm's order, >= 1 (1 = softmax, 2 = L2 softmax)")
+        p: float = option(2.0, "the norm's order, >= 1 (1 = softmax, 2 = L2 softmax)", example=3.0,
+                          elsewhere="the order p of retrofit.kernels' psoftmax_attention, which the benchmarks sweep")
         gain: float | None = option(None, "initial per-head output gain (learned); retrofit.calibrate() sets it "
-                                          "from text; null = no gain")
+                                          "from text; null = no gain", example=0.5)
 
         def __post_init__(self):
             self.p = _p(self.p)

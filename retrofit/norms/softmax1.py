@@ -45,7 +45,7 @@ class Softmax1(Norm):
     class Options:
         learnable: bool = option(False, "learn a per-head sink logit b_h (init `sink`) instead of a fixed one")
         sink: float = option(0.0, "the sink logit b_h (learnable: its initial value); very negative = the original "
-                                  "softmax, 0 = softmax+1")
+                                  "softmax, 0 = softmax+1", example=-1.0)
         stack: bool = option(False, "allow on models with learned sinks of their own (gpt_oss): both sinks count")
 
         def __post_init__(self):

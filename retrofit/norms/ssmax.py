@@ -65,12 +65,16 @@ class SSMax(Norm):
 
     @dataclass
     class Options:
-        scale: str = option("learned", "learned (s_h*log n) | beyond (max(1, log n/log L)) | llama4 (floored)")
-        s_init: float | None = option(None, "learned: initial s; default 1/log(ref_len) (factor exactly 1 there)")
-        ref_len: int | None = option(None, "L: default the model's original max positions (before rope=)")
-        beta: float | None = option(None, "llama4: strength; default 0.1 (Llama 4's attn_scale)")
+        scale: str = option("learned", "learned (s_h*log n) | beyond (max(1, log n/log L)) | llama4 (floored)",
+                            example="beyond")
+        s_init: float | None = option(None, "learned: initial s; default 1/log(ref_len) (factor exactly 1 there)",
+                                      example=0.3)
+        ref_len: int | None = option(None, "L: default the model's original max positions (before rope=)", example=16)
+        beta: float | None = option(None, "llama4: strength; default 0.1 (Llama 4's attn_scale)",
+                                    example={"scale": "llama4", "beta": 0.2})
         stack: bool = option(False, "allow on models that already scale queries by position (Llama 4)")
-        blend: float = option(1.0, "alpha in factor 1 + alpha * (f(n) - 1): 0 = the original model, 1 = SSMax")
+        blend: float = option(1.0, "alpha in factor 1 + alpha * (f(n) - 1): 0 = the original model, 1 = SSMax",
+                              example=0.5)
 
         def __post_init__(self):
             if self.scale not in SCALES:

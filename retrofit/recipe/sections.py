@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from ..errors import closest, quoted
+from ..errors import RetrofitError, closest, quoted
 from .schema import require, setting
 
 if TYPE_CHECKING:
@@ -34,9 +34,9 @@ class PatchSection:
     pass_through: ClassVar[str] = "options"
     renamed: ClassVar[dict] = {"calibrate": "calibrate_tokens"}  # old key -> its name now (saved runs still load)
 
-    norm: str | None = setting(None, "attention normalization (see `retrofit norms`): avnorm, psoftmax, ssmax, "
-                                     "softmax1, softmax; null = leave the model's attention as loaded (the L1 baseline "
-                                     "arm)")
+    norm: str | None = setting(None, "attention normalization: a norm `retrofit norms` lists (its options are the "
+                                     "patch.<option> keys); null = leave the model's attention as loaded (the L1 "
+                                     "baseline arm)")
     nope: bool = setting(False, "remove positional information (NoPE); required to train GPT-2 beyond its 1024 learned "
                                 "positions")
     calibrate_tokens: int | None = setting(None, "tokens of training data used to calibrate AVNorm's per-head gains; "
@@ -48,8 +48,8 @@ class PatchSection:
                                             "RoPE as loaded")
     layers: str | int | list | None = setting(None, "patch only these attention layers (0-based): '16-29', '0,3', "
                                                     "':4' (every 4th), [16, 17]; null = every layer")
-    heads: str | int | list | None = setting(None, "avnorm/ssmax/softmax1: act on these query heads only (same "
-                                                   "syntax); null = every head")
+    heads: str | int | list | None = setting(None, "a per-head norm (`retrofit norms` marks them): act on these "
+                                                   "query heads only (same syntax); null = every head")
     gate: str | dict | None = setting(None, "output gate (retrofit.gate), each head's output times 2s*sigmoid(W x + b) "
                                             "from the layer input: head | element[:START[:INPUTS]], e.g. head (the "
                                             "identity at start: retrofits), head:0.5:12 (the AVnorm post's); null = "
@@ -70,10 +70,14 @@ class PatchSection:
                  f"patch: {', '.join(given) or 'nope/calibrate_tokens/rope/gate'} given but patch.norm is null; set "
                  "patch.norm (softmax keeps attention unchanged)")
             return
+        from ..norms import NORMS
+        schema = {o.name: o for o in NORMS[self.norm].option_schema()} if self.norm in NORMS else {}
+        for key, value in self.options.items():  # typed as a checkpoint's record is (Norm.option_schema)
+            if key in schema and not schema[key].accepts(value):
+                raise RetrofitError(f"patch.{key} must be {schema[key].expects}, got {quoted(value)}")
         self.options = self.spec().options  # every rule of the patch is checked there; options typed (p: 2 -> 2.0)
         require(self.calibrate_tokens is None or self.calibrate_tokens >= 0,
              f"patch.calibrate_tokens must be >= 0 tokens, got {self.calibrate_tokens}")
-        from ..norms import NORMS
         by_default = [name for name, cls in sorted(NORMS.items()) if cls.calibrated_by_default]
         require(not self.calibrate_tokens or self.norm in by_default,
              f"patch.calibrate_tokens sets the per-head gains of {', '.join(by_default)}, but patch.norm is "
@@ -100,18 +104,15 @@ class PatchSection:
 
     @staticmethod
     def option_documentation(prefix: str) -> list[tuple[str, str, str]]:
-        """(patch.<option>, default, 'norm: doc') for every option of every registered norm."""
+        """(patch.<option>, default, 'norm: doc') for every option of every registered norm (its option schema)."""
         from ..norms import NORMS
-        rows = []
-        for name, cls in sorted(NORMS.items()):
-            for f in dataclasses.fields(cls.Options):
-                rows.append((f"{prefix}{f.name}", repr(f.default), f"{name}: {(f.metadata or {}).get('doc', '')}"))
-        return rows
+        return [(f"{prefix}{o.name}", repr(o.default), f"{name}: {o.doc}")
+                for name, cls in sorted(NORMS.items()) for o in cls.option_schema()]
 
 
 def _all_norm_options() -> set[str]:
     from ..norms import NORMS
-    return {f.name for cls in NORMS.values() for f in dataclasses.fields(cls.Options)}
+    return {o.name for cls in NORMS.values() for o in cls.option_schema()}
 
 
 @dataclass

@@ -132,8 +132,33 @@ def test_the_patch_flag_table_is_the_registrys():
     from retrofit.commands.patch_flags import OPTIONS, declared_options, generated
 
     written = (ROOT / "retrofit/commands/patch_flags.py").read_text()
-    assert generated() in written, "regenerate the table: python -m retrofit.commands.patch_flags prints it"
+    assert generated() in written, "regenerate the copies: python -m retrofit.commands.patch_flags"
     assert OPTIONS == declared_options()
+
+
+def test_every_copy_of_the_registry_is_current():
+    """The flag table, the recipe reference page and the norms' lines of the architecture tree are what one command
+    writes from the registry; each file exists, and none is stale."""
+    from retrofit.commands.patch_flags import derived_copies
+
+    copies = derived_copies()
+    assert {p.relative_to(ROOT).as_posix() for p in copies} == {
+        "retrofit/commands/patch_flags.py", "docs/reference/recipe.md", "docs/architecture.md"}
+    stale = [str(p.relative_to(ROOT)) for p, text in copies.items() if p.read_text() != text]
+    assert stale == [], "rewrite them: python -m retrofit.commands.patch_flags"
+
+
+def test_the_regenerate_command_rewrites_a_stale_copy(tmp_path, monkeypatch):
+    """A copy planted stale is rewritten by the command (into tmp_path: the checkout is never written by a test)."""
+    from retrofit.commands import patch_flags
+
+    page = tmp_path / "recipe.md"
+    page.write_text("# Recipes\n\n| key | default | what it is |\n|---|---|---|\n| `old.key` | `1` | gone |\n\nafter\n")
+    copies = {page: patch_flags.replace_table(page.read_text(), "| key | default | what it is |\n| `new` | `2` | x |")}
+    monkeypatch.setattr(patch_flags, "derived_copies", lambda: copies)
+    assert patch_flags.main() == 0 and page.read_text() == copies[page]
+    assert page.read_text() == "# Recipes\n\n| key | default | what it is |\n| `new` | `2` | x |\n\nafter\n"
+    assert patch_flags.main() == 0  # current now: nothing to rewrite
 
 
 # ---- 2. the near-miss table ----------------------------------------------------------------------------------------

@@ -13,13 +13,13 @@ import pytest
 
 from retrofit.cli import build_parser
 from retrofit.commands.patch_flags import OPTIONS, add_norm_flags, declared_options, norm_flags
-from retrofit.norms import NORMS, available_norms
+from retrofit.norms import NORMS, Norm, available_norms
 from retrofit.norms.base import option
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class ToyNorm:
+class ToyNorm(Norm):
     """A norm as the registry holds it, with options of every kind a flag takes."""
 
     name = "toy"
@@ -60,7 +60,7 @@ def test_a_norms_declared_option_becomes_a_flag_with_its_doc(monkeypatch):
 def test_patch_has_exactly_the_registrys_options_as_flags():
     """`retrofit patch`'s norm flags are the union of every registered norm's options, each with its type; an option
     two norms declare is one flag whose help gives each norm's own doc."""
-    declared = {f.name: f for cls in NORMS.values() for f in dataclasses.fields(cls.Options)}
+    declared = {o.name: o for cls in NORMS.values() for o in cls.option_schema()}
     actions = {a.dest: a for a in _patch_parser()._actions}
     flags = norm_flags()
     assert set(flags) == set(declared)
@@ -69,7 +69,7 @@ def test_patch_has_exactly_the_registrys_options_as_flags():
         assert action.option_strings == ["--" + name.replace("_", "-")]
         assert action.help == flag["doc"] and (action.const is True if flag["type"] is None else action.type)
         for norm in flag["norms"]:  # each norm that declares it, with its own words
-            doc = next(f for f in dataclasses.fields(NORMS[norm].Options) if f.name == name).metadata["doc"]
+            doc = next(o for o in NORMS[norm].option_schema() if o.name == name).doc
             assert f"{norm}: {doc}" in action.help, (name, norm)
 
 

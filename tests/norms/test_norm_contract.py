@@ -161,20 +161,20 @@ NAMED_ELSEWHERE = {
     "retrofit/recipe/experiment.py": "BASELINE_NORM, the default control's norm, so a recipe's keys are checked before "
                                      "torch loads; tests/recipe/test_recipe_yaml.py holds it equal to baseline_norm()",
 }
-# Option names that are also ordinary words of another part of retrofit: as constants they are not counted (an option
-# read from a norm's options by these names still is).
-GENERIC_OPTION_NAMES = {
-    "kind": "the output gate's kind (gate.py); what a loaded source is (load/info.py, hub/)",
-    "p": "the order p of retrofit.kernels' psoftmax_attention, which the benchmarks sweep and report",
-    "eps": "diagnose's eps measure (diagnose/measures.py, summary.py)",
-}
+
+
+# Option names that are also ordinary words of another part of retrofit, each declared so in its norm's file
+# (option(..., elsewhere="what else it names")): as constants they are not counted (an option read from a norm's
+# options by these names still is).
+def _generic_option_names() -> set[str]:
+    return {o.name for norm in available_norms() for o in get_norm(norm).option_schema() if o.elsewhere}
+
+
 OPTION_HOLDERS = ("options", "opts", "norm_options")  # what a norm's options are called where they are passed on
 
 
 def _option_names() -> set[str]:
-    import dataclasses
-
-    return {f.name for norm in available_norms() for f in dataclasses.fields(get_norm(norm).Options)}
+    return {o.name for norm in available_norms() for o in get_norm(norm).option_schema()}
 
 
 def _holds_options(node) -> bool:
@@ -206,13 +206,13 @@ def _option_read(node) -> str | None:
 
 
 def _norm_names_in(path) -> list[str]:
-    """'path:line 'name'' for each registered norm's name, and each option name not in GENERIC_OPTION_NAMES, as a whole
+    """'path:line 'name'' for each registered norm's name, and each option name not declared `elsewhere`, as a whole
     string constant in the file, and for each option of any norm read from a norm's options by name."""
     norms, options = set(available_norms()), _option_names()
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         text, read = _text(node), _option_read(node)
-        if text in norms or text in options - set(GENERIC_OPTION_NAMES):
+        if text in norms or text in options - _generic_option_names():
             found.add((node.lineno, text))
         if read in options:
             found.add((node.lineno, read))
@@ -231,7 +231,9 @@ def test_no_norm_is_named_outside_its_file():
     assert all((ROOT.parent / path).is_file() for path in NAMED_ELSEWHERE)  # no stale exception
     guide = (ROOT.parent / "docs" / "adding-a-norm.md").read_text()
     assert [path for path in NAMED_ELSEWHERE if f"`{path}`" not in guide] == []  # each one's reason is written there
-    assert set(GENERIC_OPTION_NAMES) <= _option_names()  # no stale generic name
+    constants = {node.value for path in ROOT.rglob("*.py") if "norms" not in path.relative_to(ROOT).parts
+                 for node in ast.walk(ast.parse(path.read_text())) if _text(node)}
+    assert _generic_option_names() - constants == set()  # no stale `elsewhere`: the word is used elsewhere
 
 
 def test_the_name_check_catches_a_branch(tmp_path):

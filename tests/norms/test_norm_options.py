@@ -4,7 +4,6 @@ recipe (`patch.opt`) and Python (`retrofit.patch(model, norm, opt=...)`) all tak
 from __future__ import annotations
 
 import dataclasses
-import typing
 
 import pytest
 
@@ -16,19 +15,13 @@ from retrofit.norms import NORMS, make_options
 from retrofit.recipe import recipe_from_dict, recipe_to_dict
 from tests.tiny import tiny_model
 
-SAMPLES = {bool: True, int: 16, float: 1.5, str: None}  # a valid non-default value per type (str: the default)
-COMPANIONS = {("ssmax", "beta"): {"scale": "llama4"},  # options that only apply together with another
-              ("avnorm", "exponent"): {"mode": "beyond"}, ("avnorm", "ref_len"): {"mode": "beyond"}}
-
 
 def _options():
-    """(norm, option, a valid value to set) for every option of every registered norm."""
+    """(norm, option, options that give it a valid value other than its default: its schema's example, which names
+    the options it applies beside, e.g. ssmax beta with scale=llama4) for every option of every registered norm."""
     for norm, cls in sorted(NORMS.items()):
-        hints = typing.get_type_hints(cls.Options)
-        for f in dataclasses.fields(cls.Options):
-            kinds = [t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None)]
-            value = SAMPLES[kinds[0]] if kinds[0] in SAMPLES else None
-            yield norm, f.name, f.default if value is None else value
+        for spec in cls.option_schema():
+            yield norm, spec.name, spec.example_options()
 
 
 OPTIONS = list(_options())
@@ -50,17 +43,17 @@ def _cli_argv(option: str, value) -> list[str]:
 
 
 def test_the_cli_has_one_flag_per_option_and_no_other():
-    declared = {f.name for cls in NORMS.values() for f in dataclasses.fields(cls.Options)}
+    declared = {o.name for cls in NORMS.values() for o in cls.option_schema()}
     assert set(NORM_FLAGS) == declared
     for option, spec in NORM_FLAGS.items():
         assert spec["norms"] == sorted(n for n, cls in NORMS.items()
-                                       if option in {f.name for f in dataclasses.fields(cls.Options)})
+                                       if option in {o.name for o in cls.option_schema()})
 
 
-@pytest.mark.parametrize("norm, option, value", OPTIONS, ids=[f"{n}.{o}" for n, o, _ in OPTIONS])
-def test_cli_recipe_and_python_accept_the_same_option_alike(norm, option, value):
-    given = {**COMPANIONS.get((norm, option), {}), option: value}
+@pytest.mark.parametrize("norm, option, given", OPTIONS, ids=[f"{n}.{o}" for n, o, _ in OPTIONS])
+def test_cli_recipe_and_python_accept_the_same_option_alike(norm, option, given):
     python = make_options(norm, **given)
+    assert getattr(python, option) != getattr(make_options(norm), option)  # not the default: a test that can fail
     argv = [a for k, v in given.items() for a in _cli_argv(k, v)]
     from_cli = make_options(norm, **_cli_options(["--norm", norm, *argv]))
     recipe = _recipe({"norm": norm, **given})
@@ -74,8 +67,8 @@ def test_cli_recipe_and_python_accept_the_same_option_alike(norm, option, value)
 
 @pytest.mark.parametrize("norm", sorted(NORMS))
 def test_an_option_of_another_norm_is_refused_by_all_three(norm):
-    own = {f.name for f in dataclasses.fields(NORMS[norm].Options)}
-    foreign = next(((o, v) for n, o, v in OPTIONS if o not in own), None)
+    own = {o.name for o in NORMS[norm].option_schema()}
+    foreign = next(((o, given[o]) for n, o, given in OPTIONS if o not in own), None)
     assert foreign is not None
     option, value = foreign
     with pytest.raises(RetrofitError, match=f"has no option '{option}'"):

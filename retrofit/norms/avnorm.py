@@ -66,6 +66,7 @@ class AVNorm(Norm):
     formula = "y_h = g_h * norm_d(A_h V_h), norm = rms | layer (per head) | global (all heads)"
     acts_on_output = True  # a pre-hook on the output projection: any attention implementation (retrofit.patch)
     per_head = True  # heads= selects heads; the others pass through unchanged (Norm.keep_unselected)
+    example_variants = ({"kind": "layer"}, {"kind": "global"})
     # f = 8: within ~0.01 nats of the original on SmolLM2 (f = inf is exact)
     scheduled_option, schedule_identity = "floor", 8.0
     card = ("softmax weights sum to 1, so a head that averages more values as the context grows outputs a smaller and "

@@ -71,6 +71,9 @@ class Norm(nn.Module):
     card: ClassVar[str] = ""  # the model card's "Why:" (what this norm changes and why it helps); "" = the summary
     diagnosis: ClassVar[str] = ""  # how diagnose's five measures read under this norm (its report says it)
     example_options: ClassVar[dict] = {}  # the options benchmarks and the norm contract test patch with (p=2 ...)
+    # Other formulas the same file computes, each as the options that select it (avnorm kind=layer): every family is
+    # patched with each, beside example_options, against the float64 reference (tests/patch/test_patch.py).
+    example_variants: ClassVar[tuple[dict, ...]] = ()
     decode_target: ClassVar[float | None] = None  # `retrofit bench decode`: time per token vs unpatched; None: 1.05
     # True: a fresh patch on a pretrained model is calibrated unless told not to (patch.calibrate_tokens, diagnose):
     # its starting point would ruin the model (AVNorm's unit gains). False: calibration only when asked (gain=1).

@@ -49,6 +49,7 @@ class PSoftmax(Norm):
                  "shrinks; 3 uses the weight left outside the top-N set where the paper has 1 - abar_N; 5 perturbs "
                  "exp(l/T)/||exp(l/T)||_p (Corollary 3's 1/(4T) is softmax's, Lemma 2 is the general bound).")
     example_options = {"p": 2.0}
+    example_variants = ({"p": 3.0},)
     decode_target = 1.15  # two kernel calls per decoded token (bench decode; DESIGN: 11.2 vs 19.4 tok/s on CPU)
     calibration_hint = "psoftmax with gain=1 (--gain 1)"
 

@@ -39,6 +39,7 @@ class Softmax1(Norm):
                  "entropy of the renormalized row and the sink-aware Corollary 1 bounds; 3 uses the weight left "
                  "outside the top-N set; 5 divides the sink logit by T too.")
     example_options = {"learnable": True}
+    example_variants = ({"learnable": False},)  # a fixed sink
     serve_as = "sinks"  # vLLM: b_h as its attention's sinks (exp(b_h) in every row's denominator is softmax+1)
 
     @dataclass

@@ -90,7 +90,7 @@ def test_from_pretrained_refuses_a_plain_checkpoint(tmp_path):
 
 def test_from_pretrained_refuses_missing_patch_tensors(tmp_path):
     from safetensors.torch import load_file, save_file
-    _, model = patched_pair("llama", "avnorm-rms", nope=False)
+    _, model = patched_pair("llama", "avnorm", nope=False)  # kind=rms, its default
     model.save_pretrained(tmp_path)
     weights = load_file(tmp_path / "model.safetensors")
     save_file({k: v for k, v in weights.items() if ".retrofit." not in k}, tmp_path / "model.safetensors",
@@ -100,7 +100,7 @@ def test_from_pretrained_refuses_missing_patch_tensors(tmp_path):
 
 
 def test_load_rebuilds_a_patched_folder(tmp_path):
-    _, model = patched_pair("qwen2", "psoftmax-p2", nope=False)
+    _, model = patched_pair("qwen2", "psoftmax", nope=False)  # p = 2, its example
     model.save_pretrained(tmp_path)
     loaded = retrofit.load.load(str(tmp_path))
     assert retrofit.is_patched(loaded) and loaded.config.retrofit["norm"] == "psoftmax"

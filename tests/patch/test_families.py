@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -25,7 +26,10 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import retrofit
 from retrofit import families
+from retrofit.families import position_query_scaling
+from retrofit.norms import get_norm, make_options
 from retrofit.norms.attention_call import kernel_call
+from retrofit.patching import has_sinks
 from tests.reference import reference_model
 from tests.tiny import COVERAGE, random_ids, tiny_model
 
@@ -33,15 +37,37 @@ FAMILIES = [*COVERAGE, "gemma2"]
 # gemma2 with its attention soft-cap on and a window of 4 (tests/tiny.py keeps both off for test_patch.py)
 OVERRIDES = {"gemma2": dict(attn_logit_softcapping=1.0, sliding_window=4)}
 NORMS = retrofit.available_norms()
-KERNEL_NORMS = ["psoftmax", "ssmax", "softmax1"]
-# Options per norm; softmax1's sink learnable so its (randomized) parameter is real.
-OPTIONS = {"softmax1": {"learnable": True}}
-# What a family needs a norm told: stacking on what the model already does, or the one p its sinks allow.
-FAMILY_OPTIONS = {
-    ("llama4_text", "ssmax"): {"stack": True},      # NoPE layers already scale q by a log-position temperature
-    ("gpt_oss", "softmax1"): {"stack": True},       # a second sink on top of the model's learned ones
-    ("gpt_oss", "psoftmax"): {"p": 1.0},            # p != 1 is refused with sinks (test_gpt_oss_refusals)
-}
+# The norms retrofit's kernels compute inside attention (neither the baseline nor on the heads' outputs), with their
+# example options: each against the float64 reference (tests/reference.py).
+KERNEL_NORMS = [n for n in NORMS if not get_norm(n).baseline
+                and not get_norm(n).on_output(make_options(n, **get_norm(n).example_options))]
+
+
+def candidates(norm: str) -> list[dict]:
+    """Options to patch `norm` with, in order: its example_options, then with each of its example_variants, each of
+    its options at its schema example, and its identity-start value (scheduled_option = schedule_identity)."""
+    cls = get_norm(norm)
+    base = dict(cls.example_options)
+    examples = [o.example_options() for o in cls.option_schema()]
+    out = [base, *({**base, **v} for v in cls.example_variants), *({**base, **e} for e in examples if e is not None)]
+    if cls.scheduled_option is not None:
+        out.append({**base, cls.scheduled_option: cls.schedule_identity})
+    return out
+
+
+def family_options(model, norm: str) -> dict:
+    """What a family needs `norm` told, read from the norm's hooks: the first candidate that keeps the model's own
+    learned sinks (gpt_oss: sink_refusal; softmax1 stack=True, psoftmax p=1) and may stack on queries the model
+    already scales by position (Llama 4: stacks_query_scaling; ssmax stack=True)."""
+    cls = get_norm(norm)
+    sinks = any(has_sinks(m) for m in model.modules())
+    scaling = cls.scales_queries_by_position and position_query_scaling(model.config) is not None
+    for options in candidates(norm):
+        opts = make_options(norm, **options)
+        if not (sinks and cls.sink_refusal(opts)) and not (scaling and not cls.stacks_query_scaling(opts)):
+            return options
+    raise AssertionError(f"no option example of {norm} patches {model.config.model_type}: declare one "
+                         "(option(..., example=)) with which it can")
 
 
 # Llama 4's query temperature counts positions from the first (pad) token, not from position_ids: with the tiny
@@ -86,7 +112,7 @@ def pair(family, norm, nope, **overrides):
     """(original, patched twin) with the twin's norm parameters randomized (to catch head mix-ups)."""
     original = build(family, **overrides)
     model = twin(original)
-    retrofit.patch(model, norm, nope=nope, **OPTIONS.get(norm, {}), **FAMILY_OPTIONS.get((family, norm), {}))
+    retrofit.patch(model, norm, nope=nope, **family_options(original, norm))
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -199,21 +225,30 @@ def test_llama4_ssmax_refused_unless_stacked():
 
 
 def test_gpt_oss_refusals():
+    """Every norm whose example options cannot keep gpt_oss's learned sinks (its sink_refusal) is refused in one line
+    giving that reason, and the model is left unpatched."""
     needs("gpt_oss")
-    for norm, options, what in [("psoftmax", {}, "p=2 cannot keep"), ("softmax1", {}, "stack=True")]:
+    refused = []
+    for norm in NORMS:
+        options = get_norm(norm).example_options
+        reason = get_norm(norm).sink_refusal(make_options(norm, **options))
+        if reason is None:
+            continue
         model = build("gpt_oss")
-        with pytest.raises(retrofit.RetrofitError, match=f"learned attention sinks: .*{what}") as err:
+        with pytest.raises(retrofit.RetrofitError, match=f"^gpt_oss has learned attention sinks: {re.escape(reason)}$"):
             retrofit.patch(model, norm, **options)
-        assert "\n" not in str(err.value) and not retrofit.is_patched(model)
+        assert not retrofit.is_patched(model)
+        refused.append(norm)
+    assert {"psoftmax", "softmax1"} <= set(refused)  # what the hand-written list held (issue 63): a floor
 
 
-@pytest.mark.parametrize("norm,options", [("psoftmax", {"p": 1.0}), ("ssmax", {}), ("softmax1", {"stack": True}),
-                                          ("avnorm", {})])
-def test_gpt_oss_sinks_are_used_and_learn(one_thread, norm, options):
-    """The model's sinks reach every norm's output: their gradient is non-zero (a dropped sink would get none)."""
+@pytest.mark.parametrize("norm", [n for n in NORMS if not get_norm(n).baseline])
+def test_gpt_oss_sinks_are_used_and_learn(one_thread, norm):
+    """The model's sinks reach every norm's output, patched with what family_options picks (the example options where
+    the norm keeps sinks): their gradient is non-zero (a dropped sink would get none)."""
     needs("gpt_oss")
     model = build("gpt_oss")
-    report = retrofit.patch(model, norm, **options)
+    report = retrofit.patch(model, norm, **family_options(model, norm))
     assert any("learned attention sinks are" in n for n in report.notes)
     model.train()
     ids = random_ids(2, 10)

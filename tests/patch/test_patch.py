@@ -1,4 +1,5 @@
-"""The patcher's test matrix: every norm (and avnorm kind), with and without NoPE, on several families.
+"""The patcher's test matrix: every registered norm with its example options and each of its example variants (avnorm's
+kinds, ...), with and without NoPE, on several families.
 
 Checks per combination: parity with an independent reference (tests/reference.py), causality,
 KV-cache generation, left padding, unpatch, gradients, bf16 stability. Save/reload in a fresh process
@@ -13,20 +14,34 @@ import pytest
 import torch
 
 import retrofit
+from retrofit.norms import AttentionShape, Norm, get_norm, make_options
 from tests.reference import reference_model
 from tests.tiny import TINY, random_ids, tiny_model
 
-NORMS = {
-    "softmax": ("softmax", {}),
-    "avnorm-rms": ("avnorm", {"kind": "rms"}),
-    "avnorm-layer": ("avnorm", {"kind": "layer"}),
-    "avnorm-global": ("avnorm", {"kind": "global"}),
-    "psoftmax-p2": ("psoftmax", {"p": 2.0}),
-    "psoftmax-p3": ("psoftmax", {"p": 3.0}),
-    "ssmax": ("ssmax", {}),
-    "softmax1": ("softmax1", {}),
-    "softmax1-learnable": ("softmax1", {"learnable": True}),
-}
+
+def _configurations() -> dict[str, tuple[str, dict]]:
+    """Every registered norm with its example_options, then with each of its example_variants (the other formulas its
+    file computes: avnorm kind=layer and global, psoftmax p=3, softmax1's fixed sink): key -> (norm, options). A new
+    norm is in the matrix by being registered."""
+    out = {}
+    for name in retrofit.available_norms():
+        cls = get_norm(name)
+        out[name] = (name, dict(cls.example_options))
+        for variant in cls.example_variants:
+            out[name + "".join(f"-{k}={v}" for k, v in variant.items())] = (name, {**cls.example_options, **variant})
+    return out
+
+
+def _built(norm: str, options: dict) -> Norm:
+    return get_norm(norm)(make_options(norm, **options), AttentionShape(4, 2, 8, 64))
+
+
+NORMS = _configurations()
+# the configurations whose norm adds parameters (gradients must reach them), and those computed inside attention
+# by retrofit's kernels (gradients must reach the queries through them)
+WITH_PARAMETERS = [key for key, (norm, options) in NORMS.items() if _built(norm, options).has_parameters]
+KERNELS = [key for key, (norm, options) in NORMS.items()
+           if not get_norm(norm).baseline and not get_norm(norm).on_output(make_options(norm, **options))]
 FAMILIES = list(TINY)  # gpt2, llama, mistral, qwen2, gemma, gemma2, phi3
 MATRIX = [(f, n, nope) for f in FAMILIES for n in NORMS for nope in (False, True)]
 IDS = [f"{f}-{n}-{'nope' if nope else 'pos'}" for f, n, nope in MATRIX]
@@ -141,8 +156,16 @@ def test_softmax_norm_is_bitwise_original(family):
         assert torch.equal(model(ids).logits, original(ids).logits)
 
 
+def test_the_matrix_keeps_what_it_checked_when_it_was_written_by_hand():
+    """The lists are the registry's now; a norm that lost its parameters or its kernel would leave them silently, so
+    what the hand-written lists held (issue 63) is a floor. A new norm needs no edit here."""
+    assert {NORMS[key][0] for key in WITH_PARAMETERS} >= {"avnorm", "ssmax", "softmax1"}
+    assert {NORMS[key][0] for key in KERNELS} >= {"psoftmax", "ssmax", "softmax1"}
+    assert len(WITH_PARAMETERS) >= 5 and len(NORMS) >= 9
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
-@pytest.mark.parametrize("norm_key", ["avnorm-rms", "avnorm-layer", "avnorm-global", "ssmax", "softmax1-learnable"])
+@pytest.mark.parametrize("norm_key", WITH_PARAMETERS)
 def test_gradients_reach_added_parameters(family, norm_key):
     _, model = patched_pair(family, norm_key, nope=False)
     model.train()
@@ -157,7 +180,7 @@ def test_gradients_reach_added_parameters(family, norm_key):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-@pytest.mark.parametrize("norm_key", ["psoftmax-p2", "softmax1", "ssmax"])
+@pytest.mark.parametrize("norm_key", KERNELS)
 def test_gradients_reach_queries_through_the_kernels(family, norm_key):
     _, model = patched_pair(family, norm_key, nope=False)
     model.train()
@@ -187,7 +210,7 @@ def test_bf16_large_logits_finite(family, norm_key):
 
 
 def test_gradient_checkpointing_matches_plain():
-    _, model = patched_pair("llama", "avnorm-rms", nope=False)
+    _, model = patched_pair("llama", "avnorm", nope=False)
     twin = copy.deepcopy(model)
     model.train(), twin.train()
     from retrofit.train.run_setup import enable_gradient_checkpointing  # what `retrofit train` uses
@@ -276,7 +299,7 @@ def test_observe_sees_every_layer_on_unpatched_model():
 def test_p_softmax_model_runs_under_inference_mode():
     """Evaluation runs under torch.inference_mode; the kernel's worker threads must inherit it
     (they once wrote into inference tensors from threads outside it and crashed)."""
-    _, model = patched_pair("llama", "psoftmax-p2", nope=False)
+    _, model = patched_pair("llama", "psoftmax", nope=False)  # p = 2, its example
     ids = random_ids(4, 300)
     with torch.no_grad():
         want = model(ids).logits

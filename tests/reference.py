@@ -12,11 +12,16 @@ It applies Gemma 2's logit soft-cap (c * tanh(s / c), after SSMax's query scalin
 and a layer's `sliding_window` explicitly from the kwargs the model passes, on top of the mask
 (query at cache index i sees keys i - W < j <= i), so a kernel that ignored the window would differ.
 `naive_attention` is the same math at kernel level, on (B, H, T, D) tensors.
+
+A norm that defines only its weights (retrofit.norms.weights_only) brings its float64 formula in its own parity test,
+tests/norms/test_<name>.py, as `reference_weights(s, allowed, n, options, params)`: the reference reads it from
+there (own_formula), so adding such a norm edits no file here. The masks, n and the values stay this file's.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 
 import torch
@@ -59,7 +64,11 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
     if kwargs.get("s_aux") is not None:  # the model's own learned sinks (gpt_oss): one more logit per row
         theirs = kwargs["s_aux"].double()
         sink = theirs if sink is None else torch.logaddexp(sink, theirs)
-    if name == "psoftmax" and sink is None:
+    formula = own_formula(name)
+    if formula is not None:  # a weights-only norm: its test's float64 formula, hidden keys 0 as for every norm
+        n = allowed.sum(-1, keepdim=True).clamp_min(1).double()
+        w = torch.where(allowed, formula(s, allowed, n, opts, params), 0.0)
+    elif name == "psoftmax" and sink is None:
         e = torch.exp(s - s.amax(-1, keepdim=True))
         w = e / (e ** opts["p"]).sum(-1, keepdim=True) ** (1.0 / opts["p"])
     elif sink is not None:  # softmax+1 (p-softmax only at p = 1 here): exp(b_h) joins the denominator
@@ -83,6 +92,14 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
     if spec.get("gate"):
         out = out * gate_values(spec["gate"], params, module.reference_gate_input, h)
     return out.to(query.dtype), None
+
+
+def own_formula(norm: str):
+    """The float64 `reference_weights` of a norm whose parity test brings it (tests/norms/test_<norm>.py), or None for
+    the norms whose formulas this file writes out."""
+    if norm in ("softmax", "psoftmax", "ssmax", "softmax1", "avnorm"):
+        return None
+    return importlib.import_module(f"tests.norms.test_{norm}").reference_weights
 
 
 def gate_values(gate: dict, params: dict, x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -11,8 +11,13 @@ options. norm -> {option: (type: "str" | "int" | "float", a union "float|str", o
 
 The copies (derived_copies): OPTIONS here, the recipe reference page docs/reference/recipe.md (what `retrofit train
 --keys --markdown` prints, the norms' options among its keys) and the norms' lines of docs/architecture.md's tree
-(each norm's file and summary). tests/cli/test_cli_habits.py fails while any of them is stale.
+(each norm's file and summary), the norms' table of docs/patching.md, and the line of norms/__init__.py that imports every norm file (found by its
+`@register_norm`, so a new norm's file is registered by this command, not by hand). tests/cli/test_cli_habits.py
+fails while any of them is stale.
 """
+
+import re
+from pathlib import Path
 
 OPTIONS = {'avnorm': {'kind': ('str', 'rms | layer | global'),
             'affine': (None, 'add a learned per-channel weight (and bias for layer/global)'),
@@ -32,6 +37,7 @@ OPTIONS = {'avnorm': {'kind': ('str', 'rms | layer | global'),
               'gain': ('float',
                        'initial per-head output gain (learned); retrofit.calibrate() sets it from text; null = no '
                        'gain')},
+ 'sigmoid': {'bias': ('float', 'the logit bias b; null = -log n, n the keys the query sees')},
  'softmax': {},
  'softmax1': {'learnable': (None, 'learn a per-head sink logit b_h (init `sink`) instead of a fixed one'),
               'sink': ('float',
@@ -118,18 +124,30 @@ def generated() -> str:
 
 def derived_copies() -> dict:
     """{path: its text as the registry says it should read} for every file holding a copy of what the norms declare
-    (a source checkout's: the docs are not installed)."""
-    from pathlib import Path
-
+    (a source checkout's: the docs are not installed), and norms/__init__.py's line importing every norm file."""
     from ..recipe import documentation_markdown
 
     repo = Path(__file__).resolve().parents[2]
     this, page, tree = Path(__file__).resolve(), repo / "docs/reference/recipe.md", repo / "docs/architecture.md"
+    guide = repo / "docs/patching.md"
     text = this.read_text()
     start, end = text.index("OPTIONS = "), text.index("\n\nTYPES = ")
-    return {this: text[:start] + generated() + text[end:],
+    return {registering_line()[0]: registering_line()[1], this: text[:start] + generated() + text[end:],
             page: replace_table(page.read_text(), documentation_markdown()),
-            tree: _norm_lines(tree.read_text())}
+            tree: _norm_lines(tree.read_text()), guide: replace_table(guide.read_text(), norms_table())}
+
+
+def norms_table() -> str:
+    """docs/patching.md's table of the norms: each one's summary, formula and options (with their docs)."""
+    from ..norms import describe_norms
+
+    rows = ["| norm | what | options |", "| --- | --- | --- |"]
+    for norm in describe_norms():
+        options = "; ".join(f"`{o['name']}`: {o['doc']}" for o in norm["options"]) or "—"
+        per_head = " Per head: `heads=` applies." if norm["per_head"] else ""
+        cells = (f"`{norm['name']}`", f"{norm['summary']}: `{norm['formula']}`.{per_head}", options)
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")  # a | inside: escaped
+    return "\n".join(rows)
 
 
 def replace_table(text: str, table: str) -> str:
@@ -153,10 +171,31 @@ def _norm_lines(text: str) -> str:
     return "\n".join([*lines[:start + 1], *shared, *norms, *lines[end:]])
 
 
+NORM_IMPORT = re.compile(r"^from \. import [\w, ]+  # noqa: E402,F401$", re.M)  # norms/__init__.py's registering line
+
+
+def norm_files() -> list[str]:
+    """The modules of retrofit/norms/ that register a norm (a line `@register_norm`), read as text: no import."""
+    folder = Path(__file__).resolve().parents[1] / "norms"
+    return sorted(p.stem for p in folder.glob("*.py") if "\n@register_norm\n" in p.read_text())
+
+
+def registering_line() -> tuple[Path, str]:
+    """(norms/__init__.py, its text with the line that imports every norm file written from norm_files())."""
+    path = Path(__file__).resolve().parents[1] / "norms" / "__init__.py"
+    line = f"from . import {', '.join(norm_files())}  # noqa: E402,F401"
+    return path, NORM_IMPORT.sub(line, path.read_text(), count=1)
+
+
 def main() -> int:
-    """Rewrite every stale derived copy; print what changed."""
+    """Rewrite every stale derived copy; print what changed. The registering import first (from the files, importing
+    no norm), so that the registry read for the other copies has a new norm file in it."""
     from ..atomic import atomic_write_text
 
+    path, text = registering_line()
+    if path.read_text() != text:
+        atomic_write_text(path, text)
+        print(f"rewrote {path}")
     stale = [(path, text) for path, text in derived_copies().items() if path.read_text() != text]
     for path, text in stale:
         atomic_write_text(path, text)

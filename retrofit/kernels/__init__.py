@@ -1,8 +1,10 @@
-"""Exact, memory-efficient attention for the norms that change the weights: p-softmax, Scalable-Softmax, softmax+1.
+"""Exact, memory-efficient attention for the norms that change the weights: p-softmax, Scalable-Softmax, softmax+1,
+and any norm that defines only its weights.
 
     out = psoftmax_attention(q, k, v, p=2.0)            # weights exp(s) / ||exp(s)||_p
     out = ssmax_attention(q, k, v, s_param)             # logits * s_h * log(n), n = visible keys
     out = softmax1_attention(q, k, v, sink)             # weights exp(s) / (exp(b_h) + sum exp(s))
+    out = weights_attention(q, k, v, fn)                # weights fn(s, visible, n), row blocks (rowwise.py)
 
 All take SDPA's conventions: q (B, H, Tq, D), k/v (B, Hkv, Tk, D); out (B, H, Tq, D);
 `causal` aligns bottom-right (queries are the last Tq of the Tk positions, as with a KV cache);
@@ -58,7 +60,7 @@ import math
 
 import torch
 
-from . import blockwise, cpu_fused, custom_ops, decode, dispatch, flex  # noqa: F401  (the backends, for tests and benchmarks)
+from . import blockwise, cpu_fused, custom_ops, decode, dispatch, flex, rowwise  # noqa: F401  (the backends, for tests and benchmarks)
 from .dispatch import autocast_on, force_backend, triton_backend
 from .dispatch import choose as _choose
 from .dispatch import compute_dtype as _compute_dtype
@@ -173,5 +175,30 @@ def softmax1_attention(q, k, v, sink, *, scale=None, causal=True, attn_mask=None
     return _attention(q, k, v, "softmax1", 1.0, sink.reshape(-1), scale, causal, attn_mask, dropout_p, softcap)
 
 
-__all__ = ["psoftmax_attention", "ssmax_attention", "softmax1_attention", "visible_counts", "causal_mask",
-           "triton_backend", "force_backend"]
+def weights_attention(q, k, v, weights, *, scale=None, causal=True, attn_mask=None, enable_gqa=False, dropout_p=0.0,
+                      softcap=None):
+    """Attention whose weights a row-wise function defines: w = weights(s, visible, n) on blocks of query rows
+    (scores with -inf on hidden keys, the visible keys, n visible keys per row); hidden keys get weight 0.
+
+    The path of a norm that defines only its weights (retrofit.norms.weights_only): exact, memory O(T) forward and
+    (checkpointed) backward, gradients by autograd through the formula, any device (rowwise.py). Dtypes as the other
+    kernels: fp16/bf16 computed in fp32, out in autocast's dtype under autocast, else in v's.
+    """
+    _check(q, k, v, attn_mask, enable_gqa, "weights_attention")
+    if not callable(weights):
+        raise ValueError(f"weights_attention: weights must be a function of (scores, visible, n); got {weights!r}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    softcap = check_softcap(softcap, "weights_attention")
+    wide = _compute_dtype(q, k, v)
+    out_dtype = wide if autocast_on(q.device.type) else v.dtype
+    with dispatch.no_autocast(q.device.type):
+        out = rowwise.forward(q.to(wide), k.to(wide), v.to(wide), weights, scale, bool(causal), attn_mask,
+                              dropout_p, softcap)
+    return out.to(out_dtype)
+
+
+__all__ = ["psoftmax_attention", "ssmax_attention", "softmax1_attention", "weights_attention", "visible_counts",
+           "causal_mask", "triton_backend", "force_backend"]

@@ -112,7 +112,7 @@ def describe_norms() -> list[dict]:
 
 
 # Importing the files registers the norms. Keep this list and the files in sync (a test checks it).
-from . import avnorm, psoftmax, softmax, softmax1, ssmax  # noqa: E402,F401
+from . import avnorm, psoftmax, sigmoid, softmax, softmax1, ssmax  # noqa: E402,F401
 
 __all__ = [
     "NORMS", "AttentionShape", "Norm", "OptionSpec", "available_norms", "baseline_norm", "calibrated_norm_hints",

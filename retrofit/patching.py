@@ -34,7 +34,8 @@ from .families import (
 )
 from .gate import OutputGate, describe_gate, drop_gate_hook, pass_gate_input
 from .norms import AttentionShape, get_norm
-from .norms.base import CHILD, drop_output_hooks
+from .norms.base import CHILD
+from .norms.output_hook import drop_output_hooks, hook_output
 from .patch_spec import PatchSpec
 from .positions import already_without_positions, has_positions_removed, remove_positions, restore_positions
 from .record import (
@@ -194,7 +195,7 @@ def _attach(modules, norm_cls, opts, gate, heads, config, positions: int | None)
             if output_projection(module) is None:
                 raise RetrofitError(f"{type(module).__name__} has no output projection retrofit knows (looked for "
                                     f"{', '.join(OUTPUT_PROJECTIONS)}); add its name to families.OUTPUT_PROJECTIONS")
-            child.hook_output(module)
+            hook_output(module)
         params_added += sum(p.numel() for p in child.parameters())
     return params_added
 

@@ -13,7 +13,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 import retrofit
 from retrofit.errors import RetrofitError
 from retrofit.gate import GATE_INPUT, OutputGate, gated, normalize_gate
-from retrofit.norms.base import ProjectionHook
+from retrofit.norms.output_hook import ProjectionHook
 from retrofit.patch_spec import PatchSpec
 from tests.patch.test_families import twin  # an unpatched twin with its own config
 from tests.reference import reference_model

@@ -74,7 +74,7 @@ def test_threads_on_a_lora_wrapped_o_proj_normalize_once(tmp_path):
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from retrofit.norms.base import ProjectionHook
+    from retrofit.norms.output_hook import ProjectionHook
     from tests.tiny import random_ids
 
     model = randomized("llama", "avnorm", {})

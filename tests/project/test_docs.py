@@ -169,7 +169,7 @@ DIAGRAMS = {
         "attention_seam.py:retrofit_eager_attention", "attention_seam.py:_dispatch",
         "norms/attention_call.py:kernel_call",
         "norms/attention_call.py:visible_keys", "kernels/dispatch.py:choose", "kernels/custom_ops.py:attention_op",
-        "norms/base.py:ProjectionHook", "norms/avnorm.py:AVNorm.forward"],
+        "norms/output_hook.py:ProjectionHook", "norms/avnorm.py:AVNorm.forward"],
     "### The packing path: from packed documents to the keys a query sees": [
         "data/packing.py:packed_batch", "transformers/masking_utils.py:create_causal_mask",
         "transformers/masking_utils.py:find_packed_sequence_indices", "attention_seam.py:IMPLEMENTATIONS",

@@ -10,10 +10,10 @@ options. norm -> {option: (type: "str" | "int" | "float", a union "float|str", o
     python -m retrofit.commands.patch_flags     # rewrites every derived copy that is stale, and says which
 
 The copies (derived_copies): OPTIONS here, the recipe reference page docs/reference/recipe.md (what `retrofit train
---keys --markdown` prints, the norms' options among its keys) and the norms' lines of docs/architecture.md's tree
-(each norm's file and summary), the norms' table of docs/patching.md, and the line of norms/__init__.py that imports every norm file (found by its
-`@register_norm`, so a new norm's file is registered by this command, not by hand). tests/cli/test_cli_habits.py
-fails while any of them is stale.
+--keys --markdown` prints, the norms' options among its keys), the norms' lines of docs/architecture.md's tree
+(each norm's file and summary), the norms' table of docs/patching.md, and the line of norms/__init__.py that
+imports every norm file (found by its `@register_norm`, so a new norm's file is registered by this command, not by
+hand). tests/cli/test_cli_habits.py fails while any of them is stale.
 """
 
 import re

@@ -27,8 +27,8 @@ from tests.tiny import random_ids, randomize_patch, tiny_model
 
 
 @dataclass
-class BiasOptions:  # what sigmoid attention declared (issue 63): a word or a number
-    bias: str | float = option("-log n", "the bias b: -log n (n = the keys a query sees) or a number", example=-2.0)
+class OffsetOptions:  # how a first sigmoid attention declared its bias (issue 63): a word or a number
+    offset: str | float = option("-log n", "the offset b: -log n (n = the keys a query sees) or a number", example=-2.0)
 
 
 @dataclass
@@ -64,7 +64,7 @@ def _toy(options_cls: type, name: str = "toy") -> type[Norm]:
 @pytest.fixture
 def registered_toy():
     """A toy norm with a `str | float` option, registered for the test only."""
-    cls = register_norm(_toy(BiasOptions))
+    cls = register_norm(_toy(OffsetOptions))
     yield cls
     NORMS.pop(cls.name)
 
@@ -78,11 +78,11 @@ def test_the_schema_reads_each_type_from_its_hint_not_its_default():
     assert gain.expects == "a number or null" and gain.flag_type == "float"
     affine = next(o for o in get_norm("avnorm").option_schema() if o.name == "affine")
     assert affine.kinds == ("bool",) and affine.flag_type is None and not affine.accepts(1)
-    [bias] = _toy(BiasOptions).option_schema()
-    assert (bias.kinds, bias.optional, bias.flag_type, bias.expects) == (("str", "float"), False, "str|float",
+    [offset] = _toy(OffsetOptions).option_schema()
+    assert (offset.kinds, offset.optional, offset.flag_type, offset.expects) == (("str", "float"), False, "str|float",
                                                                          "a string or a number")
-    assert bias.accepts("-log n") and bias.accepts(-2.0) and bias.accepts(-2)
-    assert not bias.accepts(True) and not bias.accepts(None)
+    assert offset.accepts("-log n") and offset.accepts(-2.0) and offset.accepts(-2)
+    assert not offset.accepts(True) and not offset.accepts(None)
 
 
 def test_every_reader_asks_the_schema():
@@ -99,21 +99,21 @@ def test_every_reader_asks_the_schema():
 
 
 def test_an_option_declared_str_or_float_reloads_as_either(registered_toy):
-    """The trap issue 63 found: typed from its default's value, `bias: str | float = "-log n"` saved as a number
+    """The trap issue 63 found: typed from its default's value, `offset: str | float = "-log n"` saved as a number
     failed to reload. The record, the recipe and the CLI now take both, and refuse what the hint does not allow."""
     for value in ("-log n", -2.0, -2):
-        record = PatchSpec("toy", {"bias": value}).to_record()
+        record = PatchSpec("toy", {"offset": value}).to_record()
         check_record(record, "config.json")
-        assert PatchSection(norm="toy", options={"bias": value}).options == {"bias": value}
-    with pytest.raises(RetrofitError, match=r"^config.json: retrofit.options.bias must be a string or a number, "
+        assert PatchSection(norm="toy", options={"offset": value}).options == {"offset": value}
+    with pytest.raises(RetrofitError, match=r"^config.json: retrofit.options.offset must be a string or a number, "
                                             r"got True$"):
-        check_record({**PatchSpec("toy").to_record(), "options": {"bias": True}}, "config.json")
-    with pytest.raises(RetrofitError, match=r"^patch.bias must be a string or a number, got True$"):
-        PatchSection(norm="toy", options={"bias": True})
+        check_record({**PatchSpec("toy").to_record(), "options": {"offset": True}}, "config.json")
+    with pytest.raises(RetrofitError, match=r"^patch.offset must be a string or a number, got True$"):
+        PatchSection(norm="toy", options={"offset": True})
     parser = argparse.ArgumentParser()
-    add_norm_flags(parser, {"toy": {"bias": ("str|float", "the bias")}})
-    assert parser.parse_args(["--bias", "-0.5"]).bias == -0.5
-    assert parser.parse_args(["--bias", "log"]).bias == "log"
+    add_norm_flags(parser, {"toy": {"offset": ("str|float", "the offset")}})
+    assert parser.parse_args(["--offset", "-0.5"]).offset == -0.5
+    assert parser.parse_args(["--offset", "log"]).offset == "log"
     assert flag_type("int|float")("3") == 3 and flag_type("int|float")("0.5") == 0.5
     with pytest.raises(ValueError):
         flag_type("int|float")("wide")

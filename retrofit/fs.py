@@ -1,5 +1,5 @@
-"""Two file-system facts the writers need (atomic.py): the process's umask, read without changing it, and a
-folder's fsync (so a rename inside it survives a power cut)."""
+"""File-system facts the writers need (atomic.py, load/save.py, train/checkpoint.py): the process's umask, read
+without changing it, and the fsync of a folder or a whole tree (so a rename inside it survives a power cut)."""
 
 from __future__ import annotations
 
@@ -25,3 +25,12 @@ def fsync_dir(path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Every file under `path`, then `path` itself: what a rename of it (or of its files) is about to publish."""
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(path)

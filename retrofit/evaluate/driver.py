@@ -22,7 +22,7 @@ from ..calibration import calibrate, text_rows
 from ..data.read import read_tokens
 from ..errors import RetrofitError, check_token_ids
 from ..load import CountingModel, language_model, load, load_tokenizer
-from ..load.loader import same_rope
+from ..load.from_recipe import same_rope
 from ..load.preflight import check_eval_memory
 from ..load.task_model import TASK_FILE
 from ..memory import PeakMemory

@@ -1,4 +1,4 @@
-"""Loading: one loader from what the user typed to a model, and saving a run's model.
+"""Loading: one loader from what the user typed to a model, and one way to save a model.
 
     from retrofit.load import load, load_tokenizer
     model = load("runs/counting")                 # any source; a counting run comes back with its head
@@ -10,20 +10,15 @@
 plain model) and forwards transformers' loading arguments; everything else here is its helpers.
 Modules, bottom up: sources (Hub id | folder | .gguf | pkg:), models (plain transformers loading),
 checkpoint (retrofit checkpoints), adapters (PEFT adapters with their patch), task_model (the counting
-head), loader (run folders, recipes' models, `load` and `from_pretrained`).
+head), save (`save_model`: the one way retrofit saves a model, atomically), from_recipe (what a recipe does to a
+model: apply_patch, zero_init, its tokenizer), loader (run folders, a recipe's base, `load` and `from_pretrained`).
 """
 
 from .adapters import load_adapter, save_adapter
-from .loader import (
-    apply_patch,
-    check_finished,
-    from_pretrained,
-    load,
-    load_base,
-    recipe_tokenizer,
-    save_model,
-)
+from .from_recipe import apply_patch, recipe_tokenizer
+from .loader import check_finished, from_pretrained, load, load_base
 from .models import load_config, load_tokenizer, model_from_config, training_dtype
+from .save import save_model
 from .sources import check_model_files, check_safetensors, is_hub_id, resolve_source, source_kind
 from .task_model import CountingModel, language_model
 

@@ -4,8 +4,10 @@
     model = load("runs/lora", adapter=True)  # a LoRA run rebuilt on its base from recipe.yaml + adapter/
     model = load("./smollm2.gguf")           # anything else: Hub id, folder, retrofit checkpoint, adapter, pkg:
     model = from_pretrained("runs/avnorm", dtype="bfloat16")   # transformers-shaped: a patched model, else refused
-    save_model(model, "runs/x", tokenizer=tok)
     model, tokenizer = load_base(recipe)     # what a recipe's model section says (a source or a config), unpatched
+
+Saving is save.py's (save_model, atomic); what a recipe does to a model (apply_patch, zero_init, its tokenizer)
+is from_recipe.py's.
 
 Every loader in retrofit (eval, diagnose, patch, push, train, bench, the harness, the Python API) goes through
 `load`, which decides what a source is here and in checkpoint.checkpoint_or_plain, once:
@@ -26,40 +28,25 @@ trust_remote_code is always False: True is refused in one line.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
-from ..attention_seam import attention_modules
 from ..errors import RetrofitError
-from ..families import mlp_output_projections, output_projection
-from ..patching import is_patched, patch, patch_record, unpatch
 from ..readers import read_json
-from ..recipe import PatchSection, Recipe, load_recipe
-from ..rope import normalize_rope
-from ..selection import parse_selection
-from .adapters import (
-    ADAPTER_CONFIG,
-    BASE_DIR,
-    check_adapter_tensors,
-    is_adapter,
-    load_adapter,
-    peft_save_options,
-    save_loadable_base,
-)
+from ..recipe import Recipe, load_recipe
+from .adapters import ADAPTER_CONFIG, check_adapter_tensors, is_adapter, load_adapter
 from .checkpoint import checkpoint_or_plain
-from .models import load_tokenizer, model_from_config, training_dtype
+from .from_recipe import apply_patch, recipe_tokenizer, zero_projections
+from .models import model_from_config, training_dtype
+from .save import ADAPTER_DIR
 from .sources import HUB_ARGS, check_model_files, location, refuse_remote_code, source_kind
 from .task_model import HEAD_FILE, TASK_FILE, CountingModel, language_model
 from .validate import quiet_peft
-
-ADAPTER_DIR = "adapter"
-
 
 # from_pretrained keywords retrofit sets itself: the config is the checkpoint's, the loading report is checked here
 OWN_KWARGS = ("config", "output_loading_info", "ignore_mismatched_sizes", "state_dict", "from_tf", "from_flax",
@@ -167,7 +154,8 @@ def _model_at(source: str, loading: dict, *, plain: bool):
 # ---- a recipe's model ----------------------------------------------------------------------------------------------
 
 def load_base(recipe: Recipe):
-    """(model, tokenizer) as the recipe's model section says, before any patch or head is added."""
+    """(model, tokenizer) as the recipe's model section says, before any patch or head is added. Here, not in
+    from_recipe.py: a source may be any source `load` takes, and `load` rebuilds a LoRA run with it."""
     m = recipe.model
     if m.source is None:
         cfg = dict(m.config)
@@ -181,116 +169,7 @@ def load_base(recipe: Recipe):
     return model, recipe_tokenizer(recipe)
 
 
-def zero_projections(model: nn.Module, parts) -> int:
-    """model.zero_init: the output projections named in `parts` (attention_output, mlp_output) start at zero, weight
-    and bias; returns how many were zeroed. A part the model has none of is refused in one line."""
-    found = {"attention_output": [output_projection(m) for _, m in attention_modules(model)],
-             "mlp_output": mlp_output_projections(model)}
-    zeroed = 0
-    for part in parts:
-        projections = [p for p in found[part] if p is not None]
-        if not projections or len(projections) < len(found["attention_output"]):
-            raise RetrofitError(f"model.zero_init: {part}: {type(model).__name__} has a layer without an output "
-                                f"projection retrofit knows (families.py); drop {part}")
-        with torch.no_grad():
-            for projection in projections:
-                for tensor in (projection.weight, getattr(projection, "bias", None)):
-                    if isinstance(tensor, torch.Tensor):
-                        tensor.zero_()
-        zeroed += len(projections)
-    return zeroed
-
-
-def recipe_tokenizer(recipe: Recipe):
-    """model.tokenizer, else the source's own; None for counting (token ids are the symbols)."""
-    m = recipe.model
-    if m.tokenizer is not None:
-        tokenizer = load_tokenizer(m.tokenizer)
-        if tokenizer is None:
-            raise RetrofitError(f"model.tokenizer {m.tokenizer}: no tokenizer there")
-        return tokenizer
-    if recipe.data.task == "counting":
-        return None
-    tokenizer = load_tokenizer(m.source) if m.source is not None else None
-    if tokenizer is None:
-        raise RetrofitError(f"{m.source} has no tokenizer and data.task {recipe.data.task} needs one: "
-                            "set model.tokenizer")
-    return tokenizer
-
-
-def apply_patch(model: nn.Module, section: PatchSection):
-    """Patch as the recipe says; a model that already carries this exact patch (norm, options, nope, rope, gate) keeps
-    it (and its trained parameters); a different patch replaces it. patch.norm null leaves the model as loaded."""
-    spec = section.spec()
-    if spec is None:
-        return None
-    lm = language_model(model)
-    record = patch_record(lm)
-    if record and record.get("norm") == spec.norm and record.get("nope") == spec.nope \
-            and record.get("options") == spec.all_options() and same_rope(record.get("rope"), spec.rope) \
-            and _same_selection(lm, record, spec) and record.get("gate") == spec.gate:
-        return None
-    if is_patched(lm):
-        unpatch(lm)
-    return patch(lm, spec)
-
-
-def _same_selection(lm: nn.Module, record: dict, spec) -> bool:
-    """Whether the recorded layers/heads (resolved indices, None = all) are what patch.layers/heads select."""
-    layers = None if spec.layers is None else \
-        parse_selection(spec.layers, len(attention_modules(lm)), "patch.layers")
-    heads = None if spec.heads is None else \
-        parse_selection(spec.heads, lm.config.num_attention_heads, "patch.heads")
-    return record.get("layers") == layers and record.get("heads") == heads
-
-
-def same_rope(record: dict | None, spec) -> bool:
-    """Whether a patch record's rope (config.retrofit["rope"]) is what `spec` (a string, mapping or None) asks for.
-    original_max_position_embeddings, filled in by the patch when the spec leaves it out, counts only when given; so
-    does the attention factor 1 a temperature-owning norm gave the extension (rope.compose_temperature)."""
-    if record is None or spec is None:
-        return record is None and spec is None
-    wanted, recorded = normalize_rope(spec), dict(record["parameters"])
-    for filled in ("original_max_position_embeddings", "attention_factor"):  # filled in by the patch, not given
-        if filled not in wanted and (filled != "attention_factor" or record.get("temperature_owner")):
-            recorded.pop(filled, None)
-    return recorded == wanted
-
-
 # ---- run folders -----------------------------------------------------------------------------------------------------
-
-def save_model(model: nn.Module, run_dir, *, tokenizer=None, peft_save: str | None = None,
-               state_dict=None, final_dir=None) -> nn.Module:
-    """Write the final model into run_dir; returns the model as saved (a LoRA model comes back merged
-    when the merged form was written). Call on the main process with the unwrapped model. final_dir: the run folder
-    run_dir's files are renamed into afterwards (the adapter names its base/ there), when run_dir is a staging one."""
-    run_dir = Path(run_dir)
-    lm = language_model(model)
-    gathered = state_dict
-    if state_dict is not None and isinstance(model, CountingModel):
-        state_dict = {k[3:]: v for k, v in state_dict.items() if k.startswith("lm.")}
-    if peft_save is not None:
-        if peft_save in ("adapter", "both"):  # state_dict (a sharded model's, gathered): the adapter's part of it
-            lm.save_pretrained(run_dir / ADAPTER_DIR, **({"state_dict": state_dict} if state_dict else {}),
-                               **peft_save_options(lm))
-            save_loadable_base(lm, run_dir / ADAPTER_DIR, run_dir / BASE_DIR, state_dict,  # a .gguf / pkg: base
-                               named_as=Path(final_dir or run_dir) / BASE_DIR)
-        if peft_save in ("merged", "both"):
-            lm = lm.merge_and_unload()
-            lm.save_pretrained(run_dir)
-            if isinstance(model, CountingModel):
-                model.lm = lm
-    else:
-        lm.save_pretrained(run_dir, state_dict=state_dict)
-    if isinstance(model, CountingModel):
-        save_file(model.task_state(gathered), str(run_dir / HEAD_FILE))
-        (run_dir / TASK_FILE).write_text(json.dumps({"task": "counting", "head": "linear",
-                                                     "hidden_size": model.head.in_features,
-                                                     "first_token": model.first_token is not None}, indent=2))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(run_dir)
-    return model if isinstance(model, CountingModel) else lm
-
 
 def _load_adapter_run(run: Path) -> nn.Module:
     if not (run / ADAPTER_DIR).is_dir() or not (run / "recipe.yaml").is_file():

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ..atomic import MARKER, atomic_write_text, owned_folder, remove_owned
 from ..errors import RetrofitError, write_failure
+from ..fs import fsync_tree
 from ..readers import expect, read_json
 from . import fsdp, zero
 
@@ -48,18 +49,6 @@ def complete_checkpoints(run_dir) -> list[tuple[int, Path]]:
         if (path / "meta.json").is_file() and path.name[len(PREFIX):].isdigit():
             found.append((int(path.name[len(PREFIX):]), path))
     return sorted(found)
-
-
-def fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(accelerator, run_dir, step: int, data_state: dict, recipe_flat: dict, keep: int,

@@ -24,15 +24,13 @@ experiment driver evaluates on a finetune schedule with `eval.at_steps: [0, 10, 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..atomic import atomic_write_text, check_output, fsync_dir, output_folder, output_path, owned_folder, remove_owned
+from ..atomic import atomic_write_text, check_output, output_folder, output_path
 from ..data import build_data
 from ..errors import RetrofitError
 from ..load import apply_patch, language_model, load_base, recipe_tokenizer, save_model
@@ -352,8 +350,8 @@ def _finish(run: Run) -> TrainResult:
 
 def save_final(acc, model, run_dir: Path, tokenizer, recipe: Recipe, result: TrainResult,
                from_recipe: bool = True, ran: Engine | None = None) -> nn.Module:
-    """The final model (save_pretrained, safetensors, patch in config.json) and result.json (with the engine that
-    trained it)."""
+    """The final model (load.save_model: safetensors, patch in config.json, atomically) and result.json (with the
+    engine that trained it), written last: it marks the run finished."""
     acc.wait_for_everyone()
     unwrapped = acc.unwrap_model(model, keep_torch_compile=False)
     peft = recipe.train.peft
@@ -364,9 +362,8 @@ def save_final(acc, model, run_dir: Path, tokenizer, recipe: Recipe, result: Tra
         state = zero.full_state_dict(model)  # ZeRO-3: gathered one module at a time, on the main process
     saved = unwrapped
     if acc.is_main_process:
-        with _atomic_files(run_dir) as tmp:
-            saved = save_model(unwrapped, tmp, tokenizer=tokenizer, peft_save=peft.save if peft else None,
-                               state_dict=state, final_dir=run_dir)
+        saved = save_model(unwrapped, run_dir, tokenizer=tokenizer, peft_save=peft.save if peft else None,
+                           state_dict=state, into_run=True)  # RUN/.tmp-final, renamed into place
         last = max(result.evals) if result.evals else None
         final_loss = result.losses.get(max(result.losses)) if result.losses else None
         summary = {"steps": result.steps, "final_loss": final_loss,
@@ -377,24 +374,3 @@ def save_final(acc, model, run_dir: Path, tokenizer, recipe: Recipe, result: Tra
         atomic_write_text(run_dir / "result.json", json.dumps(summary, indent=2, default=str))  # marks the run finished
     acc.wait_for_everyone()
     return saved
-
-
-@contextlib.contextmanager
-def _atomic_files(run_dir: Path):
-    """A temporary folder inside the run folder; on success each file (or folder: adapter/) in it is renamed
-    into run_dir, so a kill mid-save never leaves a truncated model.safetensors under its final name."""
-    tmp = run_dir / ".tmp-final"
-    remove_owned(tmp, run_dir)  # left by a kill during an earlier save
-    owned_folder(tmp)
-    yield tmp
-    checkpoint.fsync_tree(tmp)
-    old = owned_folder(tmp / ".replaced")  # what the new files replace goes here, then with tmp
-    for entry in sorted(tmp.iterdir()):
-        if entry.name in (".replaced", checkpoint.MARKER):
-            continue
-        target = run_dir / entry.name
-        if target.is_dir() and not target.is_symlink():  # a folder (adapter/) cannot be replaced in one rename
-            os.replace(target, old / entry.name)
-        os.replace(entry, target)
-    fsync_dir(run_dir)
-    remove_owned(tmp, run_dir)

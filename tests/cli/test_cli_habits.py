@@ -387,7 +387,7 @@ def test_a_large_check_text_rise_prints_the_recovery_command(tiny_folder, tmp_pa
     The losses are pinned (a random tiny model has nothing to ruin); the rule and the command are what is tested."""
     import shlex
 
-    from retrofit.commands.patch import RISE_NATS
+    from retrofit.patch_job import RISE_NATS
     from retrofit.recipe import load_recipe
     from tests.tiny import char_tokenizer
 

@@ -24,12 +24,12 @@ def big_text(tmp_path_factory):
 
 
 def test_a_token_budget_reads_only_as_far_as_it_needs(big_text):
-    from retrofit.commands.patch import _read_tokens  # --calibration-text and --check-text read this way
+    from retrofit.patch_job import text_tokens  # --calibration-text and --check-text read this way
 
     tok = char_tokenizer()
     tracemalloc.start()
     try:
-        ids = _read_tokens(tok, str(big_text), 1000)
+        ids = text_tokens(tok, str(big_text), 1000)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from retrofit.experiment.driver import DEMO_RECIPE
 from retrofit.experiment.labels import trained_patch
-from retrofit.load.loader import apply_patch
+from retrofit.load.from_recipe import apply_patch
 from retrofit.load.models import model_from_config
 from retrofit.patching import patch_record
 from retrofit.recipe import load_recipe

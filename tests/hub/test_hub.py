@@ -19,9 +19,9 @@ import torch
 
 import retrofit
 from retrofit.cli import main
-from retrofit.commands.patch import save_atomically
 from retrofit.hub import GUARD, push
 from retrofit.hub.model_card import model_card
+from retrofit.load import save_model
 from tests.tiny import TINY, char_tokenizer, random_ids, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +79,7 @@ def patched(tmp_path_factory):
             if ".retrofit." in name:
                 p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
         logits = model(random_ids(2, 12)).logits
-    save_atomically(model, char_tokenizer(), root / "ckpt")
+    save_model(model, root / "ckpt", tokenizer=char_tokenizer())
     write_report(eval_results(), root / "eval")
     return root / "ckpt", root / "eval", logits
 
@@ -343,7 +343,6 @@ def test_the_model_card_escapes_every_text_it_embeds():
 def test_a_pushed_runs_card_says_how_to_rerun_a_recipe_whose_paths_went_up_as_names(tmp_path):
     """The card said "rerun with `retrofit train recipe.yaml`" of a recipe whose local paths were published as bare
     file names, which cannot work on another machine: it names the keys to give on the command line instead."""
-    from retrofit.load import save_model
     model = tiny_model("llama")
     retrofit.patch(model, "avnorm")
     run = tmp_path / "runs" / "ft"

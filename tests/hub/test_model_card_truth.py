@@ -10,11 +10,10 @@ import pytest
 from huggingface_hub import ModelCard
 
 import retrofit
-from retrofit.commands.patch import save_atomically
 from retrofit.hub.model_card import model_card
 from retrofit.hub.origin import card_base_model, gguf_origin
 from retrofit.hub.publish import push
-from retrofit.load import load
+from retrofit.load import load, save_model
 from tests.hub.test_hub import card_info
 from tests.tiny import char_tokenizer, tiny_gguf
 
@@ -88,7 +87,7 @@ def test_push_asks_for_base_model_when_the_card_would_name_none(tmp_path, capsys
     tiny_gguf(gguf)
     model = load(str(gguf))
     retrofit.patch(model, "softmax1")
-    save_atomically(model, char_tokenizer(), tmp_path / "ckpt")
+    save_model(model, tmp_path / "ckpt", tokenizer=char_tokenizer())
     with_origin = tmp_path / "origin.gguf"
     _gguf_with_header(with_origin, **{"general.source.url": f"https://huggingface.co/{ORIGIN}"})
     for out, base in (("gguf", str(gguf)), ("none", None), ("origin", str(with_origin)), ("named", ORIGIN)):

@@ -15,7 +15,7 @@ import torch
 import retrofit
 from retrofit.load import load
 from retrofit.load.adapters import BASE_DIR, RECORD, read_record
-from retrofit.load.loader import ADAPTER_DIR, save_model
+from retrofit.load.save import ADAPTER_DIR, save_model
 from retrofit.load.sources import resolve_source
 from tests.tiny import char_tokenizer, gguf_package, random_ids, randomize_patch, tiny_gguf
 

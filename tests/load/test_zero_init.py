@@ -11,7 +11,7 @@ from retrofit.attention_seam import attention_modules
 from retrofit.errors import RetrofitError
 from retrofit.families import mlp_output_projections, output_projection
 from retrofit.load import load_base
-from retrofit.load.loader import zero_projections
+from retrofit.load.from_recipe import zero_projections
 from retrofit.recipe import recipe_from_dict
 from tests.tiny import TINY, random_ids, tiny_model
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import retrofit
-from retrofit.load.loader import same_rope
+from retrofit.load.from_recipe import same_rope
 from tests.tiny import random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

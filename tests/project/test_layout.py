@@ -32,10 +32,11 @@ RANKS = {
     "data": 9, "serve": 9,
     "train": 10, "evaluate": 10, "diagnose": 10,
     "experiment": 11, "hub": 11, "bench": 11, "integrations": 11,
-    "commands": 12,
-    "cli": 13,
+    "patch_job": 12,  # what `retrofit patch` does as one function: load, patch, calibrate, measure, save, push (hub)
+    "commands": 13,
+    "cli": 14,
     # "" = the package root, retrofit/__init__.py: the public API, imported by nobody inside; auto: retrofit.enable()
-    "__main__": 14, "auto": 14, "": 14,
+    "__main__": 15, "auto": 15, "": 15,
 }
 
 

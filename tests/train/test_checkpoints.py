@@ -16,8 +16,9 @@ import torch
 
 from retrofit import atomic
 from retrofit.errors import RetrofitError
+from retrofit.load import save as model_saving
 from retrofit.recipe import recipe_from_dict
-from retrofit.train import checkpoint, loop, read_log, train, update
+from retrofit.train import checkpoint, read_log, train, update
 from tests.tiny import TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -157,13 +158,13 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
 
 
 def test_a_kill_while_saving_the_final_model_leaves_no_model_file(tmp_path, monkeypatch):
-    real = loop.save_model
+    real = model_saving._write_model  # what save_model writes into RUN/.tmp-final, before the renames
 
-    def dies_after_writing(model, folder, **kwargs):
-        real(model, folder, **kwargs)
+    def dies_after_writing(*args, **kwargs):
+        real(*args, **kwargs)
         raise Killed("during the final save")
 
-    monkeypatch.setattr(loop, "save_model", dies_after_writing)
+    monkeypatch.setattr(model_saving, "_write_model", dies_after_writing)
     run = tmp_path / "run"
     with pytest.raises(Killed):
         train(recipe_from_dict(counting_recipe(run, steps=2, save_every=0)))

@@ -16,6 +16,7 @@ from retrofit.diagnose import Plan, diagnose
 from retrofit.diagnose import measures as M
 from retrofit.diagnose.capture import capture_rows
 from retrofit.errors import RetrofitError
+from retrofit.norms import available_norms, get_norm
 from retrofit.lengths import parse_lengths
 from tests.tiny import VOCAB, random_ids, randomize_patch, tiny_model
 
@@ -216,9 +217,10 @@ def test_capture_sees_every_layer_and_matches_eager_weights(model_type):
     assert model.config._attn_implementation == "sdpa"               # observe switched it back
 
 
-@pytest.mark.parametrize("norm,options", [("softmax", {}), ("psoftmax", {"p": 2.0}), ("ssmax", {}),
-                                          ("softmax1", {"learnable": True}), ("avnorm", {})])
+@pytest.mark.parametrize("norm,options", [(n, get_norm(n).example_options) for n in available_norms()])
 def test_rebuilt_weights_match_each_norms_own_output(norm, options):
+    """Every registered norm (its example options): the weights diagnose rebuilds from Norm.weights, times the values,
+    are the norm's own output (AVNorm: its formula on the softmax output)."""
     model = tiny_model("llama")
     retrofit.patch(model, norm, **options)
     randomize_patch(model, seed=1)  # per-head gain / s / sink: not all equal

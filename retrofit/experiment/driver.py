@@ -161,7 +161,7 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
 
 
 # Recipe keys that may differ between an arm's run and a re-run without changing the arm's model (its name, folder,
-# logging, and the recovery-curve evaluations): the same ones a resume ignores (train/checkpoint.py).
+# logging, and the recovery-curve evaluations): the same ones a resume ignores (train/resume_state.py).
 _SAME_MODEL = ("name", "output.", "train.progress", "train.log_every", "eval.")
 
 

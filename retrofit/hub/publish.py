@@ -46,8 +46,8 @@ from ..load.adapters import (
     load_adapter,
     read_record,
 )
-from ..load.checkpoint import patch_tensors
 from ..load.loader import check_finished
+from ..load.patched_checkpoint import patch_tensors
 from ..load.sources import check_model_files, is_hub_id
 from ..norms import AttentionShape, get_norm, make_options
 from ..readers import read_json

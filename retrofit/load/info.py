@@ -26,8 +26,8 @@ from ..readers import read_json, read_yaml
 from ..record import describe_selection
 from ..rope import describe_rope
 from .adapters import ADAPTER_CONFIG, read_record
-from .checkpoint import patch_record_of
 from .models import load_config
+from .patched_checkpoint import patch_record_of
 from .sources import source_kind
 
 MARKER = ".retrofit."  # the patch's tensors: children named `retrofit` of the attention modules

@@ -52,8 +52,8 @@ from .adapters import (
     peft_save_options,
     save_loadable_base,
 )
-from .checkpoint import checkpoint_or_plain
 from .models import load_tokenizer, model_from_config, training_dtype
+from .patched_checkpoint import checkpoint_or_plain
 from .sources import HUB_ARGS, check_model_files, location, refuse_remote_code, source_kind
 from .task_model import HEAD_FILE, TASK_FILE, CountingModel, language_model
 from .validate import quiet_peft

@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .checkpoint import is_checkpoint
 from .loader import check_finished
 from .models import load_config
+from .patched_checkpoint import is_checkpoint
 from .sources import check_model_files, source_kind
 
 

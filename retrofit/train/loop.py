@@ -40,7 +40,7 @@ from ..memory import return_freed_memory
 from ..readers import read_json
 from ..recipe import Recipe, dotted_settings, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, record_schedule, scheduled_values
-from . import checkpoint, engine, fsdp, preflight, run_setup, zero
+from . import engine, fsdp, preflight, resume_state, run_setup, zero
 from .alst import preparing
 from .engine import Engine
 from .progress import step_bar
@@ -57,7 +57,7 @@ def run_dir_of(recipe: Recipe) -> Path:
 
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
     check_output(run_dir, "output.dir")  # new, empty or made by retrofit: never a folder of the user's files
-    held = [n for n in ("result.json", "log.jsonl", "config.json", checkpoint.FOLDER) if (run_dir / n).exists()]
+    held = [n for n in ("result.json", "log.jsonl", "config.json", resume_state.FOLDER) if (run_dir / n).exists()]
     if resume and not run_dir.is_dir():
         raise RetrofitError(f"nothing to resume: {run_dir} does not exist")
     if held and not resume:
@@ -147,9 +147,9 @@ def _finished(recipe: Recipe, acc, run_dir: Path) -> bool:
     newest checkpoint) or a clear error; True when the run already finished."""
     if (run_dir / "recipe.yaml").is_file():
         saved = dotted_settings(load_recipe(run_dir / "recipe.yaml"))
-        checkpoint.check_same_recipe(saved, dotted_settings(recipe), run_dir)
-        if checkpoint.extends(saved, dotted_settings(recipe)):
-            _say_extension(acc, run_dir, saved[checkpoint.EXTENDABLE], recipe.train.steps)
+        resume_state.check_same_recipe(saved, dotted_settings(recipe), run_dir)
+        if resume_state.extends(saved, dotted_settings(recipe)):
+            _say_extension(acc, run_dir, saved[resume_state.EXTENDABLE], recipe.train.steps)
     done = run_dir / "result.json"
     if done.is_file() and read_json(done).get("steps") == recipe.train.steps:
         acc.print(f"{run_dir} already finished {recipe.train.steps} steps; nothing to do")
@@ -159,7 +159,7 @@ def _finished(recipe: Recipe, acc, run_dir: Path) -> bool:
 
 def _say_extension(acc, run_dir: Path, old: int, new: int) -> None:
     """train.steps raised on resume: from the newest checkpoint, never from step 0 (that is a new run)."""
-    found = checkpoint.complete_checkpoints(run_dir)
+    found = resume_state.complete_checkpoints(run_dir)
     if not found:
         raise RetrofitError(f"{run_dir} has no checkpoint to extend it from (checkpoints need output.save_every > 0); "
                             f"start a new run from its model instead: model.source={run_dir}")
@@ -198,7 +198,7 @@ def _resume(run: Run) -> list[float] | None:
     position and the open log window (so a window spanning the resume logs the same mean). Returns the schedule
     knob it saved (None: none)."""
     run.result.resumed_from = 0
-    found = checkpoint.resume_checkpoint(run.acc, run.run_dir, run.flat, _sharded(run))
+    found = resume_state.resume_checkpoint(run.acc, run.run_dir, run.flat, _sharded(run))
     if not found:
         run.acc.print(f"no complete checkpoint in {run.run_dir}: starting at step 0")
         return None
@@ -320,7 +320,7 @@ def _save_checkpoint(run: Run, done: int) -> None:
     acc = run.acc
     window = {"loss": float(acc.reduce(run.window.loss.clone(), "sum")), "items": run.window.items}
     knob = scheduled_values(run.model) if run.schedule is not None else None
-    path = checkpoint.save_checkpoint(acc, run.run_dir, done, run.data.state_dict(), run.flat, run.recipe.output.keep,
+    path = resume_state.save_checkpoint(acc, run.run_dir, done, run.data.state_dict(), run.flat, run.recipe.output.keep,
                                       window=window, knob=knob, sharded=_sharded(run))
     run.notify("checkpoint", done, path=path)
 
@@ -387,10 +387,10 @@ def _atomic_files(run_dir: Path):
     remove_owned(tmp, run_dir)  # left by a kill during an earlier save
     owned_folder(tmp)
     yield tmp
-    checkpoint.fsync_tree(tmp)
+    resume_state.fsync_tree(tmp)
     old = owned_folder(tmp / ".replaced")  # what the new files replace goes here, then with tmp
     for entry in sorted(tmp.iterdir()):
-        if entry.name in (".replaced", checkpoint.MARKER):
+        if entry.name in (".replaced", resume_state.MARKER):
             continue
         target = run_dir / entry.name
         if target.is_dir() and not target.is_symlink():  # a folder (adapter/) cannot be replaced in one rename

@@ -20,7 +20,7 @@ from retrofit.data import counting_batch
 from retrofit.errors import RetrofitError
 from retrofit.load import load
 from retrofit.recipe import load_recipe, recipe_from_dict
-from retrofit.train import checkpoint, read_log, run_setup, schedules, train
+from retrofit.train import read_log, resume_state, run_setup, schedules, train
 from tests.tiny import TINY, char_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -178,7 +178,7 @@ def test_sigkill_mid_training_then_resume_ends_like_an_uninterrupted_run(corpus,
     proc = subprocess.run([sys.executable, "-c", script], env=subprocess_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == -9, proc.stderr[-3000:]
-    assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path / "run")] == [4]
+    assert [s for s, _ in resume_state.complete_checkpoints(tmp_path / "run")] == [4]
     with pytest.raises(RetrofitError, match="already holds a run"):
         train(recipe_from_dict(raw))  # no silent overwrite without --resume
     resumed = train(recipe_from_dict(raw), resume=True)
@@ -196,20 +196,20 @@ def test_sigkill_mid_training_then_resume_ends_like_an_uninterrupted_run(corpus,
 def test_crash_while_writing_a_checkpoint_never_leaves_one_that_loads(corpus, uninterrupted, tmp_path, monkeypatch):
     reference, _ = uninterrupted
     raw = lm_recipe(corpus, tmp_path / "run")
-    real_write = checkpoint.write_state
+    real_write = resume_state.write_state
 
     def crash_on_second(accelerator, folder, sharded=None):
         real_write(accelerator, folder, sharded)  # the files are there, meta.json and the rename are not
         if "0000008" in str(folder):
             raise KeyboardInterrupt("simulated kill during the checkpoint write")
 
-    monkeypatch.setattr(checkpoint, "write_state", crash_on_second)
+    monkeypatch.setattr(resume_state, "write_state", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
         train(recipe_from_dict(raw))
-    monkeypatch.setattr(checkpoint, "write_state", real_write)
-    folder = tmp_path / "run" / checkpoint.FOLDER
+    monkeypatch.setattr(resume_state, "write_state", real_write)
+    folder = tmp_path / "run" / resume_state.FOLDER
     assert (folder / ".tmp-step-0000008").is_dir()
-    assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path / "run")] == [4]
+    assert [s for s, _ in resume_state.complete_checkpoints(tmp_path / "run")] == [4]
     with pytest.raises(RetrofitError, match=r"recipe differs .*train.lr"):
         changed = lm_recipe(corpus, tmp_path / "run", lr=5e-3)
         train(recipe_from_dict(changed), resume=True)

@@ -6,7 +6,7 @@ The checks of the command line every verb makes at the top of `run`, before load
 that must be positive, an output path we can write, text files that can be read; so do the flags several verbs
 share (one spelling everywhere: --no-progress, --dtype, --patch). What a recipe or a model would refuse (a missing
 data file, a damaged source, activations that do not fit in memory) is the library's to check, in its entry points
-(retrofit.train.preflight, retrofit.load.preflight): a Python caller gets the same refusal as the command line.
+(retrofit.train.recipe_fits, retrofit.load.preflight): a Python caller gets the same refusal as the command line.
 
 A verb module imports nothing heavy at its top (torch, transformers, the library): `retrofit VERB --help` and an
 argument error then take a fraction of a second; `run` imports what it uses (tests/cli/test_cli_habits.py checks).

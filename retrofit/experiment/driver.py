@@ -43,7 +43,7 @@ from ..recipe import (
 )
 from ..rope import describe_rope
 from ..train import read_log, train
-from ..train.preflight import check_recipe_fits
+from ..train.recipe_fits import check_recipe_fits
 from .reference import load_reference
 from .report import hardware
 from .results import arm_results, evaluate_all, within, write_results

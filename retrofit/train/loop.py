@@ -40,7 +40,7 @@ from ..memory import return_freed_memory
 from ..readers import read_json
 from ..recipe import Recipe, dotted_settings, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, record_schedule, scheduled_values
-from . import engine, fsdp, preflight, resume_state, run_setup, zero
+from . import engine, fsdp, recipe_fits, resume_state, run_setup, zero
 from .alst import preparing
 from .engine import Engine
 from .progress import step_bar
@@ -104,7 +104,7 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
     while this process holds the run folder's lock."""
     run_dir = run_dir_of(recipe)
     _check_run_dir(run_dir, resume)
-    preflight.check_recipe_fits(recipe, model=model, data=data)  # data, source, memory: before anything is allocated
+    recipe_fits.check_recipe_fits(recipe, model=model, data=data)  # data, source, memory: before anything is allocated
     acc = run_setup.make_accelerator(recipe.train, run_dir, check_trackers(recipe.output.trackers))
     if acc.device.type == "cpu" and recipe.train.cpu_release_memory:  # freed activations go back to the OS
         return_freed_memory()  # instead of raising the peak (memory.py); it costs small models speed

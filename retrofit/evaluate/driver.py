@@ -35,7 +35,6 @@ from ..readers import expect, read_yaml
 from ..recipe import CountingOptions, build
 from ..rope import describe_rope
 from .compare import check_references, paired_comparisons
-from .engines import vllm_entry
 from .intervals import METHOD
 from .losses import (
     check_lengths,
@@ -47,6 +46,7 @@ from .losses import (
 )
 from .ruler import evaluate_ruler, read_texts, ruler_instances, ruler_tasks
 from .spec import EvalSpec
+from .vllm_tasks import vllm_entry
 from .windows import cut_windows, read_token_file, tokenize_files, tokenizer_fingerprint
 
 

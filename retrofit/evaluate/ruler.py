@@ -100,7 +100,7 @@ def score_row(task: str, length: int, depth, insts: list[dict], predictions: lis
 def evaluate_ruler(model, tokenizer, prepared: dict, *, progress: bool = True, answer=None) -> list[dict]:
     """Rows for every (task, length) of `prepared` (ruler_instances' dict), by length then task then depth.
     answer: `answer(model, tokenizer, text, max_new_tokens, stop) -> str`, default greedy_answer (transformers);
-    retrofit.serve.engine.vllm_greedy_answer with a vllm.LLM as the model (`retrofit eval --engine vllm`)."""
+    retrofit.serve.vllm_engine.vllm_greedy_answer with a vllm.LLM as the model (`retrofit eval --engine vllm`)."""
     rows = []
     for length in sorted({n for _, n in prepared}):
         if answer is None:

@@ -22,7 +22,7 @@ import torch
 
 from ..atomic import atomic_folder
 from ..errors import RetrofitError, read_utf8
-from .engine import checkpoint_plan, load_llm
+from .vllm_engine import checkpoint_plan, load_llm
 
 SCHEMA = "retrofit.serve.parity/1"
 

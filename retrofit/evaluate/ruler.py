@@ -1,4 +1,4 @@
-"""Scoring the RULER-style tasks (retrofit/data/ruler.py): greedy generation with the KV cache, RULER's scorers.
+"""Scoring the RULER-style tasks (retrofit/data/ruler_tasks.py): greedy generation with the KV cache, RULER's scorers.
 
     rows = evaluate_ruler(model, tokenizer, [4096, 8192], tasks=["niah", "vt"], texts=[book], samples=8)
 
@@ -7,7 +7,7 @@ One row per (task, length, depth for the niah tasks): `score` (mean of the per-s
 `scores` and `predictions` per sample.
 Every niah, vt, cwe and fwe sample is scored by string_match_all (RULER's metric for them): the fraction of the
 references found in the generated text, case-insensitive. A sample's text is what greedy decoding produces
-within the task's max new tokens, cut at the first blank line (data.ruler.STOP) and at EOS.
+within the task's max new tokens, cut at the first blank line (data.ruler_tasks.STOP) and at EOS.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..bounds import MOST, check_size
-from ..data.ruler import DEPTH_TASKS, TASKS, Haystack, instances
+from ..data.ruler_tasks import DEPTH_TASKS, TASKS, Haystack, instances
 from ..errors import RetrofitError, iter_utf8
 from .intervals import as_list, mean_interval, proportion_interval
 from .losses import fresh_dynamic_rope

@@ -55,7 +55,7 @@ def measure(config: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from ..evaluate.losses import token_losses
+    from ..evaluate.scoring import token_losses
     from ..memory import PeakMemory
 
     model = _model(config["model"]).to(config["device"])

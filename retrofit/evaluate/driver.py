@@ -4,7 +4,7 @@
 
 Per source and variant: its data prepared (text tokenized once per tokenizer, every length cut before any model
 loads), the model loaded, patched and calibrated on the fly when the spec asks, checked (tasks, lengths,
-vocabulary), then each task scored (losses.py, ruler.py); paired differences to the reference model last
+vocabulary), then each task scored (scoring.py, ruler.py); paired differences to the reference model last
 (compare.py).
 """
 
@@ -36,7 +36,8 @@ from ..recipe import CountingOptions, build
 from ..rope import describe_rope
 from .compare import check_references, paired_comparisons
 from .intervals import METHOD
-from .losses import (
+from .ruler import evaluate_ruler, read_texts, ruler_instances, ruler_tasks
+from .scoring import (
     check_lengths,
     config_value,
     evaluate_counting,
@@ -44,7 +45,6 @@ from .losses import (
     evaluate_passkey,
     original_positions,
 )
-from .ruler import evaluate_ruler, read_texts, ruler_instances, ruler_tasks
 from .spec import EvalSpec
 from .vllm_tasks import vllm_entry
 from .windows import cut_windows, read_token_file, tokenize_files, tokenizer_fingerprint

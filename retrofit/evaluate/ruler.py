@@ -19,8 +19,8 @@ from ..bounds import MOST, check_size
 from ..data.ruler_tasks import DEPTH_TASKS, TASKS, Haystack, instances
 from ..errors import RetrofitError, iter_utf8
 from .intervals import as_list, mean_interval, proportion_interval
-from .losses import fresh_dynamic_rope
 from .ruler_metric import string_match_all
+from .scoring import fresh_dynamic_rope
 
 HAYSTACK_READ = 512  # characters of --data read per token of the longest length (64 haystacks of ~8 a token)
 DEFAULTS = {"samples": 8, "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "needle": "number", "seed": 0}

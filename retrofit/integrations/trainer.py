@@ -27,7 +27,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..errors import RetrofitError, quoted
-from ..evaluate.losses import evaluate_lengths
+from ..evaluate.scoring import evaluate_lengths
 from ..recipe.recovery_section import ScheduleSection
 from ..recipe.schema import build
 from ..recovery.schedule import apply_schedule, record_schedule

@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from ..io.atomic import atomic_write_text
 
 METHODS = ("chunked", "naive")
 SMALL = dict(model_type="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,

@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from ..io.atomic import atomic_write_text
 
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, vocab_size=256)

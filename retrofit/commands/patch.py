@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..atomic import atomic_folder
 from ..errors import RetrofitError
+from ..io.atomic import atomic_folder
 from . import add_dtype_flag, add_progress_flag, check_counts, check_out, check_text_files
 from .patch_flags import OPTIONS, add_norm_flags, norm_flags
 

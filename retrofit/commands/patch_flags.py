@@ -155,7 +155,7 @@ def _norm_lines(text: str) -> str:
 
 def main() -> int:
     """Rewrite every stale derived copy; print what changed."""
-    from ..atomic import atomic_write_text
+    from ..io.atomic import atomic_write_text
 
     stale = [(path, text) for path, text in derived_copies().items() if path.read_text() != text]
     for path, text in stale:

@@ -21,6 +21,7 @@ import torch
 from ..calibration import calibrate, text_rows
 from ..data.read import read_tokens
 from ..errors import RetrofitError, check_token_ids
+from ..io.readers import expect, read_yaml
 from ..load import CountingModel, language_model, load, load_tokenizer
 from ..load.loader import same_rope
 from ..load.preflight import check_eval_memory
@@ -31,7 +32,6 @@ from ..patch_spec import EVAL, PATCH_KEYS, PatchSpec
 from ..patching import extend_rope, patch_record
 from ..patching import patch as patch_model
 from ..positions import position_limit
-from ..readers import expect, read_yaml
 from ..recipe import CountingOptions, build
 from ..rope import describe_rope
 from .compare import check_references, paired_comparisons

@@ -25,11 +25,11 @@ import time
 import traceback
 from pathlib import Path
 
-from ..atomic import atomic_write_text, check_output, output_folder, owned_folder, remove_owned
 from ..errors import RetrofitError, quoted
 from ..evaluate.report import write_report
+from ..io.atomic import atomic_write_text, check_output, output_folder, owned_folder, remove_owned
+from ..io.readers import read_json
 from ..load import load, training_dtype
-from ..readers import read_json
 from ..recipe import (
     ArmSection,
     ExperimentSection,

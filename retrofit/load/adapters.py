@@ -38,11 +38,11 @@ from safetensors.torch import save as save_tensors
 from torch import nn
 from transformers.utils import cached_file
 
-from ..atomic import atomic_folder, atomic_write_text, atomic_writer, refuse_link
 from ..errors import RetrofitError, quoted
+from ..io.atomic import atomic_folder, atomic_write_text, atomic_writer, refuse_link
+from ..io.readers import expect, read_json
 from ..patch_tensors import check_finite, listed
 from ..patching import patch_from_record, patch_record
-from ..readers import expect, read_json
 from .patched_checkpoint import checkpoint_or_plain
 from .sources import hub_error, hub_reachable, source_kind
 from .validate import check_record, quiet_peft

@@ -38,8 +38,8 @@ from torch import nn
 from ..attention_seam import attention_modules
 from ..errors import RetrofitError
 from ..families import mlp_output_projections, output_projection
+from ..io.readers import read_json
 from ..patching import is_patched, patch, patch_record, unpatch
-from ..readers import read_json
 from ..recipe import PatchSection, Recipe, load_recipe
 from ..rope import normalize_rope
 from ..selection import parse_selection

@@ -23,8 +23,8 @@ from typing import ClassVar
 
 import yaml
 
-from ..atomic import atomic_write_text
 from ..errors import RetrofitError, closest, quoted
+from ..io.atomic import atomic_write_text
 from .experiment_section import ArmSection, ExperimentSection, ReferenceSection, check_arm_name, seeded_name
 from .model import ModelSection
 from .recovery_section import RecoverySection, ScheduleSection

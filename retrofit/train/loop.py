@@ -16,10 +16,9 @@ flag records the first step whose loss or gradient norm was not finite, checked 
 every save, so no checkpoint is written from a diverged step; the final model is written into
 RUN/.tmp-final and renamed into place, result.json last.
 
-callbacks: callables `fn(event, step, info)` with event "step" (info: metrics), "eval" (info:
-metrics, model), "checkpoint" (info: path) and "end" (info: model, before it is saved). The
-experiment driver evaluates on a finetune schedule with `eval.at_steps: [0, 10, 20, 50]` and an
-"eval" callback that runs its own evaluation on info["model"].
+callbacks: callables `fn(event, step, info)` with event "step" (info: metrics), "eval" (info: metrics, model),
+"checkpoint" (info: path) and "end" (info: model, before it is saved). The experiment driver evaluates on a finetune
+schedule with `eval.at_steps: [0, 10, 20, 50]` and an "eval" callback that runs its own evaluation on info["model"].
 """
 
 from __future__ import annotations
@@ -32,12 +31,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..atomic import atomic_write_text, check_output, fsync_dir, output_folder, output_path, owned_folder, remove_owned
 from ..data import build_data
 from ..errors import RetrofitError
+from ..io.atomic import atomic_write_text, check_output, output_folder, output_path, owned_folder, remove_owned
+from ..io.fs import fsync_dir
+from ..io.readers import read_json
 from ..load import apply_patch, language_model, load_base, recipe_tokenizer, save_model
 from ..memory import return_freed_memory
-from ..readers import read_json
 from ..recipe import Recipe, dotted_settings, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, record_schedule, scheduled_values
 from . import engine, fsdp, recipe_fits, resume_state, run_setup, zero

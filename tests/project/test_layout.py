@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[2] / "retrofit"
 # import its own package and anything of a strictly lower rank; siblings of one rank never import each other
 # (evaluate must not need train to load a run, and norms/kernels import nothing above them).
 RANKS = {
-    "errors": 0, "version": 0, "fs": 0, "notices": 0,
-    "selection": 1, "atomic": 1, "memory": 1, "logit_head": 1, "record": 1, "escape": 1, "readers": 1,
+    "errors": 0, "version": 0, "notices": 0,
+    "selection": 1, "memory": 1, "logit_head": 1, "record": 1,
+    "io": 1,  # files written whole (atomic, fs), JSON / YAML read back bounded (readers), foreign values shown (escape)
     "kernels": 2, "families": 2, "bounds": 2,
     "positions": 3, "lengths": 3,
     "rope": 4, "norms": 4, "gate": 4,

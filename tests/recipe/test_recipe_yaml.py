@@ -11,7 +11,7 @@ import yaml
 
 from retrofit.errors import RetrofitError, quoted
 from retrofit.experiment import driver as experiment
-from retrofit.readers import MAX_VALUES, load_yaml
+from retrofit.io.readers import MAX_VALUES, load_yaml
 from retrofit.recipe import load_recipe, recipe_from_dict
 from tests.train.test_checkpoints import counting_recipe
 

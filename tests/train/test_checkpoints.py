@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from retrofit import atomic
 from retrofit.errors import RetrofitError
+from retrofit.io import atomic
 from retrofit.recipe import recipe_from_dict
 from retrofit.train import loop, read_log, resume_state, train, update
 from tests.tiny import TINY

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..attention_seam import attention_modules
+from ..attention_modules import attention_modules
 from ..errors import RetrofitError
 from ..families import mlp_output_projections, output_projection
 from ..io.readers import read_json

@@ -22,11 +22,13 @@ RANKS = {
     "io": 1,  # files written whole (atomic, fs), JSON / YAML read back bounded (readers), foreign values shown (escape)
     "kernels": 2, "families": 2, "bounds": 2,
     "positions": 3, "lengths": 3,
+    "attention_modules": 3,  # the modules a patch targets (by the family table) and the sharded-parameter guard
     "rope": 4, "norms": 4, "gate": 4,
     "patch_spec": 5,  # the one PatchSpec every way of writing a patch builds (tests/patch/test_patch_spec.py)
     "attention_seam": 5,  # retrofit's attention functions, registered with transformers; what runs in them
     "patch_tensors": 5,  # a checkpoint's weights against the model built for it (retrofit's loader and remote_code)
     "patching": 6,  # the public patch / unpatch
+    "observer": 6,  # observe: every attention call seen through the seam (diagnose, calibration, probes)
     "calibration": 7, "costs": 7, "recipe": 7, "recovery": 7,
     "remote_code": 7,  # the loader a standalone export's modeling file runs (vendored by hub/standalone.py)
     "load": 8,

@@ -40,7 +40,7 @@ from ..load import apply_patch, language_model, load_base, recipe_tokenizer, sav
 from ..memory import return_freed_memory
 from ..recipe import Recipe, dotted_settings, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, record_schedule, scheduled_values
-from . import engine, fsdp, recipe_fits, resume_state, run_setup, zero
+from . import accelerator_setup, engine, fsdp, model_setup, optimizer_setup, recipe_fits, resume_state, run_checks, zero
 from .alst import preparing
 from .engine import Engine
 from .progress import step_bar
@@ -79,20 +79,20 @@ def setup(recipe: Recipe, accelerator, *, model=None, tokenizer=None, data=None)
     elif tokenizer is None and data is None:  # data passed in code brings its own tokens
         tokenizer = recipe_tokenizer(recipe)
     report = apply_patch(model, recipe.patch)
-    run_setup.check_lengths(model, recipe)
-    run_setup.check_packing(model, recipe)
-    run_setup.check_vocabulary(model, tokenizer if recipe.data.task != "counting" else None)
-    model = run_setup.wrap_task(model, recipe.data.task, first_token=recipe.data.counting.first_token)
+    run_checks.check_lengths(model, recipe)
+    run_checks.check_packing(model, recipe)
+    run_checks.check_vocabulary(model, tokenizer if recipe.data.task != "counting" else None)
+    model = model_setup.wrap_task(model, recipe.data.task, first_token=recipe.data.counting.first_token)
     if data is None:
         data = build_data(recipe.data, tokenizer, seed=recipe.train.seed, eval_lengths=recipe.loop_eval_lengths())
-    calibration = run_setup.calibrate_patch(model, data, recipe) if report is not None else None
-    model = run_setup.apply_peft(model, recipe.train.peft)
-    run_setup.check_recovery(model, recipe)
+    calibration = model_setup.calibrate_patch(model, data, recipe) if report is not None else None
+    model = model_setup.apply_peft(model, recipe.train.peft)
+    run_checks.check_recovery(model, recipe)
     recovery = recipe.section("recovery")
     if recovery is not None and recovery.freeze_base:
-        run_setup.freeze_base(model)
+        optimizer_setup.freeze_base(model)
     if recipe.train.gradient_checkpointing:
-        run_setup.enable_gradient_checkpointing(model)
+        model_setup.enable_gradient_checkpointing(model)
     if report is not None:
         accelerator.print(str(report) + (f"\ncalibration       {calibration}" if calibration else ""))
     return model, tokenizer, data
@@ -105,7 +105,7 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
     run_dir = run_dir_of(recipe)
     _check_run_dir(run_dir, resume)
     recipe_fits.check_recipe_fits(recipe, model=model, data=data)  # data, source, memory: before anything is allocated
-    acc = run_setup.make_accelerator(recipe.train, run_dir, check_trackers(recipe.output.trackers))
+    acc = accelerator_setup.make_accelerator(recipe.train, run_dir, check_trackers(recipe.output.trackers))
     if acc.device.type == "cpu" and recipe.train.cpu_release_memory:  # freed activations go back to the OS
         return_freed_memory()  # instead of raising the peak (memory.py); it costs small models speed
     # made, marked and locked (one writer per run folder; released on any exit); a run refused before it wrote
@@ -139,7 +139,7 @@ def _split(recipe: Recipe, acc) -> Split:
     fsdp.check_fsdp_recipe(recipe, acc.distributed_type.name)
     zero.check_deepspeed_recipe(recipe, zero.stage_of(acc))
     rank, world = (layout.data_rank, layout.data_size) if layout else (acc.process_index, acc.num_processes)
-    return Split(layout, rank, world, run_setup.accumulation(recipe.train, world))
+    return Split(layout, rank, world, accelerator_setup.accumulation(recipe.train, world))
 
 
 def _finished(recipe: Recipe, acc, run_dir: Path) -> bool:
@@ -174,15 +174,15 @@ def _build(recipe: Recipe, acc, run_dir: Path, split: Split, *, model, tokenizer
         model, tokenizer, data = setup(recipe, acc, model=model, tokenizer=tokenizer, data=data)
     model.train()
     rec = recipe.section("recovery")  # retrofit.recovery: schedules, distillation, patch learning rate
-    schedule = run_setup.probe_schedule(model, data, recipe, rec.schedule if rec is not None else None)
+    schedule = model_setup.probe_schedule(model, data, recipe, rec.schedule if rec is not None else None)
     if rec is not None and schedule is not rec.schedule:
         acc.print(f"recovery.schedule.costs measured (zero-shot, first training block): "
                   f"{schedule.costs}")  # every digit: pinned in a recipe, they give this schedule exactly
     if recipe.train.fsdp:  # FSDP2 over every process, then the optimizer on the shards
-        model, optimizer = fsdp.prepare(model, lambda m: run_setup.make_optimizer(m, recipe.train, rec), acc)
+        model, optimizer = fsdp.prepare(model, lambda m: optimizer_setup.make_optimizer(m, recipe.train, rec), acc)
     else:
         with preparing(model, split.layout):  # DeepSpeed's ALST registers in prepare()
-            model, optimizer = acc.prepare(model, run_setup.make_optimizer(model, recipe.train, rec))
+            model, optimizer = acc.prepare(model, optimizer_setup.make_optimizer(model, recipe.train, rec))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return Run(recipe=recipe, acc=acc, run_dir=run_dir, split=split, model=model, optimizer=optimizer, data=data,
                tokenizer=tokenizer, recovery=rec, schedule=schedule, callbacks=tuple(callbacks),
@@ -234,7 +234,7 @@ def _open_run(run: Run) -> None:
     # the engine as JSON text: TensorBoard's hparams take scalars only (log.jsonl reads it back as a mapping)
     acc.init_trackers(recipe.output.project, config={ENGINE_KEY: json.dumps(run.engine.as_dict()), **config})
     acc.print(run.engine.line())
-    acc.print(f"{run_setup.describe(run.model)} | {acc.num_processes} process(es) on {acc.device}, precision "
+    acc.print(f"{optimizer_setup.describe(run.model)} | {acc.num_processes} process(es) on {acc.device}, precision "
               f"{acc.mixed_precision} | {t.batch_size * recipe.data.seq_len} tokens/step, accumulation "
               f"{run.split.accum} | steps {run.result.steps}->{t.steps} | run {run.run_dir}")
 
@@ -346,7 +346,7 @@ def _finish(run: Run) -> TrainResult:
     run.notify("end", result.steps, model=acc.unwrap_model(run.model))
     result.model = save_final(acc, run.model, run.run_dir, run.tokenizer, run.recipe, result, run.from_recipe,
                               ran=run.engine)
-    run_setup.end_processes(acc)
+    accelerator_setup.end_processes(acc)
     return result
 
 

@@ -59,7 +59,7 @@ RETAINED = """
 import ctypes, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from retrofit.memory import return_freed_memory, rss_mb
-from retrofit.train.run_setup import enable_gradient_checkpointing
+from retrofit.train.model_setup import enable_gradient_checkpointing
 was_set = sys.argv[1] == "set" and return_freed_memory()
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=8,

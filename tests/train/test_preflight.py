@@ -13,7 +13,7 @@ import pytest
 import retrofit.memory
 from retrofit.errors import RetrofitError
 from retrofit.recipe import load_recipe, recipe_from_dict
-from retrofit.train import run_setup, train
+from retrofit.train import accelerator_setup, train
 from tests.tiny import TINY, char_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def test_train_refuses_what_the_recipe_cannot_run_before_anything_is_allocated(s
                                                                                 monkeypatch):
     """train(recipe) called from Python: the one-line RetrofitError the command line gave, before the accelerator
     is made and before the run folder exists."""
-    monkeypatch.setattr(run_setup, "make_accelerator", _never("the accelerator"))
+    monkeypatch.setattr(accelerator_setup, "make_accelerator", _never("the accelerator"))
     with pytest.raises(RetrofitError, match=match) as refused:
         train(recipe_from_dict(_recipe(tmp_path, **sections)))
     assert "\n" not in str(refused.value)

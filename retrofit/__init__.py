@@ -33,14 +33,13 @@ notices.quiet_deepspeed_cpu_notice()
 # public name -> the module that defines it
 _PUBLIC = {
     "PatchReport": "patching", "is_patched": "patching", "patch": "patching", "patch_record": "patching",
-    "unpatch": "patching", "observe": "attention_seam", "calibrate": "calibration", "RetrofitError": "errors",
+    "unpatch": "patching", "observe": "observer", "calibrate": "calibration", "RetrofitError": "errors",
     "from_pretrained": "load", "available_norms": "norms", "describe_norms": "norms", "patch_bypassed": "recovery",
     "extend_rope": "patching", "info": "load.info", "peft_config": "load.adapters", "PatchSpec": "patch_spec",
     "enable": "integrations.auto_classes", "disable": "integrations.auto_classes",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first use
-    from .attention_seam import observe
     from .calibration import calibrate
     from .errors import RetrofitError
     from .integrations.auto_classes import disable, enable
@@ -48,6 +47,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from .load.adapters import peft_config
     from .load.info import info
     from .norms import available_norms, describe_norms
+    from .observer import observe
     from .patch_spec import PatchSpec
     from .patching import PatchReport, extend_rope, is_patched, patch, patch_record, unpatch
     from .recovery import patch_bypassed

@@ -6,15 +6,13 @@ eager function) — each with the matching mask function under the same name (wi
 at all: padding and KV-cache masks would be silently lost). Each call dispatches to the norm module attached to the
 attention module as its `retrofit` child (norms/attention_call.py: `kernel_call` -> kernels); a module without one
 runs the wrapped function unchanged, so a config object shared with an unpatched model cannot change that model.
-`observe` hooks the same seam to see every call's query, key and value (diagnose, calibrate). patching.py attaches
-the norms.
+observer.py hooks the same seam to see every call's query, key and value (diagnose, calibrate); patching.py attaches
+the norms; attention_modules.py finds the modules a patch targets.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable, Iterator
 
 from torch import nn
 from transformers import AttentionInterface
@@ -22,12 +20,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from .errors import RetrofitError
-from .families import family_of
 from .gate import GATE_INPUT, gated
 from .norms.base import CHILD
 
-# While `observe` is active, each observed attention module holds its observer under this attribute (removed on
-# exit): the model carries its own observers, so two models (or threads on two models) never see each other's.
+# While `observe` (observer.py) is active, each observed attention module holds its observer under this attribute
+# (removed on exit): the model carries its own observers, so two models (or threads on two models) never see each
+# other's.
 OBSERVER = "_retrofit_observer"
 
 
@@ -79,53 +77,5 @@ for _name, _fn, _mask in IMPLEMENTATIONS.values():
     AttentionMaskInterface.register(_name, _mask)
 
 
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The self-attention modules a patch targets, by the family table or, failing that, by shape."""
-    family = family_of(model.config)
-    if family is not None:
-        return [(n, m) for n, m in model.named_modules() if type(m).__name__ == family.attention]
-    # Generic: self-attention modules as transformers writes them (a layer index and the config).
-    return [(n, m) for n, m in model.named_modules()
-            if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx") and hasattr(m, "config")]
-
-
-def check_unsharded(modules, what: str) -> None:
-    """Refuse reading or writing patch parameters outside a forward when they are sharded: under DeepSpeed
-    ZeRO-3 a parameter holds an empty local shard (it has `ds_id`), under FSDP2 a DTensor shard."""
-    for module in modules:
-        for name, param in module.named_parameters():
-            if hasattr(param, "ds_id") or type(param).__name__ == "DTensor":
-                raise RetrofitError(f"{what} reads the patch's parameters outside a forward, but they are sharded "
-                                    f"(DeepSpeed ZeRO-3 or FSDP: {name}); {what} before sharding — retrofit train "
-                                    "calibrates before accelerate.prepare — or on the gathered model")
-
-
-@contextlib.contextmanager
-def observe(model: nn.Module, fn: Callable[..., None]) -> Iterator[None]:
-    """While active, every attention call of `model` first calls
-    fn(module, query, key, value, attention_mask, scaling, norm) — query (B, H, Tq, D) after RoPE,
-    key/value (B, Hkv, Tk, D), norm the module's retrofit norm or None — then proceeds unchanged.
-    Works on unpatched models too (their implementation is switched to ours for the duration)."""
-    modules = [m for _, m in attention_modules(model)]
-    if not modules:
-        raise RetrofitError(f"found no attention module to observe in {type(model).__name__}")
-    check_unsharded([m._modules[CHILD] for m in modules if CHILD in m._modules], "observe")
-    switched = None
-    if model.config._attn_implementation not in BASE_OF:
-        switched = model.config._attn_implementation
-        if switched not in IMPLEMENTATIONS:
-            raise RetrofitError(f"cannot observe attention implementation {switched!r}; load with sdpa or eager")
-        model.set_attn_implementation(IMPLEMENTATIONS[switched][0])
-    for m in modules:
-        m.__dict__[OBSERVER] = fn  # plain instance attribute: not a parameter, buffer or child
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.__dict__.pop(OBSERVER, None)
-        if switched is not None:
-            model.set_attn_implementation(switched)
-
-
-__all__ = ["BASE_OF", "CHILD", "IMPLEMENTATIONS", "OBSERVER", "attention_modules", "check_unsharded",
-           "eager_attention_of", "observe", "retrofit_attention", "retrofit_eager_attention"]
+__all__ = ["BASE_OF", "CHILD", "IMPLEMENTATIONS", "OBSERVER", "eager_attention_of", "retrofit_attention",
+           "retrofit_eager_attention"]

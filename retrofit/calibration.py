@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .attention_seam import check_unsharded
+from .attention_modules import check_unsharded
 from .errors import RetrofitError
 from .norms import Norm, calibrated_norm_hints
 from .record import read_record, write_record

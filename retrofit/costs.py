@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_seam import attention_modules
+from .attention_modules import attention_modules
 from .errors import RetrofitError
 from .norms.base import CHILD, Norm
 

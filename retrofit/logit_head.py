@@ -1,6 +1,6 @@
 """The logit head and the loss, once: final hidden states -> float32 logits as the model's own forward makes them,
 run a chunk of positions at a time. Training (train/losses.py), the loop's validation, `retrofit eval`
-(evaluate/losses.py) and distillation (recovery/distill.py) all score with it.
+(evaluate/scoring.py) and distillation (recovery/distill.py) all score with it.
 
     hidden = final_hidden(model, batch)                        # (B, T, d): the body, through the model's forward
     loss = head_loss_sum(model, hidden, next_tokens(labels))   # CE (+ KL) summed; no (B, T, V) logits, fwd or bwd

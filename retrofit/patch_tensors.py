@@ -4,7 +4,7 @@ the patch's own tensors (keys containing `.retrofit.`) exactly the ones the rebu
     check_base_keys(source, model, record, info)   # transformers' loading report, after the base loaded plain
     load_patch_tensors(model, saved, source)        # the patch tensors into the patched model, or one line
 
-retrofit's loader (load/checkpoint.py) and a standalone export's modeling file (hub/standalone.py, which vendors
+retrofit's loader (load/patched_checkpoint.py) and a standalone export's modeling file (hub/standalone.py, which vendors
 this module and what it imports) check a checkpoint with these same functions.
 """
 

@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from .attention_seam import BASE_OF, IMPLEMENTATIONS, attention_modules
+from .attention_modules import attention_modules
+from .attention_seam import BASE_OF, IMPLEMENTATIONS
 from .errors import RetrofitError
 from .families import (
     FAMILIES,

@@ -4,7 +4,7 @@
     class RetrofitLlamaForCausalLM(StandaloneModel, LlamaForCausalLM): ...   # what hub/standalone.py writes
 
 hub/standalone.py vendors this module and everything it imports (patching, the norms, the kernels) into that one
-file, under a private package name; the loading below is load/checkpoint.py's, step for step: the base weights
+file, under a private package name; the loading below is load/patched_checkpoint.py's, step for step: the base weights
 with the recorded attention implementation, checked (patch_tensors.check_base_keys), then the patch from
 config.retrofit (patching.patch_from_record), then its tensors, checked (patch_tensors.load_patch_tensors).
 retrofit itself never runs this module from a folder: its loader refuses remote code.

@@ -22,7 +22,7 @@ from .errors import RetrofitError, quoted
 
 _ITEM = re.compile(r"^(?:(\d+)|(\d+)-(\d*)|(\d+)-(\d+):(\d+)|:(\d+))$")
 SYNTAX = "N, A-B, A-, A-B:STEP or :STEP, joined by ',' or '+', e.g. 16-29 or 0,3 or :4"
-MAX_DIGITS = 100  # as retrofit.readers bounds a file's numbers
+MAX_DIGITS = 100  # as retrofit.io.readers bounds a file's numbers
 
 
 def _items(spec) -> list:

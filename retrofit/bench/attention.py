@@ -31,8 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from ..io.atomic import atomic_write_text
 
 IMPLS = {  # name -> table label
     "sdpa": "sdpa",

@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from ..io.atomic import atomic_write_text
 
 DEFAULT_TARGET = 1.05
 OUT_KIND = "file-or-folder"  # --out FILE, or an existing folder to write bench-decode.json into (commands/bench.py)

@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from ..io.atomic import atomic_write_text
 
 METHODS = ("chunked", "naive")
 SMALL = dict(model_type="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
@@ -55,7 +55,7 @@ def measure(config: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from ..evaluate.losses import token_losses
+    from ..evaluate.scoring import token_losses
     from ..memory import PeakMemory
 
     model = _model(config["model"]).to(config["device"])

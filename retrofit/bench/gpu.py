@@ -44,8 +44,8 @@ import time
 import traceback
 from pathlib import Path
 
-from ..atomic import atomic_folder, atomic_write_text
 from ..errors import RetrofitError
+from ..io.atomic import atomic_folder, atomic_write_text
 from . import parity
 from .gpu_longest import part_longest
 from .gpu_train import TINY_LLAMA, arms, default_model, part_finetune, part_long, part_sequence, progress  # noqa: F401

@@ -27,9 +27,9 @@ def planner_config(config) -> dict:
 
 
 def planned(config, arm: str, seq_len: int, plan_for: str, device: str) -> dict:
-    """retrofit/train/plan.py's prediction for the recipe this part trains at seq_len: bytes and longest fit."""
+    """retrofit/train/dry_run.py's prediction for the recipe this part trains at seq_len: bytes and longest fit."""
     from ..recipe import recipe_from_dict
-    from ..train.plan import plan_recipe
+    from ..train.dry_run import plan_recipe
     from .gpu_train import bench_recipe
 
     recipe = recipe_from_dict(bench_recipe(planner_config(config), arm, device, 1, seq_len, 2, "unused",

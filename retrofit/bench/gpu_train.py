@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from ..io.atomic import atomic_write_text
 
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, vocab_size=256)
@@ -79,7 +79,7 @@ def bench_recipe(model_config: dict, arm: str, device: str, batch: int, seq_len:
                  **knobs) -> dict:
     """The recipe (as a dict) the GPU parts train `arm` with: bf16, AdamW at 1e-5, no saving. model_config is
     {"model_type": ...} for training a model handed over in code, the whole config for `retrofit train --dry-run`'s
-    planner (retrofit/train/plan.py), which then predicts this very run."""
+    planner (retrofit/train/dry_run.py), which then predicts this very run."""
     return {"name": f"bench-gpu-{arm}", "model": {"config": model_config, "tokenizer": "unused"},
             "data": {"task": "lm", "seq_len": seq_len, "files": ["unused"]},
             "train": {"steps": steps, "batch_size": batch, "micro_batch_size": batch, "lr": 1e-5,

@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from ..io.atomic import atomic_write_text
 from .loops import SIZES
 
 TARGET = 0.6

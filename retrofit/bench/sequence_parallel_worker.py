@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..atomic import atomic_write_text
+from ..io.atomic import atomic_write_text
 
 
 def worker(args, workdir: Path) -> None:

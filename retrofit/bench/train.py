@@ -19,8 +19,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from ..io.atomic import atomic_write_text
 from . import train_memory
 from .loops import SIZES, RandomTokens, bench_model, run_retrofit, run_trainer  # noqa: F401
 

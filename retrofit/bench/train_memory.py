@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..atomic import atomic_write_text
 from ..errors import RetrofitError
+from ..io.atomic import atomic_write_text
 
 LOOPS = ("retrofit", "retrofit-full-logits", "hf-trainer", "hf-trainer-freed")
 TRAINERS = ("hf-trainer", "hf-trainer-freed")

@@ -6,7 +6,7 @@ The checks of the command line every verb makes at the top of `run`, before load
 that must be positive, an output path we can write, text files that can be read; so do the flags several verbs
 share (one spelling everywhere: --no-progress, --dtype, --patch). What a recipe or a model would refuse (a missing
 data file, a damaged source, activations that do not fit in memory) is the library's to check, in its entry points
-(retrofit.train.preflight, retrofit.load.preflight): a Python caller gets the same refusal as the command line.
+(retrofit.train.recipe_fits, retrofit.load.preflight): a Python caller gets the same refusal as the command line.
 
 A verb module imports nothing heavy at its top (torch, transformers, the library): `retrofit VERB --help` and an
 argument error then take a fraction of a second; `run` imports what it uses (tests/cli/test_cli_habits.py checks).
@@ -19,8 +19,8 @@ import contextlib
 import os
 from pathlib import Path
 
-from ..atomic import check_output, output_path
 from ..errors import RetrofitError, check_utf8
+from ..io.atomic import check_output, output_path
 
 # the names retrofit.load.models.as_dtype takes (that module imports torch: the parser must not)
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
@@ -81,7 +81,7 @@ def check_text_files(paths, flag: str) -> None:
 
 
 def check_out(path, flag: str = "--out", *, empty: bool = True):
-    """The output-folder rule (retrofit.atomic.check_output: new, empty, or made by retrofit; with `empty`, new or
+    """The output-folder rule (retrofit.io.atomic.check_output: new, empty, or made by retrofit; with `empty`, new or
     empty), and a place we can write; returns the path with `~` expanded (None for None): use it from here on."""
     if path is None:
         return None

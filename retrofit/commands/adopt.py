@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..atomic import MARKER, adopt
 from ..errors import one_line
+from ..io.atomic import MARKER, adopt
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

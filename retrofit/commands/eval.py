@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..atomic import output_folder
 from ..errors import RetrofitError
+from ..io.atomic import output_folder
 from . import (
     add_dtype_flag,
     add_patch_flag,

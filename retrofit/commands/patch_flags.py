@@ -190,7 +190,7 @@ def registering_line() -> tuple[Path, str]:
 def main() -> int:
     """Rewrite every stale derived copy; print what changed. The registering import first (from the files, importing
     no norm), so that the registry read for the other copies has a new norm file in it."""
-    from ..atomic import atomic_write_text
+    from ..io.atomic import atomic_write_text
 
     path, text = registering_line()
     if path.read_text() != text:

@@ -19,8 +19,8 @@ import json
 import math
 from pathlib import Path
 
-from ..atomic import atomic_write_text, check_output, folder_lock, output_folder
 from ..errors import RetrofitError
+from ..io.atomic import atomic_write_text, check_output, folder_lock, output_folder
 
 
 def add_arguments(parser):
@@ -71,7 +71,7 @@ def run(args) -> int:
 def _read(path: Path) -> dict:
     from ..evaluate.merge import checked_results
     from ..evaluate.report import validate
-    from ..readers import expect, read_json
+    from ..io.readers import expect, read_json
 
     if not path.is_file():
         raise RetrofitError(f"{path.parent} has no results.json: give a folder retrofit eval or experiment wrote")

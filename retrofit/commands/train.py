@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its newest complete checkpoint")
     parser.add_argument("--dry-run", action="store_true",
-                        help="predict the run's peak memory (retrofit/train/plan.py), say whether it fits, and exit")
+                        help="predict the run's peak memory (retrofit/train/dry_run.py), say whether it fits, and exit")
     parser.add_argument("--plan-for", metavar="DEVICE[:GiB]",
                         help="with --dry-run: plan for cpu:24, cuda:80 ... instead of this machine")
     parser.add_argument("--keys", action="store_true",
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     elif recipe.output.dir:  # the recipe's own (or overridden) output.dir, `~` expanded here
         recipe.output.dir = check_out(recipe.output.dir, "output.dir", empty=False)
     if args.dry_run:
-        from ..train.plan import describe, plan_recipe
+        from ..train.dry_run import describe, plan_recipe
         print(describe(plan_recipe(recipe, args.plan_for)))
         return 0
     if args.plan_for:

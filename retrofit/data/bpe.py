@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..atomic import atomic_folder
 from ..bounds import MOST, check_size
 from ..errors import RetrofitError, check_utf8
+from ..io.atomic import atomic_folder
 
 EOS = "<|endoftext|>"
 SMALLEST = 256 + 1  # the 256 byte symbols and EOS: a smaller vocabulary cannot hold every text

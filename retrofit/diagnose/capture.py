@@ -3,7 +3,7 @@
     with capture_rows(model, positions, on_layer):
         model(input_ids=ids, use_cache=False)          # on_layer(LayerRows) once per layer, in order
 
-`retrofit.observe` (attention_seam.py) hands us each layer's query/key/value as the forward runs (no eager
+`retrofit.observe` (observer.py) hands us each layer's query/key/value as the forward runs (no eager
 rewrite, patched or not). We rebuild the weights of the chosen query rows only — (B, H, R, T), never
 the T x T matrix — with the layer's own normalization, call `on_layer`, and drop them, so memory
 stays bounded by one layer's rows. Why rows suffice: the models are causal, so the row at position
@@ -29,9 +29,11 @@ from typing import Callable
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..attention_seam import IMPLEMENTATIONS, attention_modules, eager_attention_of, observe
+from ..attention_modules import attention_modules
+from ..attention_seam import IMPLEMENTATIONS, eager_attention_of
 from ..errors import RetrofitError
 from ..norms import baseline_norm
+from ..observer import observe
 from . import measures
 
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_write_text, check_output, output_folder
 from ..calibration import calibrate
 from ..data.read import read_tokens
 from ..errors import RetrofitError, check_utf8
+from ..io.atomic import atomic_write_text, check_output, output_folder
 from ..load import load, load_tokenizer
 from ..load.preflight import check_eval_memory
 from ..norms import get_norm

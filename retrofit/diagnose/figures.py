@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic import atomic_write_text, atomic_writer
+from ..io.atomic import atomic_write_text, atomic_writer
 from .markdown import PAPER, markdown
 
 
@@ -47,7 +47,7 @@ def _plt():
 
 
 def _save(plt, fig, path, dpi: int = 120):
-    """Written atomically: never through a link below the --out folder (retrofit.atomic.atomic_writer)."""
+    """Written atomically: never through a link below the --out folder (retrofit.io.atomic.atomic_writer)."""
     fig.tight_layout()
     with atomic_writer(path, binary=True) as f:
         fig.savefig(f, format="png", dpi=dpi)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..escape import md_code, md_inline, md_text
+from ..io.escape import md_code, md_inline, md_text
 
 PAPER = {"critical_fraction": 0.06, "plateau": (0.70, 0.85)}  # the paper's GPT-2 numbers
 
@@ -22,7 +22,7 @@ def _ratio(a, b):
 
 
 def _table(head, rows):
-    """A markdown table; text cells escaped (a label from diagnose.json is text: retrofit.escape.md_inline)."""
+    """A markdown table; text cells escaped (a label from diagnose.json is text: retrofit.io.escape.md_inline)."""
     lines = ["| " + " | ".join(map(md_inline, head)) + " |", "|" + "---|" * len(head)]
     return lines + ["| " + " | ".join(_fmt(c) if not isinstance(c, str) else md_inline(c) for c in row) + " |"
                     for row in rows]

@@ -8,7 +8,7 @@
                               EvalSpec(data=["persuasion.txt"], lengths="512,...,32768", rope="yarn:4"))
                               # patched on the fly: softmax + YaRN, the training-free baseline
 
-Modules: windows (data, windows, position buckets) <- losses (chunked scoring, passkey, counting)
+Modules: windows (data, windows, position buckets) <- scoring (chunked losses, passkey, counting)
 <- spec (EvalSpec: the settings, checked before any model loads), intervals + compare (95% intervals, paired
 differences to a reference model)
 <- driver (evaluate_models: every model at every length -> the results dict, docs/results-schema.md)
@@ -20,7 +20,7 @@ from __future__ import annotations
 from ..lengths import parse_lengths
 from .compare import paired_comparisons
 from .driver import evaluate_models, evaluation_names
-from .losses import (
+from .scoring import (
     LOGIT_TRANSFORMS,
     check_head,
     check_lengths,

@@ -4,7 +4,7 @@
 
 Per source and variant: its data prepared (text tokenized once per tokenizer, every length cut before any model
 loads), the model loaded, patched and calibrated on the fly when the spec asks, checked (tasks, lengths,
-vocabulary), then each task scored (losses.py, ruler.py); paired differences to the reference model last
+vocabulary), then each task scored (scoring.py, ruler.py); paired differences to the reference model last
 (compare.py).
 """
 
@@ -21,6 +21,7 @@ import torch
 from ..calibration import calibrate, text_rows
 from ..data.read import read_tokens
 from ..errors import RetrofitError, check_token_ids
+from ..io.readers import expect, read_yaml
 from ..load import CountingModel, language_model, load, load_tokenizer
 from ..load.from_recipe import same_rope
 from ..load.preflight import check_eval_memory
@@ -31,13 +32,12 @@ from ..patch_spec import EVAL, PATCH_KEYS, PatchSpec
 from ..patching import extend_rope, patch_record
 from ..patching import patch as patch_model
 from ..positions import position_limit
-from ..readers import expect, read_yaml
 from ..recipe import CountingOptions, build
 from ..rope import describe_rope
 from .compare import check_references, paired_comparisons
-from .engines import vllm_entry
 from .intervals import METHOD
-from .losses import (
+from .ruler import evaluate_ruler, read_texts, ruler_instances, ruler_tasks
+from .scoring import (
     check_lengths,
     config_value,
     evaluate_counting,
@@ -45,8 +45,8 @@ from .losses import (
     evaluate_passkey,
     original_positions,
 )
-from .ruler import evaluate_ruler, read_texts, ruler_instances, ruler_tasks
 from .spec import EvalSpec
+from .vllm_tasks import vllm_entry
 from .windows import cut_windows, read_token_file, tokenize_files, tokenizer_fingerprint
 
 

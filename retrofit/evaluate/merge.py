@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 
 from ..errors import RetrofitError
-from ..readers import read_json
+from ..io.readers import read_json
 from .compare import judged
 from .report import validate
 

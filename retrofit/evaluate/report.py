@@ -16,9 +16,9 @@ import json
 import math
 from pathlib import Path
 
-from ..atomic import atomic_write_text, atomic_writer
 from ..errors import RetrofitError
-from ..escape import md_code, md_inline, md_text
+from ..io.atomic import atomic_write_text, atomic_writer
+from ..io.escape import md_code, md_inline, md_text
 from .compare import comparison_references
 from .report_tables import (  # noqa: F401  (re-exported: experiment reports and the CLI import them from here)
     APPROX_LEGEND,

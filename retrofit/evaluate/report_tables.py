@@ -5,7 +5,7 @@ tidy rows of results.csv. retrofit.evaluate.report re-exports them.
 
 from __future__ import annotations
 
-from ..escape import md_inline
+from ..io.escape import md_inline
 from .intervals import bounds, covers_zero, plus_minus
 
 APPROX = "≈"
@@ -77,7 +77,7 @@ CSV_COLUMNS = ["model", "task", "metric", "length", "depth", "position_start", "
 
 def markdown_table(header: list, rows: list[list]) -> str:
     """A GitHub markdown table; floats get 3 decimals (below 100) or none, None is blank, text is escaped
-    (retrofit.escape.md_inline)."""
+    (retrofit.io.escape.md_inline)."""
     def cell(x):  # a name from a results file is text: `|`, a newline or a tag would remake the table
         if isinstance(x, float):
             return f"{x:.3f}" if abs(x) < 100 else f"{x:.0f}"

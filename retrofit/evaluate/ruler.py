@@ -1,4 +1,4 @@
-"""Scoring the RULER-style tasks (retrofit/data/ruler.py): greedy generation with the KV cache, RULER's scorers.
+"""Scoring the RULER-style tasks (retrofit/data/ruler_tasks.py): greedy generation with the KV cache, RULER's scorers.
 
     rows = evaluate_ruler(model, tokenizer, [4096, 8192], tasks=["niah", "vt"], texts=[book], samples=8)
 
@@ -7,7 +7,7 @@ One row per (task, length, depth for the niah tasks): `score` (mean of the per-s
 `scores` and `predictions` per sample.
 Every niah, vt, cwe and fwe sample is scored by string_match_all (RULER's metric for them): the fraction of the
 references found in the generated text, case-insensitive. A sample's text is what greedy decoding produces
-within the task's max new tokens, cut at the first blank line (data.ruler.STOP) and at EOS.
+within the task's max new tokens, cut at the first blank line (data.ruler_tasks.STOP) and at EOS.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..bounds import MOST, check_size
-from ..data.ruler import DEPTH_TASKS, TASKS, Haystack, instances
+from ..data.ruler_tasks import DEPTH_TASKS, TASKS, Haystack, instances
 from ..errors import RetrofitError, iter_utf8
 from .intervals import as_list, mean_interval, proportion_interval
-from .losses import fresh_dynamic_rope
 from .ruler_metric import string_match_all
+from .scoring import fresh_dynamic_rope
 
 HAYSTACK_READ = 512  # characters of --data read per token of the longest length (64 haystacks of ~8 a token)
 DEFAULTS = {"samples": 8, "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "needle": "number", "seed": 0}
@@ -100,7 +100,7 @@ def score_row(task: str, length: int, depth, insts: list[dict], predictions: lis
 def evaluate_ruler(model, tokenizer, prepared: dict, *, progress: bool = True, answer=None) -> list[dict]:
     """Rows for every (task, length) of `prepared` (ruler_instances' dict), by length then task then depth.
     answer: `answer(model, tokenizer, text, max_new_tokens, stop) -> str`, default greedy_answer (transformers);
-    retrofit.serve.engine.vllm_greedy_answer with a vllm.LLM as the model (`retrofit eval --engine vllm`)."""
+    retrofit.serve.vllm_engine.vllm_greedy_answer with a vllm.LLM as the model (`retrofit eval --engine vllm`)."""
     rows = []
     for length in sorted({n for _, n in prepared}):
         if answer is None:

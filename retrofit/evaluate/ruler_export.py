@@ -19,10 +19,10 @@ from pathlib import Path
 
 import yaml
 
-from ..atomic import atomic_write_text, atomic_writer, output_folder
 from ..bounds import MOST, check_bytes, check_size
-from ..data.ruler import DEPTH_TASKS, DESCRIPTIONS, TASKS
+from ..data.ruler_tasks import DEPTH_TASKS, DESCRIPTIONS, TASKS
 from ..errors import RetrofitError
+from ..io.atomic import atomic_write_text, atomic_writer, output_folder
 from ..lengths import parse_lengths
 from ..load import load_tokenizer
 from .ruler import read_texts, ruler_instances

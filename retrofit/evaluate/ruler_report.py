@@ -4,7 +4,7 @@ the niah tasks), a column per length, each cell `score [lo, hi] (n=6)`: the mean
 
 from __future__ import annotations
 
-from ..escape import md_inline
+from ..io.escape import md_inline
 from .intervals import bounds
 from .report_tables import markdown_table
 

@@ -18,8 +18,8 @@ from ..lengths import parse_lengths
 from ..norms import baseline_norm
 from ..patch_spec import EVAL, PatchSpec, parse_flat
 from ..recipe.schema import setting
-from .engines import check_engine
 from .ruler import ruler_options
+from .vllm_tasks import check_engine
 
 TASKS = ("lm", "passkey", "counting", "niah", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
 

@@ -4,8 +4,8 @@
     results = run_experiment("recipes/llama-avnorm-retrofit.yaml", "runs/smollm2")
 
 Modules: driver (the stages, resumable), results (the evaluation, results.json), report (report.md, recovery plot,
-summary table), reference (comparison with a published table). The schema is retrofit/recipe/experiment.py; the CLI
-is retrofit/commands/experiment.py. It only chains train, evaluate and report; it owns no training or evaluation
+summary table), reference (comparison with a published table). The schema is retrofit/recipe/experiment_section.py; the
+CLI is retrofit/commands/experiment.py. It only chains train, evaluate and report; it owns no training or evaluation
 logic.
 """
 

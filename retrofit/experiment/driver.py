@@ -25,11 +25,11 @@ import time
 import traceback
 from pathlib import Path
 
-from ..atomic import atomic_write_text, check_output, output_folder, owned_folder, remove_owned
 from ..errors import RetrofitError, quoted
 from ..evaluate.report import write_report
+from ..io.atomic import atomic_write_text, check_output, output_folder, owned_folder, remove_owned
+from ..io.readers import read_json
 from ..load import load, training_dtype
-from ..readers import read_json
 from ..recipe import (
     ArmSection,
     ExperimentSection,
@@ -43,7 +43,7 @@ from ..recipe import (
 )
 from ..rope import describe_rope
 from ..train import read_log, train
-from ..train.preflight import check_recipe_fits
+from ..train.recipe_fits import check_recipe_fits
 from .reference import load_reference
 from .report import hardware
 from .results import arm_results, evaluate_all, within, write_results
@@ -161,7 +161,7 @@ def run_arm(recipe: Recipe, exp: ExperimentSection, arm: ArmSection, base: str, 
 
 
 # Recipe keys that may differ between an arm's run and a re-run without changing the arm's model (its name, folder,
-# logging, and the recovery-curve evaluations): the same ones a resume ignores (train/checkpoint.py).
+# logging, and the recovery-curve evaluations): the same ones a resume ignores (train/resume_state.py).
 _SAME_MODEL = ("name", "output.", "train.progress", "train.log_every", "eval.")
 
 

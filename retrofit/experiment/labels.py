@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..io.readers import read_json
 from ..norms import NORMS
-from ..readers import read_json
 from ..recipe import ArmSection
 from ..rope import normalize_rope
 

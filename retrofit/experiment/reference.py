@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 
 from ..errors import RetrofitError
-from ..escape import md_code, md_inline, md_text
+from ..io.escape import md_code, md_inline, md_text
 from ..recipe import ReferenceSection
 
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_write_text
-from ..escape import md_code, md_inline
 from ..evaluate.compare import comparison_references
 from ..evaluate.intervals import plus_minus
 from ..evaluate.report import comparison_table_markdown, legend, line_plot, markdown_table, seed_sections
 from ..evaluate.tail import tail_sections
+from ..io.atomic import atomic_write_text
+from ..io.escape import md_code, md_inline
 from ..norms import baseline_norm
 from ..recipe import seeded_name
 from .reference import direction_markdown

@@ -10,13 +10,13 @@ import json
 import time
 from pathlib import Path
 
-from ..atomic import atomic_write_text
 from ..errors import RetrofitError
 from ..evaluate import EvalSpec, evaluate_models
 from ..evaluate.compare import with_comparisons
+from ..io.atomic import atomic_write_text
+from ..io.readers import read_json
 from ..load import load_config, training_dtype
 from ..positions import learned_position_limit
-from ..readers import read_json
 from ..recipe import ArmSection, ExperimentSection, Recipe, to_plain
 from .labels import trained_patch
 from .report import write_experiment_report

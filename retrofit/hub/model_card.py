@@ -3,7 +3,7 @@ it, how it was trained (recipe, loss curve) and how it extrapolates (the `retrof
 
 Built from the `info` dict that retrofit.hub.publish.stage gathers; no network; the one file read is a .gguf base's
 header, for its origin (hub/origin.py). Every text
-it embeds passes one of three escapes (retrofit.escape): _text (markdown text: one line, HTML and markdown characters
+it embeds passes one of three escapes (retrofit.io.escape): _text (markdown text: one line, HTML and markdown characters
 escaped), _code (an inline code span fenced by more backticks than it holds) or _fence (a code block whose fence is
 longer than any run of backticks inside): a recipe `name:` with newlines, backticks or HTML stays text.
 """
@@ -16,9 +16,9 @@ from urllib.parse import quote
 
 from huggingface_hub import ModelCardData
 
-from ..escape import md_code as _code
-from ..escape import md_fence as _fence
-from ..escape import md_text as _text
+from ..io.escape import md_code as _code
+from ..io.escape import md_fence as _fence
+from ..io.escape import md_text as _text
 from ..norms import NORMS, get_norm
 from ..record import GUARD  # config.json's attn_implementation in every saved patched model: plain transformers refuses
 from ..version import INSTALL

@@ -33,9 +33,10 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..atomic import atomic_folder, output_path, owned_folder, remove_owned
 from ..errors import RetrofitError, quoted, read_utf8
 from ..evaluate.report import line_plot
+from ..io.atomic import atomic_folder, output_path, owned_folder, remove_owned
+from ..io.readers import read_json
 from ..load.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -46,11 +47,10 @@ from ..load.adapters import (
     load_adapter,
     read_record,
 )
-from ..load.checkpoint import patch_tensors
 from ..load.loader import check_finished
+from ..load.patched_checkpoint import patch_tensors
 from ..load.sources import check_model_files, is_hub_id
 from ..norms import AttentionShape, get_norm, make_options
-from ..readers import read_json
 from ..recipe import load_yaml
 from ..train.runlog import read_log
 from .model_card import GUARD, model_card

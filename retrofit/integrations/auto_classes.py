@@ -30,8 +30,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..errors import RetrofitError
-from ..load.checkpoint import load_checkpoint
 from ..load.loader import loading_arguments
+from ..load.patched_checkpoint import load_checkpoint
 from ..load.sources import refuse_remote_code
 from ..patching import patch_from_record
 from ..record import drop_record, is_standalone_export, read_record

@@ -10,13 +10,13 @@ length evaluation that `retrofit train` runs itself.
     trainer.train()
     retrofit.load.save_adapter(trainer.model, "out/adapter")      # retrofit.from_pretrained("out/adapter") reloads it
 
-The schedule is retrofit's recovery.schedule (steps, start, end, shape, by_layer, costs: recipe/recovery.py): before
-every optimizer update the knob is set from the update's index alone (recovery/schedule.py), so a resumed Trainer
+The schedule is retrofit's recovery.schedule (steps, start, end, shape, by_layer, costs: recipe/recovery_section.py):
+before every optimizer update the knob is set from the update's index alone (recovery/schedule.py), so a resumed Trainer
 run is the uninterrupted one; at the end the final knob is written into config.retrofit (a saved model reloads as
-trained). shape `loss` needs its costs given (`retrofit patch ... --check-text FILE --schedule-values ...` prints
-them). The length evaluation is retrofit.evaluate's loss by length on `eval_ids`, every `eval_every` updates, at the
-end of training and whenever the Trainer evaluates; it goes into `history`, the Trainer's log history
-(trainer_state.json) and the metrics `trainer.evaluate()` returns.
+trained). shape `loss` needs its costs given (`retrofit patch ... --check-text FILE --schedule-values ...` prints them).
+The length evaluation is retrofit.evaluate's loss by length on `eval_ids`, every `eval_every` updates, at the end of
+training and whenever the Trainer evaluates; it goes into `history`, the Trainer's log history (trainer_state.json) and
+the metrics `trainer.evaluate()` returns.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 from transformers import TrainerCallback
 
 from ..errors import RetrofitError, quoted
-from ..evaluate.losses import evaluate_lengths
-from ..recipe.recovery import ScheduleSection
+from ..evaluate.scoring import evaluate_lengths
+from ..recipe.recovery_section import ScheduleSection
 from ..recipe.schema import build
 from ..recovery.schedule import apply_schedule, record_schedule
 

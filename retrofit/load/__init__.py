@@ -9,7 +9,7 @@
 `load` (loader.py) is the one loader: it decides what a source is (run folder, adapter, retrofit checkpoint,
 plain model) and forwards transformers' loading arguments; everything else here is its helpers.
 Modules, bottom up: sources (Hub id | folder | .gguf | pkg:), models (plain transformers loading),
-checkpoint (retrofit checkpoints), adapters (PEFT adapters with their patch), task_model (the counting
+patched_checkpoint (retrofit checkpoints), adapters (PEFT adapters with their patch), task_model (the counting
 head), save (`save_model`: the one way retrofit saves a model, atomically), from_recipe (what a recipe does to a
 model: apply_patch, zero_init, its tokenizer), loader (run folders, a recipe's base, `load` and `from_pretrained`).
 """

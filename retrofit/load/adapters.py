@@ -38,12 +38,12 @@ from safetensors.torch import save as save_tensors
 from torch import nn
 from transformers.utils import cached_file
 
-from ..atomic import atomic_folder, atomic_write_text, atomic_writer, refuse_link
 from ..errors import RetrofitError, quoted
+from ..io.atomic import atomic_folder, atomic_write_text, atomic_writer, refuse_link
+from ..io.readers import expect, read_json
 from ..patch_tensors import check_finite, listed
 from ..patching import patch_from_record, patch_record
-from ..readers import expect, read_json
-from .checkpoint import checkpoint_or_plain
+from .patched_checkpoint import checkpoint_or_plain
 from .sources import hub_error, hub_reachable, source_kind
 from .validate import check_record, quiet_peft
 
@@ -193,8 +193,8 @@ def has_patch_parameters(model: nn.Module) -> bool:
 def _base_record(base: str | None, revision: str | None, hub: dict) -> dict | None:
     """The patch record of the adapter's base (a folder or Hub id) when it is a retrofit checkpoint, else None
     (None too when it cannot be read: the caller's error names it)."""
-    from .checkpoint import patch_record_of
     from .models import load_config
+    from .patched_checkpoint import patch_record_of
 
     if not base or source_kind(base) == "gguf":
         return None

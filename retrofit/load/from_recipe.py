@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention_seam import attention_modules
+from ..attention_modules import attention_modules
 from ..errors import RetrofitError
 from ..families import mlp_output_projections, output_projection
 from ..patching import is_patched, patch, patch_record, unpatch

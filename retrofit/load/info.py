@@ -20,14 +20,14 @@ from pathlib import Path
 from torch import nn
 
 from ..errors import RetrofitError, one_line, quoted
+from ..io.readers import read_json, read_yaml
 from ..norms import get_norm, make_options
 from ..norms.base import AttentionShape
-from ..readers import read_json, read_yaml
 from ..record import describe_selection
 from ..rope import describe_rope
 from .adapters import ADAPTER_CONFIG, read_record
-from .checkpoint import patch_record_of
 from .models import load_config
+from .patched_checkpoint import patch_record_of
 from .sources import source_kind
 
 MARKER = ".retrofit."  # the patch's tensors: children named `retrofit` of the attention modules

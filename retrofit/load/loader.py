@@ -37,12 +37,12 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..errors import RetrofitError
-from ..readers import read_json
+from ..io.readers import read_json
 from ..recipe import Recipe, load_recipe
 from .adapters import ADAPTER_CONFIG, check_adapter_tensors, is_adapter, load_adapter
-from .checkpoint import checkpoint_or_plain
 from .from_recipe import apply_patch, recipe_tokenizer, zero_projections
 from .models import model_from_config, training_dtype
+from .patched_checkpoint import checkpoint_or_plain
 from .save import ADAPTER_DIR
 from .sources import HUB_ARGS, check_model_files, location, refuse_remote_code, source_kind
 from .task_model import HEAD_FILE, TASK_FILE, CountingModel, language_model

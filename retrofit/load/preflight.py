@@ -5,7 +5,7 @@ model's counts, an evaluation forward that cannot fit in memory.
     check_eval_memory(["runs/avnorm"], [1024, 4096], batch_tokens=16384, device="cuda")
 
 The library's entry points call these before anything is allocated or written (retrofit.evaluate.evaluate_models,
-retrofit.diagnose.diagnose_sources; retrofit.train.preflight checks a recipe with them); a command calls the same
+retrofit.diagnose.diagnose_sources; retrofit.train.recipe_fits checks a recipe with them); a command calls the same
 functions only where it needs an answer before a long load.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .checkpoint import is_checkpoint
 from .loader import check_finished
 from .models import load_config
+from .patched_checkpoint import is_checkpoint
 from .sources import check_model_files, source_kind
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 from torch import nn
 
-from ..atomic import MARKER, atomic_folder, owned_folder, remove_owned
-from ..fs import fsync_dir, fsync_tree
+from ..io.atomic import MARKER, atomic_folder, owned_folder, remove_owned
+from ..io.fs import fsync_dir, fsync_tree
 from .adapters import BASE_DIR, peft_save_options, save_loadable_base
 from .task_model import HEAD_FILE, TASK_FILE, CountingModel, language_model
 

@@ -1,5 +1,5 @@
 """Recipes: YAML files whose keys are the fields of the section dataclasses (recipe/sections.py; `model` in
-recipe/model.py, `recovery` in recipe/recovery.py).
+recipe/model.py, `recovery` in recipe/recovery_section.py).
 
     recipe = load_recipe("recipes/train-tiny-counting.yaml", ["train.steps=200", "patch.norm=psoftmax", "patch.p=2"])
     recipe.train.steps                      # 200
@@ -8,7 +8,7 @@ recipe/model.py, `recovery` in recipe/recovery.py).
 Sections: model, patch, data, train, eval, output. Every field carries its documentation (`doc`
 metadata); an unknown key is an error naming the closest valid key; wrong types and impossible
 values fail here, before any model is loaded. Optional top-level sections are registered with
-`register_section(name, cls)` and land in `recipe.extras`; `experiment` (recipe/experiment.py) is one.
+`register_section(name, cls)` and land in `recipe.extras`; `experiment` (recipe/experiment_section.py) is one.
 The machinery that builds them from YAML (types, one-line errors, overrides) is recipe/schema.py.
 """
 
@@ -23,11 +23,11 @@ from typing import ClassVar
 
 import yaml
 
-from ..atomic import atomic_write_text
 from ..errors import RetrofitError, closest, quoted
-from .experiment import ArmSection, ExperimentSection, ReferenceSection, check_arm_name, seeded_name
+from ..io.atomic import atomic_write_text
+from .experiment_section import ArmSection, ExperimentSection, ReferenceSection, check_arm_name, seeded_name
 from .model import ModelSection
-from .recovery import RecoverySection, ScheduleSection
+from .recovery_section import RecoverySection, ScheduleSection
 from .schema import apply_overrides, build, check_keys, load_json, load_yaml, read_yaml_file, require, setting, to_plain
 from .schema import documentation as _documentation
 from .sections import (

@@ -9,7 +9,7 @@ The "scheduled option" of a norm (its class attribute `scheduled_option`) is the
 (retrofit.recovery); older text calls it the knob.
 
 Supported field types: bool, int, float, str, Any, dict, list[T], Literal[...], unions with None, and
-nested dataclasses. An unknown key names the closest valid one. YAML is read with load_yaml (retrofit.readers):
+nested dataclasses. An unknown key names the closest valid one. YAML is read with load_yaml (retrofit.io.readers):
 bounded in depth, in what its aliases expand to and in the digits of its numbers, so a small file cannot make a
 billion values (or a RecursionError, or a traceback from int()).
 """
@@ -26,7 +26,7 @@ import yaml
 
 from ..errors import RetrofitError, quoted
 from ..errors import closest as _closest
-from ..readers import MAX_FILE_BYTES, load_json, load_yaml, read_yaml_file  # noqa: F401  (re-exported)
+from ..io.readers import MAX_FILE_BYTES, load_json, load_yaml, read_yaml_file  # noqa: F401  (re-exported)
 
 _MISSING = dataclasses.MISSING
 

@@ -5,7 +5,7 @@
     output   where results go
 
 `model` (what to load or build, checked against transformers' config classes) is recipe/model.py; the optional
-`recovery` section (schedules, distillation) is recipe/recovery.py.
+`recovery` section (schedules, distillation) is recipe/recovery_section.py.
 
 Wrong types and impossible values fail in `__post_init__`, before any model is loaded.
 """

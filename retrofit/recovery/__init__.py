@@ -8,7 +8,7 @@
 
 Modules: schedule (the knob each norm declares, moved from its identity value to the patch's), bypass (the
 teacher), distill (chunked KL, attention-output matching), probe (losses along a schedule, per-head spread).
-The recipe's `recovery` section (retrofit/recipe/recovery.py) documents every knob and what it trades off.
+The recipe's `recovery` section (retrofit/recipe/recovery_section.py) documents every knob and what it trades off.
 """
 
 from .bypass import patch_bypassed

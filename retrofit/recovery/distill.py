@@ -16,7 +16,7 @@ import contextlib
 import torch
 from torch import nn
 
-from ..attention_seam import attention_modules
+from ..attention_modules import attention_modules
 from ..errors import RetrofitError
 from ..logit_head import final_hidden, head_logits, head_loss_sum, kl_per_position, model_inputs, next_tokens  # noqa: F401
 from ..patching import output_projection

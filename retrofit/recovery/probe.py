@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention_seam import observe
 from ..norms.attention_call import visible_keys
+from ..observer import observe
 from ..patching import CHILD, is_patched
 from .bypass import patch_bypassed
 from .schedule import scheduled_norms, set_schedule_position

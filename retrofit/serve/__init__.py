@@ -17,8 +17,8 @@ Importing this package needs no vLLM: `register` imports it, and the model modul
 
 from __future__ import annotations
 
-from .engine import load_llm
 from .plan import ARCHITECTURES, GUARDED, ServePlan, serve_plan
+from .vllm_engine import load_llm
 
 MODEL_CLASS = "retrofit.serve.llama:RetrofitLlamaForCausalLM"
 GUARD_MODULE = "retrofit.serve.guards"

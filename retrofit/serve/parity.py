@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_folder
 from ..errors import RetrofitError, read_utf8
-from .engine import checkpoint_plan, load_llm
+from ..io.atomic import atomic_folder
+from .vllm_engine import checkpoint_plan, load_llm
 
 SCHEMA = "retrofit.serve.parity/1"
 

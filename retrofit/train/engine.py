@@ -2,7 +2,7 @@
 run it, and a record of what did run (result.json's "engine", log.jsonl's first line).
 
     asked = requested(os.environ, recipe.train)   # before any process group: refuses, naming the setting
-    accelerator = run_setup.make_accelerator(...)      # runs what was asked (DeepSpeed on CPU processes too)
+    accelerator = make_accelerator(...)            # accelerator_setup.py: runs what was asked (DeepSpeed on CPU too)
     engine = what_ran(accelerator, recipe.train)   # Engine(name="deepspeed", stage=3, world=2, backend="gloo")
 
 Why: accelerate turns DeepSpeed and FSDP off for CPU processes (its state.py gates them on `not cpu`), and retrofit

@@ -16,10 +16,9 @@ flag records the first step whose loss or gradient norm was not finite, checked 
 every save, so no checkpoint is written from a diverged step; the final model is written into
 RUN/.tmp-final and renamed into place, result.json last.
 
-callbacks: callables `fn(event, step, info)` with event "step" (info: metrics), "eval" (info:
-metrics, model), "checkpoint" (info: path) and "end" (info: model, before it is saved). The
-experiment driver evaluates on a finetune schedule with `eval.at_steps: [0, 10, 20, 50]` and an
-"eval" callback that runs its own evaluation on info["model"].
+callbacks: callables `fn(event, step, info)` with event "step" (info: metrics), "eval" (info: metrics, model),
+"checkpoint" (info: path) and "end" (info: model, before it is saved). The experiment driver evaluates on a finetune
+schedule with `eval.at_steps: [0, 10, 20, 50]` and an "eval" callback that runs its own evaluation on info["model"].
 """
 
 from __future__ import annotations
@@ -30,15 +29,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..atomic import atomic_write_text, check_output, output_folder, output_path
 from ..data import build_data
 from ..errors import RetrofitError
+from ..io.atomic import atomic_write_text, check_output, output_folder, output_path
+from ..io.readers import read_json
 from ..load import apply_patch, language_model, load_base, recipe_tokenizer, save_model
 from ..memory import return_freed_memory
-from ..readers import read_json
 from ..recipe import Recipe, dotted_settings, load_recipe, save_recipe
 from ..recovery import apply_schedule, is_patch_parameter, record_schedule, scheduled_values
-from . import checkpoint, engine, fsdp, preflight, run_setup, zero
+from . import accelerator_setup, engine, fsdp, model_setup, optimizer_setup, recipe_fits, resume_state, run_checks, zero
 from .alst import preparing
 from .engine import Engine
 from .progress import step_bar
@@ -55,7 +54,7 @@ def run_dir_of(recipe: Recipe) -> Path:
 
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
     check_output(run_dir, "output.dir")  # new, empty or made by retrofit: never a folder of the user's files
-    held = [n for n in ("result.json", "log.jsonl", "config.json", checkpoint.FOLDER) if (run_dir / n).exists()]
+    held = [n for n in ("result.json", "log.jsonl", "config.json", resume_state.FOLDER) if (run_dir / n).exists()]
     if resume and not run_dir.is_dir():
         raise RetrofitError(f"nothing to resume: {run_dir} does not exist")
     if held and not resume:
@@ -77,20 +76,20 @@ def setup(recipe: Recipe, accelerator, *, model=None, tokenizer=None, data=None)
     elif tokenizer is None and data is None:  # data passed in code brings its own tokens
         tokenizer = recipe_tokenizer(recipe)
     report = apply_patch(model, recipe.patch)
-    run_setup.check_lengths(model, recipe)
-    run_setup.check_packing(model, recipe)
-    run_setup.check_vocabulary(model, tokenizer if recipe.data.task != "counting" else None)
-    model = run_setup.wrap_task(model, recipe.data.task, first_token=recipe.data.counting.first_token)
+    run_checks.check_lengths(model, recipe)
+    run_checks.check_packing(model, recipe)
+    run_checks.check_vocabulary(model, tokenizer if recipe.data.task != "counting" else None)
+    model = model_setup.wrap_task(model, recipe.data.task, first_token=recipe.data.counting.first_token)
     if data is None:
         data = build_data(recipe.data, tokenizer, seed=recipe.train.seed, eval_lengths=recipe.loop_eval_lengths())
-    calibration = run_setup.calibrate_patch(model, data, recipe) if report is not None else None
-    model = run_setup.apply_peft(model, recipe.train.peft)
-    run_setup.check_recovery(model, recipe)
+    calibration = model_setup.calibrate_patch(model, data, recipe) if report is not None else None
+    model = model_setup.apply_peft(model, recipe.train.peft)
+    run_checks.check_recovery(model, recipe)
     recovery = recipe.section("recovery")
     if recovery is not None and recovery.freeze_base:
-        run_setup.freeze_base(model)
+        optimizer_setup.freeze_base(model)
     if recipe.train.gradient_checkpointing:
-        run_setup.enable_gradient_checkpointing(model)
+        model_setup.enable_gradient_checkpointing(model)
     if report is not None:
         accelerator.print(str(report) + (f"\ncalibration       {calibration}" if calibration else ""))
     return model, tokenizer, data
@@ -102,8 +101,8 @@ def train(recipe: Recipe, *, model: nn.Module | None = None, tokenizer=None, dat
     while this process holds the run folder's lock."""
     run_dir = run_dir_of(recipe)
     _check_run_dir(run_dir, resume)
-    preflight.check_recipe_fits(recipe, model=model, data=data)  # data, source, memory: before anything is allocated
-    acc = run_setup.make_accelerator(recipe.train, run_dir, check_trackers(recipe.output.trackers))
+    recipe_fits.check_recipe_fits(recipe, model=model, data=data)  # data, source, memory: before anything is allocated
+    acc = accelerator_setup.make_accelerator(recipe.train, run_dir, check_trackers(recipe.output.trackers))
     if acc.device.type == "cpu" and recipe.train.cpu_release_memory:  # freed activations go back to the OS
         return_freed_memory()  # instead of raising the peak (memory.py); it costs small models speed
     # made, marked and locked (one writer per run folder; released on any exit); a run refused before it wrote
@@ -137,7 +136,7 @@ def _split(recipe: Recipe, acc) -> Split:
     fsdp.check_fsdp_recipe(recipe, acc.distributed_type.name)
     zero.check_deepspeed_recipe(recipe, zero.stage_of(acc))
     rank, world = (layout.data_rank, layout.data_size) if layout else (acc.process_index, acc.num_processes)
-    return Split(layout, rank, world, run_setup.accumulation(recipe.train, world))
+    return Split(layout, rank, world, accelerator_setup.accumulation(recipe.train, world))
 
 
 def _finished(recipe: Recipe, acc, run_dir: Path) -> bool:
@@ -145,9 +144,9 @@ def _finished(recipe: Recipe, acc, run_dir: Path) -> bool:
     newest checkpoint) or a clear error; True when the run already finished."""
     if (run_dir / "recipe.yaml").is_file():
         saved = dotted_settings(load_recipe(run_dir / "recipe.yaml"))
-        checkpoint.check_same_recipe(saved, dotted_settings(recipe), run_dir)
-        if checkpoint.extends(saved, dotted_settings(recipe)):
-            _say_extension(acc, run_dir, saved[checkpoint.EXTENDABLE], recipe.train.steps)
+        resume_state.check_same_recipe(saved, dotted_settings(recipe), run_dir)
+        if resume_state.extends(saved, dotted_settings(recipe)):
+            _say_extension(acc, run_dir, saved[resume_state.EXTENDABLE], recipe.train.steps)
     done = run_dir / "result.json"
     if done.is_file() and read_json(done).get("steps") == recipe.train.steps:
         acc.print(f"{run_dir} already finished {recipe.train.steps} steps; nothing to do")
@@ -157,7 +156,7 @@ def _finished(recipe: Recipe, acc, run_dir: Path) -> bool:
 
 def _say_extension(acc, run_dir: Path, old: int, new: int) -> None:
     """train.steps raised on resume: from the newest checkpoint, never from step 0 (that is a new run)."""
-    found = checkpoint.complete_checkpoints(run_dir)
+    found = resume_state.complete_checkpoints(run_dir)
     if not found:
         raise RetrofitError(f"{run_dir} has no checkpoint to extend it from (checkpoints need output.save_every > 0); "
                             f"start a new run from its model instead: model.source={run_dir}")
@@ -172,15 +171,15 @@ def _build(recipe: Recipe, acc, run_dir: Path, split: Split, *, model, tokenizer
         model, tokenizer, data = setup(recipe, acc, model=model, tokenizer=tokenizer, data=data)
     model.train()
     rec = recipe.section("recovery")  # retrofit.recovery: schedules, distillation, patch learning rate
-    schedule = run_setup.probe_schedule(model, data, recipe, rec.schedule if rec is not None else None)
+    schedule = model_setup.probe_schedule(model, data, recipe, rec.schedule if rec is not None else None)
     if rec is not None and schedule is not rec.schedule:
         acc.print(f"recovery.schedule.costs measured (zero-shot, first training block): "
                   f"{schedule.costs}")  # every digit: pinned in a recipe, they give this schedule exactly
     if recipe.train.fsdp:  # FSDP2 over every process, then the optimizer on the shards
-        model, optimizer = fsdp.prepare(model, lambda m: run_setup.make_optimizer(m, recipe.train, rec), acc)
+        model, optimizer = fsdp.prepare(model, lambda m: optimizer_setup.make_optimizer(m, recipe.train, rec), acc)
     else:
         with preparing(model, split.layout):  # DeepSpeed's ALST registers in prepare()
-            model, optimizer = acc.prepare(model, run_setup.make_optimizer(model, recipe.train, rec))
+            model, optimizer = acc.prepare(model, optimizer_setup.make_optimizer(model, recipe.train, rec))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return Run(recipe=recipe, acc=acc, run_dir=run_dir, split=split, model=model, optimizer=optimizer, data=data,
                tokenizer=tokenizer, recovery=rec, schedule=schedule, callbacks=tuple(callbacks),
@@ -196,7 +195,7 @@ def _resume(run: Run) -> list[float] | None:
     position and the open log window (so a window spanning the resume logs the same mean). Returns the schedule
     knob it saved (None: none)."""
     run.result.resumed_from = 0
-    found = checkpoint.resume_checkpoint(run.acc, run.run_dir, run.flat, _sharded(run))
+    found = resume_state.resume_checkpoint(run.acc, run.run_dir, run.flat, _sharded(run))
     if not found:
         run.acc.print(f"no complete checkpoint in {run.run_dir}: starting at step 0")
         return None
@@ -232,7 +231,7 @@ def _open_run(run: Run) -> None:
     # the engine as JSON text: TensorBoard's hparams take scalars only (log.jsonl reads it back as a mapping)
     acc.init_trackers(recipe.output.project, config={ENGINE_KEY: json.dumps(run.engine.as_dict()), **config})
     acc.print(run.engine.line())
-    acc.print(f"{run_setup.describe(run.model)} | {acc.num_processes} process(es) on {acc.device}, precision "
+    acc.print(f"{optimizer_setup.describe(run.model)} | {acc.num_processes} process(es) on {acc.device}, precision "
               f"{acc.mixed_precision} | {t.batch_size * recipe.data.seq_len} tokens/step, accumulation "
               f"{run.split.accum} | steps {run.result.steps}->{t.steps} | run {run.run_dir}")
 
@@ -318,7 +317,7 @@ def _save_checkpoint(run: Run, done: int) -> None:
     acc = run.acc
     window = {"loss": float(acc.reduce(run.window.loss.clone(), "sum")), "items": run.window.items}
     knob = scheduled_values(run.model) if run.schedule is not None else None
-    path = checkpoint.save_checkpoint(acc, run.run_dir, done, run.data.state_dict(), run.flat, run.recipe.output.keep,
+    path = resume_state.save_checkpoint(acc, run.run_dir, done, run.data.state_dict(), run.flat, run.recipe.output.keep,
                                       window=window, knob=knob, sharded=_sharded(run))
     run.notify("checkpoint", done, path=path)
 
@@ -344,7 +343,7 @@ def _finish(run: Run) -> TrainResult:
     run.notify("end", result.steps, model=acc.unwrap_model(run.model))
     result.model = save_final(acc, run.model, run.run_dir, run.tokenizer, run.recipe, result, run.from_recipe,
                               ran=run.engine)
-    run_setup.end_processes(acc)
+    accelerator_setup.end_processes(acc)
     return result
 
 

@@ -47,7 +47,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..attention_seam import attention_modules, eager_attention_of
+from ..attention_modules import attention_modules
+from ..attention_seam import eager_attention_of
 from ..errors import RetrofitError
 from ..norms.attention_call import SINK_KWARGS
 from ..norms.base import CHILD

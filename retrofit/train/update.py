@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from ..recovery import apply_schedule
-from . import fsdp, run_setup, schedules
+from . import fsdp, model_setup, schedules
 from .losses import items, loss_sum, recovery_loss_sum
 from .sequence_parallel import shard, sharded
 from .state import Run, StepStats
@@ -59,7 +59,7 @@ def _backward(run: Run, part: dict, step: int, n_items: int, last: bool) -> torc
     loss sum, detached, in float64."""
     acc, model, t = run.acc, run.model, run.recipe.train
     sync = contextlib.nullcontext() if last else acc.no_sync(model)
-    with sync, sharded(model, run.split.layout), run_setup.activation_offload(t.activation_offload, acc.device):
+    with sync, sharded(model, run.split.layout), model_setup.activation_offload(t.activation_offload, acc.device):
         loss = _loss_sum(run, part, step)
         acc.backward(loss * (acc.num_processes / n_items))  # DDP averages over processes: world/n is the global mean
     return loss.detach().double()

@@ -265,7 +265,7 @@ def build_planted_run(root: Path, w: dict) -> None:
     import torch
 
     from retrofit.recipe import recipe_from_dict
-    from retrofit.train import checkpoint, train
+    from retrofit.train import resume_state, train
     from tests.train.test_resume_state import Canary
 
     run = root / "run_planted"
@@ -273,9 +273,9 @@ def build_planted_run(root: Path, w: dict) -> None:
     raw["train"]["steps"], raw["output"] = 2, {"dir": str(run), "save_every": 1}
     train(recipe_from_dict(raw))
     (run / "result.json").unlink()
-    step = sorted((run / checkpoint.FOLDER).glob("step-*"))[-1]  # the one a resume reads (the run's last step)
+    step = sorted((run / resume_state.FOLDER).glob("step-*"))[-1]  # the one a resume reads (the run's last step)
     torch.save(Canary(root / "ran"), step / "random_states_0.pkl")
-    checkpoint.write_manifest(step)
+    resume_state.write_manifest(step)
     w["run_planted"] = str(run)
 
 

@@ -97,7 +97,7 @@ def test_a_write_past_the_file_size_limit_is_one_line_saying_it_was_a_write(verb
     safetensors writer) or torch's 'unexpected pos 141824 vs 141716' traceback (a checkpoint's optimizer.bin).
     Handled like a full disk: one line that says a write failed and why, nothing half-written left (train: the run
     resumes from its last complete checkpoint)."""
-    from retrofit.train import checkpoint
+    from retrofit.train import resume_state
 
     out = tmp_path / "out"
     # the tiny model's weights are ~100 KB: patch's save passes 60 KB, train's first checkpoint (the weights, then
@@ -115,4 +115,4 @@ def test_a_write_past_the_file_size_limit_is_one_line_saying_it_was_a_write(verb
         assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     else:
         assert "could not be written" in lines[0] and f"--resume {out}" in lines[0]
-        assert not list((out / checkpoint.FOLDER).glob(".tmp-*"))  # its space given back
+        assert not list((out / resume_state.FOLDER).glob(".tmp-*"))  # its space given back

@@ -1,7 +1,7 @@
 """Output folders: nothing of the user's overwritten (issue 26, items 2, 8 and the low items on files).
 
 Every verb that writes a folder takes it only when it is new, empty or made by retrofit
-(retrofit.atomic.check_output), and a refusal leaves the user's folder byte for byte as it was; rmtree removes
+(retrofit.io.atomic.check_output), and a refusal leaves the user's folder byte for byte as it was; rmtree removes
 only folders retrofit marked; `~` is expanded once; a killed save's temporary folder is recognised and cleaned; a
 refused train leaves no folder; a second `eval --out X` is refused while the first holds X. (push and symbolic
 links: tests/hub/test_push_links.py.) Tiny models built in-process; no network.
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from retrofit import atomic
 from retrofit.cli import main
 from retrofit.errors import RetrofitError
+from retrofit.io import atomic
 from tests.tiny import TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -204,7 +204,7 @@ def test_tilde_is_expanded_once_and_no_literal_tilde_folder_appears(world, tmp_p
 
 HOLD_SAVE = """
 import sys, time
-from retrofit.atomic import atomic_folder
+from retrofit.io.atomic import atomic_folder
 with atomic_folder(sys.argv[1], "--out") as tmp:
     (tmp / "model.safetensors").write_bytes(b"half-written")
     print(tmp, flush=True)

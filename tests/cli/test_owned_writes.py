@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from retrofit import atomic
 from retrofit.errors import RetrofitError
+from retrofit.io import atomic
 from tests.cli.test_output_folders import checksums, counting_run
 from tests.evaluate.test_report import fake_results
 

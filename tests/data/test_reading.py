@@ -59,7 +59,7 @@ def test_a_binary_text_names_the_file_and_the_byte(tmp_path):
 
 def test_ruler_instances_are_built_when_read_not_all_first(monkeypatch):
     """--samples N built N instances (each `length` tokens of text) before the first model ran (9f7e963)."""
-    import retrofit.data.ruler as ruler
+    import retrofit.data.ruler_tasks as ruler
     from retrofit.evaluate.ruler import ruler_instances
 
     built = []

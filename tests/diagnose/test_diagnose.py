@@ -16,8 +16,8 @@ from retrofit.diagnose import Plan, diagnose
 from retrofit.diagnose import measures as M
 from retrofit.diagnose.capture import capture_rows
 from retrofit.errors import RetrofitError
-from retrofit.norms import available_norms, get_norm
 from retrofit.lengths import parse_lengths
+from retrofit.norms import available_norms, get_norm
 from tests.tiny import VOCAB, random_ids, randomize_patch, tiny_model
 
 D64 = torch.float64

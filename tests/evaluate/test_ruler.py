@@ -12,7 +12,7 @@ import torch
 
 import retrofit
 from retrofit.cli import main
-from retrofit.data.ruler import DEPTH_TASKS, FILLER, TASKS, Haystack, make_instance
+from retrofit.data.ruler_tasks import DEPTH_TASKS, FILLER, TASKS, Haystack, make_instance
 from retrofit.errors import RetrofitError
 from retrofit.evaluate.report import RESULTS_SCHEMA
 from retrofit.evaluate.ruler import evaluate_ruler, greedy_answer, ruler_instances

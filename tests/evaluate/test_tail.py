@@ -12,8 +12,8 @@ import torch
 from scipy import stats
 
 from retrofit.evaluate import EvalSpec, evaluate_models
-from retrofit.evaluate.losses import token_losses
 from retrofit.evaluate.report import results_markdown, validate
+from retrofit.evaluate.scoring import token_losses
 from retrofit.evaluate.seeds import seed_summary
 from retrofit.evaluate.tail import seed_tail_table, tail_buckets, tail_cells, window_tails
 from retrofit.evaluate.windows import stack_windows

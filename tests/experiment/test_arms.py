@@ -10,12 +10,12 @@ import shutil
 import pytest
 import torch
 
-from retrofit import atomic
-from retrofit.atomic import MARKER
 from retrofit.cli import main
 from retrofit.errors import RetrofitError
 from retrofit.experiment import driver as experiment
 from retrofit.experiment.driver import DEMO_RECIPE, run_experiment
+from retrofit.io import atomic
+from retrofit.io.atomic import MARKER
 from retrofit.recipe import load_recipe
 from retrofit.train import loop
 from tests.train.test_checkpoints import Killed, kill_at

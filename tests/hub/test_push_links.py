@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from retrofit import atomic
+from retrofit.io import atomic
 from tests.cli.test_output_folders import checksums
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

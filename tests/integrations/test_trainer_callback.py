@@ -59,7 +59,7 @@ def test_the_knob_follows_the_schedule_step_by_step_in_a_trainer_run(tmp_path):
 def test_the_length_evaluation_logs_loss_at_each_length(tmp_path):
     """Loss by length on held-out token ids, every N steps and at the end, into the log history and the callback's
     history; equal to retrofit.evaluate's own loss on the same windows."""
-    from retrofit.evaluate.losses import evaluate_lengths
+    from retrofit.evaluate.scoring import evaluate_lengths
     model = tiny_model("llama")
     retrofit.patch(model, "ssmax")
     held_out = random_ids(1, 200, seed=7)[0]

@@ -162,7 +162,7 @@ def test_patched_models_apply_attention_dropout_in_training_only(family, norm, o
 def test_activation_checkpointing_recomputes_the_same_mask():
     import copy
 
-    from retrofit.train.run_setup import enable_gradient_checkpointing
+    from retrofit.train.model_setup import enable_gradient_checkpointing
     model = tiny_model("llama", attention_dropout=0.5)
     retrofit.patch(model, "psoftmax", p=2.0)
     twin = copy.deepcopy(model)

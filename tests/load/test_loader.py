@@ -80,12 +80,12 @@ def test_trust_remote_code_true_is_refused_in_one_line(tmp_path, spy):
 def test_the_other_entry_points_are_gone():
     """One loader: the aliases and parallel loaders of before issue 27 no longer exist."""
     import retrofit.load as package
-    from retrofit.load import checkpoint, models
+    from retrofit.load import models, patched_checkpoint
 
     assert not hasattr(retrofit, "load_model")
     for name in ("load_model", "load_run", "load_plain_model", "load_checkpoint"):
         assert name not in package.__all__ and not hasattr(package, name), name
-    assert not hasattr(checkpoint, "load_model_or_checkpoint") and not hasattr(models, "load_plain_model")
+    assert not hasattr(patched_checkpoint, "load_model_or_checkpoint") and not hasattr(models, "load_plain_model")
 
 
 def test_an_adapter_forwards_them_to_its_base(tmp_path, spy):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retrofit.attention_seam import attention_modules
+from retrofit.attention_modules import attention_modules
 from retrofit.errors import RetrofitError
 from retrofit.families import mlp_output_projections, output_projection
 from retrofit.load import load_base

@@ -158,8 +158,9 @@ NAMED_ELSEWHERE = {
     "retrofit/kernels/dispatch.py": "the CUDA backend order per kernel call (psoftmax_attention at p = 1 and p != 1, "
                                     "ssmax_attention, softmax1_attention), keyed as bench/attention.py names them",
     "retrofit/kernels/__init__.py": "each kernel function passes its dispatch key (dispatch.py's CUDA_ORDER)",
-    "retrofit/recipe/experiment.py": "BASELINE_NORM, the default control's norm, so a recipe's keys are checked before "
-                                     "torch loads; tests/recipe/test_recipe_yaml.py holds it equal to baseline_norm()",
+    "retrofit/recipe/experiment_section.py": "BASELINE_NORM, the default control's norm, so a recipe's keys are "
+                                             "checked before torch loads; tests/recipe/test_recipe_yaml.py holds it "
+                                             "equal to baseline_norm()",
 }
 
 

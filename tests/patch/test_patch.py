@@ -213,7 +213,7 @@ def test_gradient_checkpointing_matches_plain():
     _, model = patched_pair("llama", "avnorm", nope=False)
     twin = copy.deepcopy(model)
     model.train(), twin.train()
-    from retrofit.train.run_setup import enable_gradient_checkpointing  # what `retrofit train` uses
+    from retrofit.train.model_setup import enable_gradient_checkpointing  # what `retrofit train` uses
     enable_gradient_checkpointing(twin)
     ids = random_ids(2, 16)
     model(input_ids=ids, labels=ids).loss.backward()

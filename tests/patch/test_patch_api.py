@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import retrofit
+from retrofit.attention_modules import attention_modules
 from retrofit.errors import RetrofitError
 from tests.tiny import random_ids, tiny_model
 
@@ -26,16 +27,16 @@ def test_two_models_observed_at_once_see_only_their_own_calls():
     seen = {"a": [], "b": []}
     ids = random_ids(1, 8)
     with retrofit.observe(a, lambda m, *_: seen["a"].append(m)), retrofit.observe(b, lambda m, *_: seen["b"].append(m)):
-        held = [m.__dict__.get(seam.OBSERVER) for _, m in seam.attention_modules(a)]
+        held = [m.__dict__.get(seam.OBSERVER) for _, m in attention_modules(a)]
         assert all(callable(fn) for fn in held)  # the model holds its own observers
         with torch.no_grad():
             a(ids)
         assert len(seen["a"]) == a.config.num_hidden_layers and seen["b"] == []
         with torch.no_grad():
             b(ids)
-    a_modules = {id(m) for _, m in seam.attention_modules(a)}
+    a_modules = {id(m) for _, m in attention_modules(a)}
     assert {id(m) for m in seen["a"]} == a_modules and not {id(m) for m in seen["b"]} & a_modules
-    assert all(seam.OBSERVER not in m.__dict__ for _, m in seam.attention_modules(a))
+    assert all(seam.OBSERVER not in m.__dict__ for _, m in attention_modules(a))
     assert not hasattr(seam, "_OBSERVERS")
 
 

@@ -21,7 +21,7 @@ import yaml
 import retrofit
 from retrofit.cli import main
 from retrofit.errors import RetrofitError
-from retrofit.evaluate import EvalSpec, evaluate_lengths, evaluate_models, losses
+from retrofit.evaluate import EvalSpec, evaluate_lengths, evaluate_models, scoring
 from retrofit.evaluate.report import length_marks, loss_table_markdown, validate
 from retrofit.hub.publish import patch_has_parameters
 from retrofit.load import apply_patch, load
@@ -303,7 +303,7 @@ def test_dynamic_rope_loss_does_not_depend_on_earlier_lengths(monkeypatch):
     both = evaluate_lengths(model, tokens, [128, 32], progress=False)  # non-rising order in one call
     assert {r["length"]: r["loss"] for r in both} == alone
     # without the reset, transformers keeps the 128-position frequencies for the later 32: history would show
-    monkeypatch.setattr(losses, "fresh_dynamic_rope", lambda model: 0)
+    monkeypatch.setattr(scoring, "fresh_dynamic_rope", lambda model: 0)
     stale = copy.deepcopy(fresh)
     evaluate_lengths(stale, tokens, [128], progress=False)
     assert abs(evaluate_lengths(stale, tokens, [32], progress=False)[0]["loss"] - alone[32]) > 1e-5

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 import retrofit
-from retrofit.attention_seam import attention_modules
+from retrofit.attention_modules import attention_modules
 from retrofit.errors import RetrofitError
 from retrofit.families import output_projection
 from retrofit.record import describe_selection

@@ -174,7 +174,7 @@ DIAGRAMS = {
         "data/packing.py:packed_batch", "transformers/masking_utils.py:create_causal_mask",
         "transformers/masking_utils.py:find_packed_sequence_indices", "attention_seam.py:IMPLEMENTATIONS",
         "transformers/masking_utils.py:AttentionMaskInterface", "norms/attention_call.py:visible_keys",
-        "train/run_setup.py:PACKED_MASKS"],
+        "train/run_checks.py:PACKED_MASKS"],
 }
 
 

@@ -1,6 +1,6 @@
-"""The package's shape: no import cycle, imports only point down the data flow, no private name crosses a
-module, no module over 400 lines, no function over 12 parameters or 60 lines, no module state changed at run
-time. Read from the source with `ast` (in-function imports count), so it fails on the commit that breaks the
+"""The package's shape: no import cycle, imports only point down the data flow, no private name crosses a module, no
+module over 400 lines, no function over 12 parameters or 60 lines, no module state changed at run time, no two modules
+of one file name. Read from the source with `ast` (in-function imports count), so it fails on the commit that breaks the
 shape, not when someone notices."""
 
 from __future__ import annotations
@@ -17,15 +17,18 @@ ROOT = Path(__file__).resolve().parents[2] / "retrofit"
 # import its own package and anything of a strictly lower rank; siblings of one rank never import each other
 # (evaluate must not need train to load a run, and norms/kernels import nothing above them).
 RANKS = {
-    "errors": 0, "version": 0, "fs": 0, "notices": 0,
-    "selection": 1, "atomic": 1, "memory": 1, "logit_head": 1, "record": 1, "escape": 1, "readers": 1,
+    "errors": 0, "version": 0, "notices": 0,
+    "selection": 1, "memory": 1, "logit_head": 1, "record": 1,
+    "io": 1,  # files written whole (atomic, fs), JSON / YAML read back bounded (readers), foreign values shown (escape)
     "kernels": 2, "families": 2, "bounds": 2,
     "positions": 3, "lengths": 3,
+    "attention_modules": 3,  # the modules a patch targets (by the family table) and the sharded-parameter guard
     "rope": 4, "norms": 4, "gate": 4,
     "patch_spec": 5,  # the one PatchSpec every way of writing a patch builds (tests/patch/test_patch_spec.py)
     "attention_seam": 5,  # retrofit's attention functions, registered with transformers; what runs in them
     "patch_tensors": 5,  # a checkpoint's weights against the model built for it (retrofit's loader and remote_code)
     "patching": 6,  # the public patch / unpatch
+    "observer": 6,  # observe: every attention call seen through the seam (diagnose, calibration, probes)
     "calibration": 7, "costs": 7, "recipe": 7, "recovery": 7,
     "remote_code": 7,  # the loader a standalone export's modeling file runs (vendored by hub/standalone.py)
     "load": 8,
@@ -156,6 +159,44 @@ def test_no_module_over_400_lines():
     sizes = {str(p.relative_to(ROOT.parent)): len(p.read_text().splitlines()) for p in MODULES.values()}
     assert {k: v for k, v in sizes.items() if v > 400} == {}
 
+
+
+# ---- names: a module's file name says what it holds, and names one module -----------------------------------------
+# Two files of one basename (load/checkpoint.py, train/checkpoint.py) send a newcomer's search to the wrong one. The
+# folders below are named for command-line words, so their files mirror the verb or benchmark they run; the basenames
+# below name one role that several packages each have. Anything else shared is a rename.
+NAMED_FOR_THE_CLI = {
+    "commands": "one module per verb: retrofit train runs commands/train.py, which calls the train package",
+    "bench": "one module per benchmark: retrofit bench decode runs bench/decode.py",
+}
+SHARED_BASENAMES = {
+    "driver.py": "a package's top-level run (evaluate, diagnose, experiment): where its entry function lives",
+    "report.py": "a package's report writer (evaluate, experiment): results.md / report.md of that package's results",
+    "spec.py": "a package's settings dataclass (EvalSpec, DiagnoseSpec), checked before any model loads",
+}
+
+
+def shared_basenames(paths: list[str]) -> dict[str, list[str]]:
+    """basename -> the paths (under retrofit/) sharing it, for modules outside NAMED_FOR_THE_CLI's folders."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(paths):
+        parts = path.split("/")
+        if parts[-1] != "__init__.py" and parts[0] not in NAMED_FOR_THE_CLI:
+            by_name.setdefault(parts[-1], []).append(path)
+    return {name: where for name, where in by_name.items() if len(where) > 1}
+
+
+def test_no_two_modules_share_a_basename():
+    shared = shared_basenames([str(p.relative_to(ROOT)) for p in MODULES.values()])
+    assert {name: where for name, where in shared.items() if name not in SHARED_BASENAMES} == {}
+    assert sorted(set(SHARED_BASENAMES) - set(shared)) == []  # an entry no longer shared goes too
+
+
+def test_the_basename_check_catches_a_shared_name():
+    planted = ["load/checkpoint.py", "train/checkpoint.py", "commands/train.py", "bench/train.py", "train/__init__.py",
+               "evaluate/spec.py", "diagnose/spec.py"]
+    assert shared_basenames(planted) == {"checkpoint.py": ["load/checkpoint.py", "train/checkpoint.py"],
+                                         "spec.py": ["diagnose/spec.py", "evaluate/spec.py"]}
 
 # ---- density: 400 lines are not met by packing them ----------------------------------------------------------------
 # A module reads in one sitting by how much text it holds, not by how many lines carry it: a module at the line cap

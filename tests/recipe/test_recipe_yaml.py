@@ -11,7 +11,7 @@ import yaml
 
 from retrofit.errors import RetrofitError, quoted
 from retrofit.experiment import driver as experiment
-from retrofit.readers import MAX_VALUES, load_yaml
+from retrofit.io.readers import MAX_VALUES, load_yaml
 from retrofit.recipe import load_recipe, recipe_from_dict
 from tests.train.test_checkpoints import counting_recipe
 
@@ -163,8 +163,9 @@ def test_a_recipe_typo_is_refused_before_torch_is_imported(tmp_path):
 
 
 def test_the_schemas_baseline_norm_is_the_registrys():
-    """recipe/experiment.py names the default control without importing the norms (BASELINE_NORM): held equal."""
+    """recipe/experiment_section.py names the default control without importing the norms (BASELINE_NORM): held
+    equal."""
     from retrofit.norms import baseline_norm
-    from retrofit.recipe.experiment import BASELINE_NORM, ExperimentSection
+    from retrofit.recipe.experiment_section import BASELINE_NORM, ExperimentSection
     control = next(f for f in dataclasses.fields(ExperimentSection) if f.name == "control")
     assert BASELINE_NORM == baseline_norm() == control.default

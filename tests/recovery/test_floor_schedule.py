@@ -23,7 +23,7 @@ from retrofit.recovery.schedule import (
     scheduled_value_at,
     set_schedule_position,
 )
-from retrofit.train import run_setup
+from retrofit.train import run_checks
 from tests.tiny import random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -130,7 +130,7 @@ def test_an_endpoint_its_norm_refuses_is_one_line_before_training(schedule, mess
     bad = dataclasses.replace(good.section("recovery").schedule, start=schedule.get("start"), end=schedule.get("end"))
     good.section("recovery").schedule = bad  # past the recipe's check: the training setup refuses it too
     with pytest.raises(RetrofitError, match=message):
-        run_setup.check_recovery(model, good)
+        run_checks.check_recovery(model, good)
     with pytest.raises(RetrofitError, match=message):
         set_schedule_position(model, 0.5, start=schedule.get("start"), end=schedule.get("end"))
 
@@ -210,7 +210,7 @@ def test_a_loss_schedule_without_costs_on_a_task_without_next_token_loss_is_refu
     retrofit.patch(model, "avnorm")
     with pytest.raises(RetrofitError, match=r"shape loss without costs measures next-token losses, but data.task is "
                                             r"counting: give recovery.schedule.costs"):
-        run_setup.check_recovery(model, _recipe({"steps": 5, "shape": "loss"}))
+        run_checks.check_recovery(model, _recipe({"steps": 5, "shape": "loss"}))
 
 
 def test_an_interrupted_loss_shaped_run_resumes_bitwise(tmp_path):

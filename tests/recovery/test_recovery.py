@@ -29,7 +29,7 @@ from retrofit.recovery import (
 )
 from retrofit.recovery.distill import kl_per_position
 from retrofit.recovery.schedule import position_at, scheduled_value_at
-from retrofit.train import run_setup, schedules, train
+from retrofit.train import optimizer_setup, run_checks, schedules, train
 from tests.tiny import random_ids, tiny_model
 from tests.train.test_checkpoints import counting_recipe
 
@@ -231,7 +231,7 @@ def test_the_optimizer_holds_the_recipes_rates():
     retrofit.patch(model, "avnorm")
     train = TrainSection(lr=1e-4, warmup_steps=10, steps=100)
     rec = RecoverySection(patch_lr=3e-2, patch_warmup_steps=2)
-    opt = run_setup.make_optimizer(model, train, rec)
+    opt = optimizer_setup.make_optimizer(model, train, rec)
     names = {g["name"]: g for g in opt.param_groups}
     assert set(names) == {"decay", "no_decay", "patch"}
     assert len(names["patch"]["params"]) == 2 and names["patch"]["weight_decay"] == 0.0  # 2 layers' gains
@@ -240,7 +240,7 @@ def test_the_optimizer_holds_the_recipes_rates():
     cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 98))  # patch: warm after 2, 3 of 98 steps into the decay
     assert rates["patch"] == pytest.approx(3e-2 * cosine)
     assert schedules.group_lrs(0, train, rec)["patch"] == pytest.approx(3e-2 / 2)
-    run_setup.freeze_base(model)
+    optimizer_setup.freeze_base(model)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {
         f"model.layers.{i}.self_attn.retrofit.gain" for i in range(2)}
 
@@ -295,10 +295,10 @@ def test_a_schedule_on_a_norm_without_a_knob_and_a_teacher_on_no_patch_are_one_l
         set_schedule_position(model, 0.0)
     recipe = _recipe({"schedule": {"steps": 5}}, patch={"norm": "softmax"})
     with pytest.raises(RetrofitError, match="has no knob"):
-        run_setup.check_recovery(model, dataclasses.replace(recipe, train=TrainSection(steps=10)))
+        run_checks.check_recovery(model, dataclasses.replace(recipe, train=TrainSection(steps=10)))
     recipe = _recipe({"kl_weight": 1.0}, patch={"norm": None})
     with pytest.raises(RetrofitError, match="the recovery section needs a patch"):
-        run_setup.check_recovery(tiny_model("llama"), recipe)
+        run_checks.check_recovery(tiny_model("llama"), recipe)
     with pytest.raises(RetrofitError, match="avnorm floor applies to kind=rms only"):
         retrofit.patch(tiny_model("llama"), "avnorm", kind="layer", floor=1.0)
 

@@ -20,7 +20,7 @@ from retrofit.cli import main
 from retrofit.load import load
 from retrofit.recipe import PatchSection, load_recipe, recipe_from_dict
 from retrofit.recovery.distill import teacher_mode
-from retrofit.train import checkpoint, read_log, train
+from retrofit.train import read_log, resume_state, train
 from tests.tiny import TINY, random_ids
 from tests.train.test_train import write_corpus
 
@@ -89,7 +89,7 @@ def test_kill_mid_schedule_then_resume_is_bitwise_the_uninterrupted_run_and_a_re
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-3000:]
-    [(step, ckpt)] = checkpoint.complete_checkpoints(tmp_path / "run")
+    [(step, ckpt)] = resume_state.complete_checkpoints(tmp_path / "run")
     meta = yaml.safe_load((ckpt / "meta.json").read_text())
     assert step == 4 and meta["knob"][0] < meta["knob"][1]  # by layer, mid-schedule: layer 0 ahead of layer 1
     groups = torch.load(ckpt / "optimizer.bin", weights_only=False)["param_groups"]

@@ -20,8 +20,8 @@ import retrofit  # noqa: E402
 from retrofit.cli import main  # noqa: E402
 from retrofit.errors import RetrofitError  # noqa: E402
 from retrofit.norms import get_norm, make_options  # noqa: E402
-from retrofit.serve.engine import load_llm  # noqa: E402
 from retrofit.serve.parity import compare, prompt_logprobs, retrofit_run, vllm_run  # noqa: E402
+from retrofit.serve.vllm_engine import load_llm  # noqa: E402
 from tests.evaluate.test_ruler import BOOK, LENGTH  # noqa: E402
 from tests.tiny import char_tokenizer, tiny_model  # noqa: E402
 

@@ -5,7 +5,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import retrofit
-from retrofit.train import run_setup
+from retrofit.train import model_setup
 from tests.tiny import random_ids, tiny_model
 
 # case -> (model type, config overrides, norm, norm options). Tiny models have 4 query heads, 2 KV heads.
@@ -45,7 +45,7 @@ def build(case: str):
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
-        run_setup.enable_gradient_checkpointing(model)
+        model_setup.enable_gradient_checkpointing(model)
     return model.train()
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from retrofit import atomic
 from retrofit.errors import RetrofitError
+from retrofit.io import atomic
 from retrofit.load import save as model_saving
 from retrofit.recipe import recipe_from_dict
-from retrofit.train import checkpoint, read_log, train, update
+from retrofit.train import read_log, resume_state, train, update
 from tests.tiny import TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -73,7 +73,7 @@ def killed_after_step_8(tmp_path_factory):
     full = train(recipe_from_dict(counting_recipe(root / "full")))
     with pytest.raises(Killed):
         train(recipe_from_dict(counting_recipe(root / "killed")), callbacks=[kill_at("step", 9)])
-    assert [s for s, _ in checkpoint.complete_checkpoints(root / "killed")] == [4, 8]
+    assert [s for s, _ in resume_state.complete_checkpoints(root / "killed")] == [4, 8]
     return weights(full.model), root / "killed"
 
 
@@ -108,7 +108,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(what, killed
     assert resumed.resumed_from == 4
     got = weights(resumed.model)
     assert all(torch.equal(got[k], reference[k]) for k in reference)  # steps 5..10 again, bitwise
-    assert checkpoint.verify(run / "checkpoints" / "step-0000008") is None  # rewritten whole
+    assert resume_state.verify(run / "checkpoints" / "step-0000008") is None  # rewritten whole
 
 
 def test_every_checkpoint_damaged_is_a_one_line_error(killed_after_step_8, tmp_path):
@@ -116,7 +116,7 @@ def test_every_checkpoint_damaged_is_a_one_line_error(killed_after_step_8, tmp_p
     run = tmp_path / "run"
     shutil.copytree(killed, run)
     damage(run / "checkpoints" / "step-0000008", "model")
-    (run / "checkpoints" / "step-0000004" / checkpoint.MANIFEST).unlink()
+    (run / "checkpoints" / "step-0000004" / resume_state.MANIFEST).unlink()
     with pytest.raises(RetrofitError) as err:
         train(recipe_from_dict(counting_recipe(run)), resume=True)
     message = str(err.value)
@@ -140,7 +140,7 @@ def test_a_non_finite_loss_on_a_save_step_writes_no_checkpoint(tmp_path, monkeyp
     with pytest.raises(RetrofitError) as err:  # step 5 saves (save_every 5) but does not log (log_every 2)
         train(recipe_from_dict(counting_recipe(run, save_every=5, log_every=2)))
     assert "not finite" in str(err.value) and "at step 5" in str(err.value) and "\n" not in str(err.value)
-    folder = run / checkpoint.FOLDER
+    folder = run / resume_state.FOLDER
     assert not any(folder.glob("*0000005")) and not (run / "result.json").exists()
     with atomic.folder_lock(run):  # the failed run let go of its lock
         pass
@@ -196,14 +196,14 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize("error", [TORCH_WRITER_FULL, OSError(errno.ENOSPC, "No space left on device")],
                          ids=["torch-writer", "enospc"])
 def test_a_full_disk_while_checkpointing_is_one_line_and_the_run_resumes(error, uninterrupted, tmp_path, monkeypatch):
-    real_write = checkpoint.write_state
+    real_write = resume_state.write_state
 
     def full_at_step_8(accelerator, folder, sharded=None):
         real_write(accelerator, folder, sharded)  # files half there, as when the disk fills mid-write
         if folder.name.endswith("0000008"):
             raise error
 
-    monkeypatch.setattr(checkpoint, "write_state", full_at_step_8)
+    monkeypatch.setattr(resume_state, "write_state", full_at_step_8)
     run = tmp_path / "run"
     with pytest.raises(RetrofitError) as err:
         train(recipe_from_dict(counting_recipe(run)))
@@ -211,9 +211,9 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_run_resumes(error, 
     assert "\n" not in message and message.startswith("the disk is full")  # torch's writer: "... or a file reached"
     assert "checkpoint step 8 could not be written" in message
     assert f"--resume {run}" in message
-    assert [s for s, _ in checkpoint.complete_checkpoints(run)] == [4]
-    assert not list((run / checkpoint.FOLDER).glob(".tmp-*"))  # its space is given back
-    monkeypatch.setattr(checkpoint, "write_state", real_write)
+    assert [s for s, _ in resume_state.complete_checkpoints(run)] == [4]
+    assert not list((run / resume_state.FOLDER).glob(".tmp-*"))  # its space is given back
+    monkeypatch.setattr(resume_state, "write_state", real_write)
     resumed = train(recipe_from_dict(counting_recipe(run)), resume=True)
     assert resumed.resumed_from == 4
     for name, value in weights(resumed.model).items():
@@ -223,7 +223,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_run_resumes(error, 
 def test_another_runtime_error_while_checkpointing_keeps_its_traceback(tmp_path, monkeypatch):
     def broken(accelerator, folder, sharded=None):
         raise RuntimeError("a bug, not a disk")
-    monkeypatch.setattr(checkpoint, "write_state", broken)
+    monkeypatch.setattr(resume_state, "write_state", broken)
     with pytest.raises(RuntimeError, match="a bug, not a disk"):
         train(recipe_from_dict(counting_recipe(tmp_path / "run")))
 
@@ -238,7 +238,7 @@ def test_raising_train_steps_extends_a_run_from_its_newest_checkpoint(tmp_path, 
     from retrofit.train.schedules import lr_at
     raw = counting_recipe(tmp_path / "run", steps=6, save_every=4)
     first = train(recipe_from_dict(raw))
-    assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path / "run")] == [4, 6]
+    assert [s for s, _ in resume_state.complete_checkpoints(tmp_path / "run")] == [4, 6]
     raw["train"]["steps"] = 10
     longer = recipe_from_dict(raw)
     extended = train(longer, resume=True)

@@ -21,7 +21,7 @@ from retrofit.logit_head import (
 )
 from retrofit.recipe import recipe_from_dict
 from retrofit.recovery.distill import chunked_kl_sum
-from retrofit.train import run_setup, train
+from retrofit.train import model_setup, train
 from retrofit.train.losses import items, loss_sum
 from retrofit.train.validation import validation_metrics
 from tests.tiny import VOCAB, random_ids, tiny_model
@@ -210,7 +210,7 @@ def test_activation_offload_and_the_full_logits_knob_train_like_the_default(tmp_
                                                                                   "batch_size": 2}}
         result = train(recipe_from_dict(recipe))
         losses[name] = [result.losses[s] for s in sorted(result.losses)] + list(result.evals[3].values())
-    assert isinstance(run_setup.activation_offload(True, "cpu"), torch.autograd.graph.save_on_cpu)
+    assert isinstance(model_setup.activation_offload(True, "cpu"), torch.autograd.graph.save_on_cpu)
     assert losses["offload"] == pytest.approx(losses["default"], rel=1e-5)  # same math, saved elsewhere
     assert losses["full-logits"] == pytest.approx(losses["default"], rel=1e-5)
     assert losses["chunk-8"] == pytest.approx(losses["default"], rel=1e-5)

@@ -15,7 +15,7 @@ from retrofit.evaluate import evaluate_counting
 from retrofit.experiment.results import _counting_options
 from retrofit.load import CountingModel, load
 from retrofit.recipe import recipe_from_dict
-from retrofit.train import run_setup, train
+from retrofit.train import model_setup, train
 from retrofit.train.losses import items, loss_sum
 from tests.tiny import TINY, tiny_model
 
@@ -131,7 +131,7 @@ def test_a_first_token_run_saves_the_table_and_reloads_with_it(tmp_path):
 
 def test_first_token_option_is_checked():
     with pytest.raises(RetrofitError, match="first-token table"):
-        run_setup.wrap_task(CountingModel(tiny_model("llama")), "counting", first_token=True)
+        model_setup.wrap_task(CountingModel(tiny_model("llama")), "counting", first_token=True)
     with pytest.raises(RetrofitError, match="first_token"):
         recipe_from_dict({"model": {"config": {"model_type": "llama"}},
                           "data": {"task": "counting", "counting": {"first_tokn": True}}})

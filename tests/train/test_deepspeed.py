@@ -21,7 +21,7 @@ import yaml
 from safetensors.torch import load_file
 
 from retrofit.recipe import load_recipe
-from retrofit.train import checkpoint, train
+from retrofit.train import resume_state, train
 from tests.train.test_checkpoints import counting_recipe
 from tests.train.test_train import lm_recipe, losses_of, write_corpus
 
@@ -185,7 +185,7 @@ def test_a_killed_zero3_run_resumes_bitwise_reading_its_files_weights_only(zero3
     killed = recipe_file(folder, "killed", raw)
     done = launch(config, [killed], "kill:5")  # both processes kill themselves after step 5
     assert done.returncode != 0 and not (folder / "killed" / "result.json").exists()
-    [*_, (step, path)] = checkpoint.complete_checkpoints(folder / "killed")
+    [*_, (step, path)] = resume_state.complete_checkpoints(folder / "killed")
     assert step == 4 and sorted(p.name for p in (path / "deepspeed" / "state").glob("*_states.pt")) == [
         f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1) for kind in ("model", "optim")]
     done = launch(config, [killed], "resume")

@@ -194,7 +194,7 @@ def test_deepspeeds_own_reading_of_a_config_is_what_retrofit_checks():
 
 def test_sp_size_that_does_not_divide_the_world_is_one_line(monkeypatch):
     """Issue 61 item 4: sp_size 3 (and train.sequence_parallel 3) on 2 processes was a ZeroDivisionError in
-    run_setup.accumulation on every rank; refused with the launch, before any process group."""
+    accelerator_setup.accumulation on every rank; refused with the launch, before any process group."""
     env = {**LAUNCHED, "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
            "PARALLELISM_CONFIG_SP_SIZE": "3"}
     with pytest.raises(RetrofitError, match=r"^train.sequence_parallel 3 does not divide the 2 process\(es\)") as err:

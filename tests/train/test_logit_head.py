@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import retrofit
-from retrofit.evaluate import losses
+from retrofit.evaluate import scoring
 from retrofit.recovery.distill import chunked_kl_sum
 from tests.tiny import random_ids, tiny_model
 
@@ -33,7 +33,7 @@ def test_a_softcap_in_text_config_caps_evaluation_and_distillation():
         raw = model.get_output_embeddings()(hidden).float()  # (B, T, V)
     capped = torch.tanh(raw / 0.5) * 0.5
     assert not torch.allclose(raw, capped)  # the cap changes these logits
-    torch.testing.assert_close(losses.head_logits(model, hidden), capped)  # evaluation
+    torch.testing.assert_close(scoring.head_logits(model, hidden), capped)  # evaluation
     labels = ids.roll(-1, 1)
     expected = F.cross_entropy(capped.flatten(0, 1), labels.flatten(), reduction="sum")
     with torch.no_grad():  # distillation: the lm term of the chunked head, over 3-token chunks
@@ -43,5 +43,5 @@ def test_a_softcap_in_text_config_caps_evaluation_and_distillation():
 
 def test_evaluation_and_distillation_share_one_head():
     from retrofit.recovery import distill
-    assert losses.head_logits is retrofit.logit_head.head_logits is distill.head_logits
+    assert scoring.head_logits is retrofit.logit_head.head_logits is distill.head_logits
     assert not hasattr(distill, "LOGIT_TRANSFORMS")

@@ -59,7 +59,7 @@ RETAINED = """
 import ctypes, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from retrofit.memory import return_freed_memory, rss_mb
-from retrofit.train.run_setup import enable_gradient_checkpointing
+from retrofit.train.model_setup import enable_gradient_checkpointing
 was_set = sys.argv[1] == "set" and return_freed_memory()
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
@@ -92,7 +92,7 @@ def test_the_loop_sets_the_threshold_only_when_the_recipe_asks(release, tmp_path
     """train.cpu_release_memory (default true) decides whether the CPU loop fixes glibc's threshold; it changes no
     result, so a run may resume with it changed."""
     from retrofit.recipe import recipe_from_dict
-    from retrofit.train import checkpoint, loop, train
+    from retrofit.train import loop, resume_state, train
     calls = []
     monkeypatch.setattr(loop, "return_freed_memory", lambda *a: calls.append(a) or True)
     raw = {"model": {"config": {"model_type": "gpt2"}}, "data": {"task": "counting", "seq_len": 16},
@@ -102,4 +102,4 @@ def test_the_loop_sets_the_threshold_only_when_the_recipe_asks(release, tmp_path
     train(recipe_from_dict(raw))
     assert calls == ([()] if release else [])
     flat = {"train.cpu_release_memory": release, "train.lr": 1e-3}
-    checkpoint.check_same_recipe(flat, {**flat, "train.cpu_release_memory": not release}, tmp_path)  # no error
+    resume_state.check_same_recipe(flat, {**flat, "train.cpu_release_memory": not release}, tmp_path)  # no error

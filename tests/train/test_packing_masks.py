@@ -1,5 +1,5 @@
 """data.packing documents is allowed exactly on the attention implementations whose mask keeps each packed document
-to itself: transformers' own (run_setup.PACKED_MASKS, checked against transformers' mask registry here) and
+to itself: transformers' own (run_checks.PACKED_MASKS, checked against transformers' mask registry here) and
 retrofit's, which pack as the implementation they wrap (attention_seam.BASE_OF, not a second list of names)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_atten
 
 from retrofit import attention_seam
 from retrofit.errors import RetrofitError
-from retrofit.train.run_setup import PACKED_MASKS, check_packing
+from retrofit.train.run_checks import PACKED_MASKS, check_packing
 
 
 def _model(implementation: str):

@@ -13,7 +13,7 @@ import pytest
 import retrofit.memory
 from retrofit.errors import RetrofitError
 from retrofit.recipe import load_recipe, recipe_from_dict
-from retrofit.train import run_setup, train
+from retrofit.train import accelerator_setup, train
 from tests.tiny import TINY, char_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def test_train_refuses_what_the_recipe_cannot_run_before_anything_is_allocated(s
                                                                                 monkeypatch):
     """train(recipe) called from Python: the one-line RetrofitError the command line gave, before the accelerator
     is made and before the run folder exists."""
-    monkeypatch.setattr(run_setup, "make_accelerator", _never("the accelerator"))
+    monkeypatch.setattr(accelerator_setup, "make_accelerator", _never("the accelerator"))
     with pytest.raises(RetrofitError, match=match) as refused:
         train(recipe_from_dict(_recipe(tmp_path, **sections)))
     assert "\n" not in str(refused.value)
@@ -56,7 +56,7 @@ def test_train_refuses_what_the_recipe_cannot_run_before_anything_is_allocated(s
 def test_a_model_and_data_passed_in_code_are_checked_instead_of_the_recipes(tmp_path):
     """check_recipe_fits(recipe, model=, data=), as train() calls it: data passed in code, so data.files is not
     read; a model passed in code, so its own config bounds the selections (model.config is not built)."""
-    from retrofit.train.preflight import check_recipe_fits
+    from retrofit.train.recipe_fits import check_recipe_fits
 
     missing = recipe_from_dict(_recipe(tmp_path, data={"files": ["no-such-book.txt"]}))
     check_recipe_fits(missing, data=[{"input_ids": [1, 2, 3]}])  # not refused: the recipe's files are not used
@@ -131,7 +131,7 @@ def _defined(path: Path) -> set[str]:
 
 def test_the_commands_define_no_preflight_check_and_no_library_code():
     """retrofit/commands/*.py parse, call the library and print: the recipe, model and memory checks, the text loss,
-    the ranking and the unpatching live in the library (retrofit.train.preflight, retrofit.load.preflight,
+    the ranking and the unpatching live in the library (retrofit.train.recipe_fits, retrofit.load.preflight,
     retrofit.costs, retrofit.patching), and no command measures memory itself."""
     commands = sorted((ROOT / "retrofit" / "commands").glob("*.py"))
     assert commands
@@ -142,7 +142,7 @@ def test_the_commands_define_no_preflight_check_and_no_library_code():
     from retrofit.costs import rank_and_suggest, text_loss  # noqa: F401 -- where they went
     from retrofit.load.preflight import check_eval_memory, check_selection_counts, check_source  # noqa: F401
     from retrofit.patching import unpatch_parameter_free  # noqa: F401
-    from retrofit.train.preflight import check_recipe_fits  # noqa: F401
+    from retrofit.train.recipe_fits import check_recipe_fits  # noqa: F401
 
 
 def test_no_two_recipe_checks_share_a_name():

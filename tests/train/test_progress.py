@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from retrofit.recipe import recipe_from_dict
-from retrofit.train import checkpoint, loop, progress, train
+from retrofit.train import loop, progress, resume_state, train
 from tests.train.test_checkpoints import Killed, counting_recipe, kill_at
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -35,7 +35,7 @@ def hand_clock(monkeypatch):
 
     monkeypatch.setattr(loop, "train_step", taking(STEP_S, loop.train_step))
     monkeypatch.setattr(loop, "validation_metrics", taking(EVAL_S, loop.validation_metrics))
-    monkeypatch.setattr(checkpoint, "save_checkpoint", taking(SAVE_S, checkpoint.save_checkpoint))
+    monkeypatch.setattr(resume_state, "save_checkpoint", taking(SAVE_S, resume_state.save_checkpoint))
     return now
 
 

@@ -1,7 +1,7 @@
 """Resume state is data, never code: a planted pickle in any file a resume reads never runs, and a state that cannot
 be read is a one-line refusal, never a silent fresh start.
 
-Whoever crafts a run folder can re-sign its manifest (checkpoint.write_manifest), so every case here re-signs: the
+Whoever crafts a run folder can re-sign its manifest (resume_state.write_manifest), so every case here re-signs: the
 manifest catches damage, not intent. The canary is a pickle whose unpickling would write a file; each test asserts
 that file never appears. torch.distributed.checkpoint is read in one process (no process group: its no-dist mode),
 the same reader train.fsdp uses on every process; accelerate's files through a real `train(..., resume=True)`.
@@ -19,7 +19,7 @@ import torch
 
 from retrofit.errors import RetrofitError
 from retrofit.recipe import recipe_from_dict
-from retrofit.train import checkpoint, fsdp, train
+from retrofit.train import fsdp, resume_state, train
 from tests.train.test_checkpoints import Killed, counting_recipe, kill_at
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -114,12 +114,12 @@ def _plant(killed_run: Path, tmp_path: Path, name: str, content) -> tuple[Path, 
     writes) and the manifest signed again; returns (run, the checkpoint)."""
     run = tmp_path / "run"
     shutil.copytree(killed_run, run)
-    step = run / checkpoint.FOLDER / "step-0000004"
+    step = run / resume_state.FOLDER / "step-0000004"
     if isinstance(content, bytes):
         (step / name).write_bytes(content)
     else:
         torch.save(content, step / name)
-    checkpoint.write_manifest(step)  # re-signed, as whoever planted it would
+    resume_state.write_manifest(step)  # re-signed, as whoever planted it would
     return run, step
 
 
@@ -157,17 +157,17 @@ def test_a_resume_restores_every_rng_from_its_own_file(killed_run, tmp_path, mon
     is restored, Python's and torch's generators are what its file says."""
     run = tmp_path / "run"
     shutil.copytree(killed_run, run)
-    saved = torch.load(run / checkpoint.FOLDER / "step-0000004" / "random_states_0.pkl", weights_only=False)
+    saved = torch.load(run / resume_state.FOLDER / "step-0000004" / "random_states_0.pkl", weights_only=False)
     random.seed(1234)
     torch.manual_seed(1234)  # anything but the saved states
-    real, seen = checkpoint.load_checkpoint, {}
+    real, seen = resume_state.load_checkpoint, {}
 
     def restored(*args, **kwargs):
         real(*args, **kwargs)
         seen.update(random=random.getstate(), torch=torch.get_rng_state())
         raise Killed("look, then stop")
 
-    monkeypatch.setattr(checkpoint, "load_checkpoint", restored)
+    monkeypatch.setattr(resume_state, "load_checkpoint", restored)
     with pytest.raises(Killed):
         train(recipe_from_dict(counting_recipe(run, steps=6, save_every=4)), resume=True)
     assert seen["random"] == saved["random_state"]

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import retrofit
 from retrofit.errors import RetrofitError
 from retrofit.recipe import load_recipe, recipe_from_dict
-from retrofit.train import checkpoint, read_log, train
+from retrofit.train import read_log, resume_state, train
 from retrofit.train.fsdp import check_fsdp_recipe
 from retrofit.train.losses import loss_sum
 from retrofit.train.sequence_parallel import SequenceLayout, plan_sequence_layout, shard
@@ -151,7 +151,7 @@ def test_training_matches_one_process_and_a_killed_run_resumes_bitwise(launched,
     killed = sp_recipe(folder, "killed", fsdp=True)
     proc = launch(folder, str(killed), "kill:7")  # both processes kill themselves after step 7
     assert proc.returncode != 0 and not (folder / "killed" / "result.json").exists()
-    [(step, path)] = checkpoint.complete_checkpoints(folder / "killed")
+    [(step, path)] = resume_state.complete_checkpoints(folder / "killed")
     assert step == 4 and not list(path.glob("*.safetensors")) and not list(path.glob("optimizer*"))
     assert sorted(p.name for p in (path / "fsdp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     proc = launch(folder, str(killed), "resume")
@@ -183,7 +183,7 @@ def test_two_groups_of_two_train_like_one_process_with_ddp_fsdp2_and_lora(launch
     for name, weight in single.items():
         torch.testing.assert_close(sharded[name], weight, rtol=0, atol=1e-4, msg=name)
     from torch.distributed.checkpoint import FileSystemReader
-    _, path = checkpoint.complete_checkpoints(folder / "groups-lora")[-1]  # the last step's
+    _, path = resume_state.complete_checkpoints(folder / "groups-lora")[-1]  # the last step's
     keys = FileSystemReader(str(path / "fsdp")).read_metadata().state_dict_metadata
     assert any("lora_A" in k for k in keys) and not any("base_layer" in k for k in keys)  # the frozen base: not saved
 

@@ -20,7 +20,7 @@ from retrofit.data import counting_batch
 from retrofit.errors import RetrofitError
 from retrofit.load import load
 from retrofit.recipe import load_recipe, recipe_from_dict
-from retrofit.train import checkpoint, read_log, run_setup, schedules, train
+from retrofit.train import accelerator_setup, model_setup, read_log, resume_state, schedules, train
 from tests.tiny import TINY, char_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,15 +141,15 @@ def one_process_group(tmp_path):
 def test_the_group_goes_down_only_once_every_process_has_counted_itself_in(one_process_group):
     """The CI hang: a peer still inside the final collective when rank 0 destroyed the group. A process now leaves
     only when the store counts every process; here the second process counts itself in before this one ends."""
-    one_process_group.add(run_setup.EXIT_KEY, 1)  # the peer, already past its last collective
-    run_setup.end_processes(_Ending(2), timeout_s=30)
+    one_process_group.add(accelerator_setup.EXIT_KEY, 1)  # the peer, already past its last collective
+    accelerator_setup.end_processes(_Ending(2), timeout_s=30)
     assert not torch.distributed.is_initialized()
-    assert one_process_group.add(run_setup.EXIT_KEY, 0) == 2
+    assert one_process_group.add(accelerator_setup.EXIT_KEY, 0) == 2
 
 
 def test_a_peer_that_never_finishes_is_one_line_not_a_hang(one_process_group):
     with pytest.raises(RetrofitError, match="another process did not finish within 0 s"):
-        run_setup.end_processes(_Ending(2), timeout_s=0.2)
+        accelerator_setup.end_processes(_Ending(2), timeout_s=0.2)
     assert torch.distributed.is_initialized()  # never torn down under a peer that may still be in a collective
 
 
@@ -178,7 +178,7 @@ def test_sigkill_mid_training_then_resume_ends_like_an_uninterrupted_run(corpus,
     proc = subprocess.run([sys.executable, "-c", script], env=subprocess_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == -9, proc.stderr[-3000:]
-    assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path / "run")] == [4]
+    assert [s for s, _ in resume_state.complete_checkpoints(tmp_path / "run")] == [4]
     with pytest.raises(RetrofitError, match="already holds a run"):
         train(recipe_from_dict(raw))  # no silent overwrite without --resume
     resumed = train(recipe_from_dict(raw), resume=True)
@@ -196,20 +196,20 @@ def test_sigkill_mid_training_then_resume_ends_like_an_uninterrupted_run(corpus,
 def test_crash_while_writing_a_checkpoint_never_leaves_one_that_loads(corpus, uninterrupted, tmp_path, monkeypatch):
     reference, _ = uninterrupted
     raw = lm_recipe(corpus, tmp_path / "run")
-    real_write = checkpoint.write_state
+    real_write = resume_state.write_state
 
     def crash_on_second(accelerator, folder, sharded=None):
         real_write(accelerator, folder, sharded)  # the files are there, meta.json and the rename are not
         if "0000008" in str(folder):
             raise KeyboardInterrupt("simulated kill during the checkpoint write")
 
-    monkeypatch.setattr(checkpoint, "write_state", crash_on_second)
+    monkeypatch.setattr(resume_state, "write_state", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
         train(recipe_from_dict(raw))
-    monkeypatch.setattr(checkpoint, "write_state", real_write)
-    folder = tmp_path / "run" / checkpoint.FOLDER
+    monkeypatch.setattr(resume_state, "write_state", real_write)
+    folder = tmp_path / "run" / resume_state.FOLDER
     assert (folder / ".tmp-step-0000008").is_dir()
-    assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path / "run")] == [4]
+    assert [s for s, _ in resume_state.complete_checkpoints(tmp_path / "run")] == [4]
     with pytest.raises(RetrofitError, match=r"recipe differs .*train.lr"):
         changed = lm_recipe(corpus, tmp_path / "run", lr=5e-3)
         train(recipe_from_dict(changed), resume=True)
@@ -331,11 +331,11 @@ def test_schedule_staging_and_the_world_size_guard(monkeypatch):
         def __init__(self, **kwargs):
             seen.update(kwargs)
 
-    monkeypatch.setattr(run_setup, "Accelerator", FakeAccelerator)
+    monkeypatch.setattr(accelerator_setup, "Accelerator", FakeAccelerator)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RetrofitError, match="WORLD_SIZE is 2 but accelerate runs 1"):
-        run_setup.make_accelerator(t, "/tmp/unused")
+        accelerator_setup.make_accelerator(t, "/tmp/unused")
     assert seen["cpu"] is True  # forced: without it, torchrun on CPU runs independent copies
 
 
@@ -436,7 +436,7 @@ def test_lora_runs_and_adapter_loads_print_no_transformers_deprecation(tmp_path)
     model.save_pretrained(tmp_path / "base")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        wrapped = run_setup.apply_peft(retrofit.from_pretrained(str(tmp_path / "base")), PeftSection(r=2))
+        wrapped = model_setup.apply_peft(retrofit.from_pretrained(str(tmp_path / "base")), PeftSection(r=2))
         save_adapter(wrapped, tmp_path / "adapter")
         load_adapter(tmp_path / "adapter")
     assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]

@@ -3,7 +3,7 @@
     retrofit eval runs/smollm2-ssmax --engine vllm --tasks niah,vt --lengths 4096,8192 --data book.txt
 
 The instances, the tokenizer, the stop rules and the scoring are the transformers path's (evaluate/ruler.py); only
-the greedy continuation comes from vLLM (retrofit.serve.engine.vllm_greedy_answer), fed the same token ids. A
+the greedy continuation comes from vLLM (retrofit.serve.vllm_engine.vllm_greedy_answer), fed the same token ids. A
 checkpoint is served with the patch it carries: evaluation patches, RoPE overrides and variants are the
 transformers path's only (EvalSpec refuses them with --engine vllm).
 """
@@ -38,7 +38,7 @@ def check_engine(engine: str, tasks, ruler_task_names, on_the_fly: bool) -> None
 
 def vllm_entry(source, name: str, tokenizer_key, tokenizer, prepared: dict, spec) -> dict:
     """The results entry of one checkpoint folder whose RULER instances `prepared` vLLM answers."""
-    from ..serve.engine import checkpoint_plan, eval_engine, vllm_greedy_answer
+    from ..serve.vllm_engine import checkpoint_plan, eval_engine, vllm_greedy_answer
 
     if not isinstance(source, (str, Path)) or not (Path(source) / "config.json").is_file():
         raise RetrofitError(f"--engine vllm serves saved model folders; {name} is not one (save it with "

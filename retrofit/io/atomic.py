@@ -40,7 +40,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from .errors import RetrofitError
+from ..errors import RetrofitError
 from .fs import fsync_dir, umask
 
 # Written into every folder retrofit creates and may later delete: rmtree needs it (see remove_owned).

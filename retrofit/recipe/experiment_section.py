@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import RetrofitError
 from .model import ZERO_INIT
-from .recovery import RecoverySection
+from .recovery_section import RecoverySection
 from .schema import setting
 from .sections import PatchSection
 

@@ -18,7 +18,7 @@ import json
 
 import yaml
 
-from .errors import RetrofitError, quoted, read_utf8
+from ..errors import RetrofitError, quoted, read_utf8
 
 # ---- bounds -------------------------------------------------------------------------------------------------------
 # A recipe is a few levels of sections and keys and at most some thousands of values. Aliases (*a) share one node

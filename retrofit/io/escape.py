@@ -17,7 +17,7 @@ from __future__ import annotations
 import html
 import re
 
-from .errors import one_line
+from ..errors import one_line
 
 
 def _flat(value) -> str:

@@ -29,10 +29,10 @@ import random
 import time
 from pathlib import Path
 
-from ..atomic import MARKER, atomic_write_text, owned_folder, remove_owned
 from ..errors import RetrofitError, write_failure
-from ..fs import fsync_tree
-from ..readers import expect, read_json
+from ..io.atomic import MARKER, atomic_write_text, owned_folder, remove_owned
+from ..io.fs import fsync_tree
+from ..io.readers import expect, read_json
 from . import fsdp, zero
 
 FOLDER, PREFIX, TMP, MANIFEST = "checkpoints", "step-", ".tmp-", "manifest.json"

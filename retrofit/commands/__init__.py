@@ -1,7 +1,11 @@
 """One module per CLI verb: `retrofit <verb>` is `retrofit/commands/<verb>.py`.
 
-Each module provides `add_arguments(parser)` and `run(args) -> int`, parses the command line, calls one
-library function and prints; no library module uses argparse (retrofit/cli.py maps verbs to modules).
+Each module provides `add_arguments(parser)` and `run(args) -> int`, parses the command line, calls the library's
+one function for the mode asked (patch: run_patch_job; eval: evaluate_into, --merge: merge_into; report:
+rejudge_folders) and prints what it returns; it writes no file itself and loops only to print or to check its flags
+(tests/cli/test_thin_commands.py). retrofit/cli.py maps verbs to modules. Outside commands/, argparse is used only
+by the benchmarks (`bench` parses a benchmark's name and hands the rest of the command line to that retrofit/bench
+module's own add_arguments and run(args)) and by serve/parity's own `python -m` entry point.
 The checks of the command line every verb makes at the top of `run`, before loading anything, live here: counts
 that must be positive, an output path we can write, text files that can be read; so do the flags several verbs
 share (one spelling everywhere: --no-progress, --dtype, --patch). What a recipe or a model would refuse (a missing

@@ -16,17 +16,16 @@ evaluated (--rope alone keeps softmax attention); a model already patched is kep
     - {name: original}
     - {name: yarn4, rope: "yarn:4"}
     - {name: yarn4+avnorm, rope: "yarn:4", patch: {norm: avnorm}, calibrate: {data: emma.txt, tokens: 8192}}
-Parses the command line into an `EvalSpec`, calls `retrofit.evaluate.evaluate_models`, writes the report, prints
-the tables.
+Parses the command line into an `EvalSpec` and calls `retrofit.evaluate.folder.evaluate_into` (evaluate_models, then
+the report written into --out; --merge: merge_into; --export-harness: ruler_export.export_tasks), then prints the
+tables and the files written.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ..errors import RetrofitError
-from ..io.atomic import output_folder
 from . import (
     add_dtype_flag,
     add_patch_flag,
@@ -100,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..bounds import MOST, check_size
-    from ..evaluate.ruler_export import export_command, task_list
+    from ..evaluate.ruler_export import task_list
 
     if args.list_tasks:
         print(task_list())
@@ -112,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_windows is not None:
         check_size(args.max_windows, "--max-windows", MOST["windows"])
     if args.export_harness:
-        return export_command(args, _depths(args.depths))
+        return _export(args)
     if args.merge:
         return _merge(args)
     if not args.models:
@@ -121,10 +120,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_models(args: argparse.Namespace) -> int:
-    """Score the models: every check first, then --out is made and the report written."""
+    """Score the models: every check first, then retrofit.evaluate.folder.evaluate_into makes --out and writes."""
     import torch
 
-    from ..evaluate import EvalSpec, evaluation_names
+    from ..evaluate import EvalSpec
+    from ..evaluate.folder import evaluate_into
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.out = check_out(args.out, "--out", empty=False)  # results (made by retrofit) are rewritten in place
@@ -144,50 +144,44 @@ def _run_models(args: argparse.Namespace) -> int:
         patch=args.patch or None, rope=args.rope, variants=variants, engine=args.engine,
         ruler={"samples": args.samples, "depths": depths, "needle": args.needle, "seed": args.seed},
     )  # checked now: a bad setting fails before --out is made
-    evaluation_names(args.models, spec)  # a wrong --names count or --reference fails before --out is made too
-    with output_folder(args.out, "--out"), library_bars(not args.no_progress):  # one `eval --out X` at a time
-        paths = _evaluate(args.models, spec, args.out)
-    print("wrote " + ", ".join(str(p) for p in paths))
+    with library_bars(not args.no_progress):
+        outcome = evaluate_into(args.models, spec, args.out)
+    _print(outcome)
     return 0
 
 
-def _evaluate(models: list[str], spec, out) -> list[Path]:
-    """evaluate_models with the command line's settings, then the report into --out (printing the tables)."""
-    from ..evaluate import evaluate_models
-    from ..evaluate.report import write_report
-
-    results = evaluate_models(models, spec)
-    paths = write_report(results, out)
-    _print_tables(results)
-    return paths
-
-
 def _merge(args) -> int:
-    """--merge: finished evaluations as one report (retrofit.evaluate.merge), nothing re-scored."""
-    from ..evaluate.merge import merge_results
-    from ..evaluate.report import write_report
+    """--merge: finished evaluations as one report (retrofit.evaluate.folder.merge_into), nothing re-scored."""
+    from ..evaluate.folder import merge_into
 
     if args.models:
         raise RetrofitError("--merge takes results.json files, not models: drop the models, or --merge")
     args.out = check_out(args.out, "--out", empty=False)
-    results = merge_results(args.merge, args.reference)  # every file is read and checked before --out is made
-    with output_folder(args.out, "--out"):
-        paths = write_report(results, args.out)
-    _print_tables(results)
-    print("wrote " + ", ".join(str(p) for p in paths))
+    _print(merge_into(args.merge, args.out, args.reference))
     return 0
 
 
-def _print_tables(results: dict) -> None:
-    from ..evaluate.compare import comparison_references
-    from ..evaluate.report import APPROX_LEGEND, comparison_table_markdown, cost_table_markdown, loss_table_markdown
+def _export(args) -> int:
+    """--export-harness: the RULER instances as lm-eval tasks (retrofit.evaluate.ruler_export.export_tasks)."""
+    from ..evaluate.ruler_export import export_tasks
 
-    if any(m["lengths"] for m in results["models"]):
-        print(loss_table_markdown(results) + "\n\n" + cost_table_markdown(results))
-    for reference in comparison_references(results):
-        if comparison_table_markdown(results, reference):
-            print(f"\nPaired differences to {reference}\n" + comparison_table_markdown(results, reference) + "\n"
-                  + APPROX_LEGEND)
+    options = {"samples": args.samples, "depths": _depths(args.depths), "needle": args.needle, "seed": args.seed}
+    if args.models:
+        raise RetrofitError("--export-harness writes tasks, it evaluates no model: drop the model arguments")
+    names = export_tasks(args.export_harness, args.tokenizer, args.tasks.split(",") if args.tasks else None,
+                         args.lengths, args.data, options)
+    print(f"wrote {len(names)} lm-eval tasks into {args.export_harness}: {', '.join(names)}")
+    return 0
+
+
+def _print(outcome) -> None:
+    """The tables, then the files written."""
+    from ..evaluate.folder import result_tables
+
+    tables = result_tables(outcome.results)
+    if tables:
+        print(tables)
+    print("wrote " + ", ".join(str(p) for p in outcome.paths))
 
 
 def _depths(text: str) -> list[float]:

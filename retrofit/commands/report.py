@@ -10,17 +10,11 @@ results keep, with retrofit.evaluate.intervals, and the folder's reports are rew
 retrofit made, with its marker; an older one after `retrofit adopt DIR`): results.json,
 results.csv, results.md and the plots; for an experiment also eval/ and report.md. Use it after a change to how
 retrofit judges numbers; `retrofit eval --merge` puts several evaluations side by side.
+
+Parses the command line and calls `retrofit.experiment.rejudge.rejudge_folders`, which prints a line per folder.
 """
 
 from __future__ import annotations
-
-import contextlib
-import json
-import math
-from pathlib import Path
-
-from ..errors import RetrofitError
-from ..io.atomic import atomic_write_text, check_output, folder_lock, output_folder
 
 
 def add_arguments(parser):
@@ -37,69 +31,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from ..evaluate.rejudge import rejudge  # the library when the verb runs: `retrofit report --help` stays fast
-    from ..evaluate.report import write_report
+    from ..experiment.rejudge import rejudge_folders  # the library when the verb runs: `--help` stays fast
 
-    if args.margin is not None and not (math.isfinite(args.margin) and args.margin > 0):
-        raise RetrofitError(f"--margin must be a number of nats > 0, e.g. 0.02, got {args.margin:g}")
-    paths = [Path(f) / "results.json" for f in args.folders]
-    loaded = [(path, _read(path)) for path in paths]  # every file is read and checked before any is rewritten
-    if args.out is not None or args.reference is not None:
-        if args.out is None or len(loaded) != 1:
-            raise RetrofitError("--reference and --out go together, with one folder: retrofit report DIR "
-                                "--reference NAME --out NEW")
-        results = loaded[0][1]
-        judged = rejudge(results.get("evaluation", results), args.reference, args.margin)  # unknown name: one line
-        with output_folder(args.out, "--out") as out:
-            write_report(judged, out)
-        print(f"report: {args.out} (against {args.reference})")
-        return 0
-    for path, _ in loaded:  # rewritten in place only where retrofit owns the folder (its marker), all checked first
-        check_output(path.parent, "report DIR")  # ... and holds no link out of it
-    with contextlib.ExitStack() as locks:  # every folder's lock, before any is rewritten: a run writing it refuses us
-        for path, _ in loaded:
-            locks.enter_context(folder_lock(path.parent))
-        for path, results in loaded:
-            if results.get("schema", "").startswith("retrofit.experiment/"):
-                _experiment(path.parent, results, args.margin)
-            else:
-                write_report(rejudge(results, margin=args.margin), path.parent)
-            print(f"report: {path.parent} judged again")
+    rejudge_folders(args.folders, reference=args.reference, out=args.out, margin=args.margin, say=print)
     return 0
-
-
-def _read(path: Path) -> dict:
-    from ..evaluate.merge import checked_results
-    from ..evaluate.report import validate
-    from ..io.readers import expect, read_json
-
-    if not path.is_file():
-        raise RetrofitError(f"{path.parent} has no results.json: give a folder retrofit eval or experiment wrote")
-    results = read_json(path)  # a mapping (a list, a 5,000-digit number: one line)
-    if not str(results.get("schema", "")).startswith("retrofit.experiment/"):
-        return checked_results(results, str(path))
-    try:
-        validate(results["evaluation"])
-        for name, arm in expect(results["arms"], dict, "its arms").items():  # the report reads each arm's fields
-            expect(arm, dict, f"arm {name!r}")
-    except (KeyError, RetrofitError) as err:
-        raise RetrofitError(f"{path}: not a retrofit experiment results.json ({err})") from None
-    return results
-
-
-def _experiment(out: Path, results: dict, margin: float | None = None) -> None:
-    from ..evaluate.rejudge import rejudge
-    from ..evaluate.report import write_report
-    from ..experiment.report import results_control, write_experiment_report  # only for experiment folders
-
-    control = results_control(results)  # experiment.control (older results.json: its documented fallback)
-    results = dict(results, evaluation=rejudge(results["evaluation"], control
-                                               if _has(results["evaluation"], control) else None, margin))
-    write_report(results["evaluation"], out / "eval")
-    atomic_write_text(out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
-    write_experiment_report(results, out)
-
-
-def _has(evaluation: dict, name) -> bool:
-    """Whether `name` is one of the evaluation's models or arms (an experiment's control may have failed)."""
-    return any(name in (m["name"], m.get("arm")) for m in evaluation["models"])

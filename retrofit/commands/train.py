@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 from ..errors import RetrofitError
 from . import add_progress_flag, check_out, library_bars
@@ -40,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..recipe import documentation, documentation_markdown, load_recipe  # no torch: a recipe error comes first
+    # no torch: a recipe error comes first
+    from ..recipe import documentation, documentation_markdown, load_recipe, resumed_recipe
 
     if args.keys and args.markdown:
         print(documentation_markdown())
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         for key, default, doc in documentation():
             print(f"{key:32} {default:14} {doc}")
         return 0
-    _recipe_of_resumed_run(args)
+    args.recipe, args.overrides = resumed_recipe(args.recipe, args.overrides, args.resume)
     if args.recipe is None:
         raise RetrofitError("name a recipe: retrofit train RECIPE [section.key=value ...] (see recipes/)")
     overrides = list(args.overrides) + (["train.progress=false"] if args.no_progress else [])
@@ -78,19 +78,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"done: {result.steps} steps" + (f", final loss {last:.4g}" if last is not None else "")
               + f"; model in {result.run_dir}")
     return 0
-
-
-def _recipe_of_resumed_run(args: argparse.Namespace) -> None:
-    """`--resume DIR` without a recipe resumes with DIR's recipe.yaml (the recipe it was trained with); a first
-    argument that is an override (train.steps=30, not a file) is one of the overrides."""
-    if not args.resume:
-        return
-    if args.recipe is not None:
-        if "=" not in args.recipe or Path(args.recipe).expanduser().exists():
-            return
-        args.overrides = [args.recipe, *args.overrides]
-    saved = Path(args.resume).expanduser() / "recipe.yaml"
-    if not saved.is_file():
-        raise RetrofitError(f"{args.resume} has no recipe.yaml to resume with; name the recipe: "
-                            f"retrofit train RECIPE --resume {args.resume}")
-    args.recipe = str(saved)

@@ -12,7 +12,8 @@ Modules: windows (data, windows, position buckets) <- scoring (chunked losses, p
 <- spec (EvalSpec: the settings, checked before any model loads), intervals + compare (95% intervals, paired
 differences to a reference model)
 <- driver (evaluate_models: every model at every length -> the results dict, docs/results-schema.md)
-<- report (tables, CSV, plots, report.md). The CLI is retrofit/commands/eval.py; this file is the public API.
+<- report (tables, CSV, plots, report.md) <- folder (evaluate_into, merge_into: what `retrofit eval` does, the
+report in a folder). The CLI is retrofit/commands/eval.py; this file is the public API.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from ..errors import RetrofitError
 from ..io.atomic import atomic_write_text, atomic_writer, output_folder
 from ..lengths import parse_lengths
 from ..load import load_tokenizer
-from .ruler import read_texts, ruler_instances
+from .ruler import read_texts, ruler_instances, ruler_options
 
 # lower bounds, so a refused export surely cannot fit: building a niah instance peaked at 142-153 bytes a token of
 # Python memory (tracemalloc, 5K-80K tokens, a character tokenizer; the tokenizer's own memory comes on top), and
@@ -102,22 +102,21 @@ def check_export_size(out, tasks, lengths, options) -> None:
                             f"length) but {where} has {free / 2 ** 30:,.1f} GiB free; lower --samples or --lengths")
 
 
-def export_command(args, depths: list[float]) -> int:
-    """The CLI's --export-harness: no models, a tokenizer, the RULER tasks of --tasks at --lengths."""
-    if args.models:
-        raise RetrofitError("--export-harness writes tasks, it evaluates no model: drop the model arguments")
-    if not args.tokenizer:
+def export_tasks(out, tokenizer: str | None, tasks: list[str] | None, lengths, data=None,
+                 options: dict | None = None) -> list[str]:
+    """`retrofit eval --export-harness OUT`: the RULER tasks `tasks` (None: all) at `lengths` ("4096,8192" or a
+    list), their instances measured in the tokenizer at `tokenizer`, written into OUT; returns the task names.
+    options: samples, depths, needle, seed (retrofit.evaluate.ruler.ruler_options; None: the defaults)."""
+    if not tokenizer:
         raise RetrofitError("--export-harness needs --tokenizer PATH (the tokenizer the instances are measured in)")
-    tasks = args.tasks.split(",") if args.tasks else list(TASKS)
+    tasks = list(tasks) if tasks else list(TASKS)
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise RetrofitError(f"--export-harness: {unknown[0]!r} is not a RULER task; choose from {', '.join(TASKS)}")
-    tokenizer = load_tokenizer(args.tokenizer)
-    if tokenizer is None:
-        raise RetrofitError(f"--tokenizer {args.tokenizer}: no tokenizer there")
-    options = {"samples": args.samples, "depths": depths, "needle": args.needle, "seed": args.seed}
-    lengths = parse_lengths(args.lengths)
-    check_export_size(args.export_harness, tasks, lengths, options)
-    names = export_harness(args.export_harness, tokenizer, tasks, lengths, read_texts(args.data, lengths), options)
-    print(f"wrote {len(names)} lm-eval tasks into {args.export_harness}: {', '.join(names)}")
-    return 0
+    loaded = load_tokenizer(tokenizer)
+    if loaded is None:
+        raise RetrofitError(f"--tokenizer {tokenizer}: no tokenizer there")
+    lengths = parse_lengths(lengths) if isinstance(lengths, str) else sorted(set(lengths))
+    options = ruler_options(options)  # defaults filled in, checked
+    check_export_size(out, tasks, lengths, options)
+    return export_harness(out, loaded, tasks, lengths, read_texts(data, lengths), options)

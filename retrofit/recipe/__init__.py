@@ -163,6 +163,23 @@ def load_recipe(path, overrides=()) -> Recipe:
     return recipe
 
 
+def resumed_recipe(recipe: str | None, overrides: list[str], resume: str | None) -> tuple[str | None, list[str]]:
+    """The recipe file and overrides a resumed run goes on with (`retrofit train [RECIPE] --resume DIR`): without a
+    recipe, DIR's recipe.yaml (the recipe it was trained with); a first argument that is an override (train.steps=30,
+    not a file) is then one of the overrides. Without `resume`, (recipe, overrides) as given."""
+    if not resume:
+        return recipe, list(overrides)
+    if recipe is not None:
+        if "=" not in recipe or Path(recipe).expanduser().exists():
+            return recipe, list(overrides)
+        overrides = [recipe, *overrides]
+    saved = Path(resume).expanduser() / "recipe.yaml"
+    if not saved.is_file():
+        raise RetrofitError(f"{resume} has no recipe.yaml to resume with; name the recipe: "
+                            f"retrofit train RECIPE --resume {resume}")
+    return str(saved), list(overrides)
+
+
 def documentation(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted key, default, doc) for every recipe field, nested sections included (for Recipe: the registered
     optional sections too, e.g. experiment.*, recovery.*)."""
@@ -218,5 +235,5 @@ __all__ = [
     "ScheduleSection", "TrainSection", "apply_overrides", "build", "documentation", "documentation_markdown",
     "dotted_settings",
     "load_json", "load_recipe", "load_yaml", "read_yaml_file", "recipe_from_dict", "recipe_to_dict",
-    "register_section", "save_recipe",
+    "register_section", "resumed_recipe", "save_recipe",
 ]

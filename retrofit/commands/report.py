@@ -11,7 +11,8 @@ retrofit made, with its marker; an older one after `retrofit adopt DIR`): result
 results.csv, results.md and the plots; for an experiment also eval/ and report.md. Use it after a change to how
 retrofit judges numbers; `retrofit eval --merge` puts several evaluations side by side.
 
-Parses the command line and calls `retrofit.experiment.rejudge.rejudge_folders`, which prints a line per folder.
+Parses the command line and calls `retrofit.experiment.rewrite_reports.rejudge_folders`, which prints a line per
+folder.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from ..experiment.rejudge import rejudge_folders  # the library when the verb runs: `--help` stays fast
+    from ..experiment.rewrite_reports import rejudge_folders  # the library when the verb runs: `--help` stays fast
 
     rejudge_folders(args.folders, reference=args.reference, out=args.out, margin=args.margin, say=print)
     return 0

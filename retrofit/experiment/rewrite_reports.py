@@ -1,6 +1,6 @@
 """What `retrofit report` does, as one function: finished results folders judged again and their reports rewritten.
 
-    from retrofit.experiment.rejudge import rejudge_folders
+    from retrofit.experiment.rewrite_reports import rejudge_folders
 
     rejudge_folders(["docs/results/x", "runs/v3"])                      # each folder's reports rewritten in place
     rejudge_folders(["runs/v3"], reference="base", out="runs/v3/vs-base")  # one evaluation against base, elsewhere

@@ -2,7 +2,7 @@
 per-unit values results.json keeps (window losses, counting sequences' L1, passkey counts, RULER scores).
 
     results = rejudge(json.load(open("docs/results/x/results.json")))
-    retrofit report docs/results/x          # the same, and the folder's reports rewritten (retrofit.experiment.rewrite_reports)
+    retrofit report docs/results/x          # the same, the folder's reports rewritten (experiment.rewrite_reports)
 
 A row whose units were not kept (results older retrofits wrote) gets no interval: its value is shown with its n only.
 """

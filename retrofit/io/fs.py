@@ -1,4 +1,4 @@
-"""File-system facts the writers need (atomic.py, load/save.py, train/checkpoint.py): the process's umask, read
+"""File-system facts the writers need (atomic.py, load/save.py, train/resume_state.py): the process's umask, read
 without changing it, and the fsync of a folder or a whole tree (so a rename inside it survives a power cut)."""
 
 from __future__ import annotations

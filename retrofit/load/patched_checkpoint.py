@@ -3,7 +3,11 @@
     model = load_checkpoint("runs/avnorm")   # the base model, then the patch from config.retrofit, then its tensors
     model = checkpoint_or_plain("gpt2")      # a checkpoint as above, anything else as transformers loads it
 
-Both are helpers of `retrofit.load.load` (loader.py), the one loader; callers outside load/ use that.
+Both are helpers of `retrofit.load.load` (loader.py), the one loader, and of load/adapters.py (an adapter's base);
+code that loads a model calls `load`. Two modules outside load/ import from here for what `load` does not give:
+hub/publish.py (`patch_tensors`: the tensors a push must carry) and integrations/auto_classes.py (`load_checkpoint`:
+transformers' Auto classes, which have already decided the source is a checkpoint). A test holds
+this list to the imports.
 
 Plain transformers would silently drop the norm's tensors and run the original attention, so the
 patch is rebuilt here: load the base with the recorded attention implementation, re-apply the patch

@@ -230,3 +230,19 @@ def test_the_run_time_diagrams_show_the_path(heading):
     diagram = "".join(_code_blocks(_section(_architecture(), heading)))
     drawn = {f"{p}:{n}" for p, n in DEFINITION.findall(diagram)}
     assert not set(DIAGRAMS[heading]) - drawn, f"{heading}: not drawn: {sorted(set(DIAGRAMS[heading]) - drawn)}"
+
+
+def test_the_checkpoint_loaders_note_names_its_callers_outside_load():
+    """load/patched_checkpoint.py says who imports it from outside load/ (issue 63: its note had gone false): every
+    such module is named in its docstring, and every module named there imports it."""
+    path = ROOT / "retrofit/load/patched_checkpoint.py"
+    note = ast.get_docstring(ast.parse(path.read_text()))
+    importers = set()
+    for module in (ROOT / "retrofit").rglob("*.py"):
+        if module.parent.name == "load" and module.parent.parent.name == "retrofit":
+            continue
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("load.patched_checkpoint"):
+                importers.add(module.relative_to(ROOT / "retrofit").as_posix())
+    named = set(re.findall(r"\b(\w+/\w+\.py)\b", note)) - {"load/adapters.py"}
+    assert importers == named, (importers, named)

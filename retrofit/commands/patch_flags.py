@@ -11,7 +11,7 @@ options. norm -> {option: (type: "str" | "int" | "float", a union "float|str", o
 
 The copies (derived_copies): OPTIONS here, the recipe reference page docs/reference/recipe.md (what `retrofit train
 --keys --markdown` prints, the norms' options among its keys), the norms' lines of docs/architecture.md's tree
-(each norm's file and summary), the norms' table of docs/patching.md, and the line of norms/__init__.py that
+(each norm's file and summary), the norms' tables of docs/patching.md and README.md, and the line of norms/__init__.py that
 imports every norm file (found by its `@register_norm`, so a new norm's file is registered by this command, not by
 hand). tests/cli/test_cli_habits.py fails while any of them is stale.
 """
@@ -129,20 +129,27 @@ def derived_copies() -> dict:
 
     repo = Path(__file__).resolve().parents[2]
     this, page, tree = Path(__file__).resolve(), repo / "docs/reference/recipe.md", repo / "docs/architecture.md"
-    guide = repo / "docs/patching.md"
+    guide, readme = repo / "docs/patching.md", repo / "README.md"
     text = this.read_text()
     start, end = text.index("OPTIONS = "), text.index("\n\nTYPES = ")
     return {registering_line()[0]: registering_line()[1], this: text[:start] + generated() + text[end:],
             page: replace_table(page.read_text(), documentation_markdown()),
-            tree: _norm_lines(tree.read_text()), guide: replace_table(guide.read_text(), norms_table())}
+            tree: _norm_lines(tree.read_text()), guide: replace_table(guide.read_text(), norms_table()),
+            readme: replace_table(readme.read_text(), norms_table(brief=True))}
 
 
-def norms_table() -> str:
-    """docs/patching.md's table of the norms: each one's summary, formula and options (with their docs)."""
+def norms_table(brief: bool = False) -> str:
+    """docs/patching.md's table of the norms: each one's summary, formula and options (with their docs); `brief`:
+    the README's, each one's summary and its options' names."""
     from ..norms import describe_norms
 
     rows = ["| norm | what | options |", "| --- | --- | --- |"]
     for norm in describe_norms():
+        if brief:
+            options = ", ".join(f"`{o['name']}`" for o in norm["options"]) or "—"
+            cells = (f"`{norm['name']}`", norm["summary"], options)
+            rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+            continue
         options = "; ".join(f"`{o['name']}`: {o['doc']}" for o in norm["options"]) or "—"
         per_head = " Per head: `heads=` applies." if norm["per_head"] else ""
         cells = (f"`{norm['name']}`", f"{norm['summary']}: `{norm['formula']}`.{per_head}", options)

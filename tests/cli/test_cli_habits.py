@@ -137,14 +137,15 @@ def test_the_patch_flag_table_is_the_registrys():
 
 
 def test_every_copy_of_the_registry_is_current():
-    """The flag table, the recipe reference page, the norms' lines of the architecture tree and the registering import
-    of norms/__init__.py are what one command writes from the registry (the import: from the files); none is stale."""
+    """The flag table, the recipe reference page, the norms' tables (patching.md, README), their lines of the
+    architecture tree and the registering import of norms/__init__.py are what one command writes from the registry
+    (the import: from the files); none is stale."""
     from retrofit.commands.patch_flags import derived_copies
 
     copies = derived_copies()
     assert {p.relative_to(ROOT).as_posix() for p in copies} == {
         "retrofit/commands/patch_flags.py", "docs/reference/recipe.md", "docs/architecture.md",
-        "retrofit/norms/__init__.py", "docs/patching.md"}
+        "retrofit/norms/__init__.py", "docs/patching.md", "README.md"}
     stale = [str(p.relative_to(ROOT)) for p, text in copies.items() if p.read_text() != text]
     assert stale == [], "rewrite them: python -m retrofit.commands.patch_flags"
 

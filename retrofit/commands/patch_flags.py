@@ -11,9 +11,9 @@ options. norm -> {option: (type: "str" | "int" | "float", a union "float|str", o
 
 The copies (derived_copies): OPTIONS here, the recipe reference page docs/reference/recipe.md (what `retrofit train
 --keys --markdown` prints, the norms' options among its keys), the norms' lines of docs/architecture.md's tree
-(each norm's file and summary), the norms' tables of docs/patching.md and README.md, and the line of norms/__init__.py that
-imports every norm file (found by its `@register_norm`, so a new norm's file is registered by this command, not by
-hand). tests/cli/test_cli_habits.py fails while any of them is stale.
+(each norm's file and summary), the norms' tables of docs/patching.md and README.md, and the line of
+norms/__init__.py that imports every norm file (found by its `@register_norm`, so a new norm's file is registered by
+this command, not by hand). tests/cli/test_cli_habits.py fails while any of them is stale.
 """
 
 import re

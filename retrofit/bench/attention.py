@@ -7,7 +7,8 @@
 Causal self-attention, q/k/v (batch, heads, T, dim) from a fixed seed. Implementations: `sdpa`
 (F.scaled_dot_product_attention, the baseline), `naive` (p-softmax materializing the T x T weights),
 `psoftmax` (retrofit's PyTorch path: blockwise on CPU for p != 1), `triton` (retrofit's fused CUDA
-kernel, when Triton is importable), `ssmax` and `softmax1` (retrofit, default dispatch).
+kernel, when Triton is importable), `ssmax` and `softmax1` (retrofit, default dispatch), `rowwise` (the kernel of
+the norms that define only their weights, weights_attention, with sigmoid attention's sigmoid(s - log n)).
 
 Every (implementation, T) runs in a fresh child process: first a small warm-up (pages in code, compiles
 Triton), then peak memory of one forward and one forward+backward, then the timings of --repeats runs,
@@ -41,6 +42,7 @@ IMPLS = {  # name -> table label
     "triton": "triton p-softmax",
     "ssmax": "ssmax",
     "softmax1": "softmax+1",
+    "rowwise": "row-wise weights",  # weights_attention, the weights-only norms' kernel, with sigmoid(s - log n)
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -88,12 +90,20 @@ def _function(impl: str, p: float, heads: int, device: str):
         "triton": lambda q, k, v: K.psoftmax_attention(q, k, v, p),
         "ssmax": lambda q, k, v: K.ssmax_attention(q, k, v, extra),
         "softmax1": lambda q, k, v: K.softmax1_attention(q, k, v, extra),
+        "rowwise": lambda q, k, v: K.weights_attention(q, k, v, _sigmoid_rows),
     }[impl]
 
     def call(q, k, v):  # the backward runs on the backend the forward chose, wherever it is called
         with K.force_backend(forced):
             return fn(q, k, v)
     return call
+
+
+def _sigmoid_rows(scores, visible, n):
+    """Sigmoid attention's weights, sigmoid(s - log n): what `rowwise` times (a formula of one elementwise op)."""
+    import torch
+
+    return torch.sigmoid(scores - torch.log(n))
 
 
 def naive_psoftmax(q, k, v, p: float):

@@ -19,16 +19,16 @@ def _bench_args(*argv):
 
 def test_bench_attention_writes_table_and_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    bench, args = _bench_args("attention", "--seq", "64", "--heads", "2", "--dim", "16", "--impl", "sdpa,psoftmax",
-                              "--repeats", "1", "--out", str(out))
+    bench, args = _bench_args("attention", "--seq", "64", "--heads", "2", "--dim", "16", "--impl",
+                              "sdpa,psoftmax,rowwise", "--repeats", "1", "--out", str(out))
     assert bench.run(args) == 0
     rows = json.loads(out.read_text())["results"]
-    assert [r["impl"] for r in rows] == ["sdpa", "psoftmax"]
+    assert [r["impl"] for r in rows] == ["sdpa", "psoftmax", "rowwise"]
     for r in rows:
         assert "error" not in r, r
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_bwd_peak_mb"] is not None
     table = capsys.readouterr().out
-    assert "retrofit p-softmax" in table and "fwd+bwd / sdpa" in table
+    assert "retrofit p-softmax" in table and "row-wise weights" in table and "fwd+bwd / sdpa" in table
 
 
 @pytest.mark.parametrize("argv, message", [

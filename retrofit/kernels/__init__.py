@@ -175,14 +175,15 @@ def softmax1_attention(q, k, v, sink, *, scale=None, causal=True, attn_mask=None
     return _attention(q, k, v, "softmax1", 1.0, sink.reshape(-1), scale, causal, attn_mask, dropout_p, softcap)
 
 
-def weights_attention(q, k, v, weights, *, scale=None, causal=True, attn_mask=None, enable_gqa=False, dropout_p=0.0,
-                      softcap=None):
+def weights_attention(q, k, v, weights, params=(), *, scale=None, causal=True, attn_mask=None, enable_gqa=False,
+                      dropout_p=0.0, softcap=None):
     """Attention whose weights a row-wise function defines: w = weights(s, visible, n) on blocks of query rows
     (scores with -inf on hidden keys, the visible keys, n visible keys per row); hidden keys get weight 0.
 
     The path of a norm that defines only its weights (retrofit.norms.weights_only): exact, memory O(T) forward and
-    (checkpointed) backward, gradients by autograd through the formula, any device (rowwise.py). Dtypes as the other
-    kernels: fp16/bf16 computed in fp32, out in autocast's dtype under autocast, else in v's.
+    backward (each block recomputed, autograd through the formula on it), any device (rowwise.py). `params`: the
+    tensors `weights` reads that need gradients (a norm's parameters). Dtypes as the other kernels: fp16/bf16
+    computed in fp32, out in autocast's dtype under autocast, else in v's.
     """
     _check(q, k, v, attn_mask, enable_gqa, "weights_attention")
     if not callable(weights):
@@ -196,7 +197,7 @@ def weights_attention(q, k, v, weights, *, scale=None, causal=True, attn_mask=No
     out_dtype = wide if autocast_on(q.device.type) else v.dtype
     with dispatch.no_autocast(q.device.type):
         out = rowwise.forward(q.to(wide), k.to(wide), v.to(wide), weights, scale, bool(causal), attn_mask,
-                              dropout_p, softcap)
+                              dropout_p, softcap, tuple(params))
     return out.to(out_dtype)
 
 

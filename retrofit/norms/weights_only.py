@@ -9,7 +9,8 @@
 Everything else comes from here and from retrofit.kernels.weights_attention, which every such norm shares:
 - the forward: transformers' attention call read as its sdpa path reads it (attention_call.kernel_call: the visible
   keys of a KV cache or a static cache, the padding and sliding-window masks, position bias, soft-capping, dropout
-  in training), row blocks of O(T) memory, gradients by autograd (checkpointed per block);
+  in training), row blocks of O(T) memory, forward and backward, gradients by autograd through the formula on one
+  block at a time (the norm's parameters' too);
 - the masks: a hidden key's weight is 0 whatever the formula gives, and n counts the keys a row sees, from the same
   block masks the other kernels use (kernels/masks.py);
 - KV-cache decoding: the same call with one query row;
@@ -42,7 +43,9 @@ class WeightsOnlyNorm(Norm):
         return torch.where(visible, self.row_weights(logits / temperature, visible, n.to(logits.dtype)), 0.0)
 
     def forward(self, module, query, key, value, attention_mask, *, base, **kwargs):
-        return kernel_call(weights_attention, module, query, key, value, attention_mask, self.row_weights, **kwargs)
+        params = tuple(p for p in self.parameters() if p.requires_grad)  # what row_weights may read: its gradients
+        return kernel_call(weights_attention, module, query, key, value, attention_mask, self.row_weights, params,
+                           **kwargs)
 
     @classmethod
     def sink_refusal(cls, options) -> str | None:

@@ -173,7 +173,9 @@ def _norm_lines(text: str) -> str:
     lines = text.split("\n")
     start = next(i for i, line in enumerate(lines) if line.startswith("  norms/ "))
     end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith("    "))
-    shared = [line for line in lines[start + 1:end] if line.split()[0].removesuffix(".py") not in NORMS]
+    folder = Path(__file__).resolve().parents[1] / "norms"  # a removed norm's line goes, and a file's line stays
+    shared = [line for line in lines[start + 1:end]
+              if line.split()[0].removesuffix(".py") not in NORMS and (folder / line.split()[0]).is_file()]
     norms = [f"    {name}.py".ljust(34) + cls.summary for name, cls in sorted(NORMS.items())]
     return "\n".join([*lines[:start + 1], *shared, *norms, *lines[end:]])
 

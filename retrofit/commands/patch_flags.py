@@ -134,7 +134,7 @@ def derived_copies() -> dict:
     start, end = text.index("OPTIONS = "), text.index("\n\nTYPES = ")
     return {registering_line()[0]: registering_line()[1], this: text[:start] + generated() + text[end:],
             page: replace_table(page.read_text(), documentation_markdown()),
-            tree: _norm_lines(tree.read_text()), guide: replace_table(guide.read_text(), norms_table()),
+            tree: norm_tree_lines(tree.read_text()), guide: replace_table(guide.read_text(), norms_table()),
             readme: replace_table(readme.read_text(), norms_table(brief=True))}
 
 
@@ -165,7 +165,7 @@ def replace_table(text: str, table: str) -> str:
     return "\n".join([*lines[:start], table, *lines[end:]])
 
 
-def _norm_lines(text: str) -> str:
+def norm_tree_lines(text: str) -> str:
     """docs/architecture.md with the tree's lines under `norms/` for the registered norms' files written from the
     registry (`NAME.py  summary`), after the files every norm shares."""
     from ..norms import NORMS

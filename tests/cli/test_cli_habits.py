@@ -410,3 +410,17 @@ def test_a_large_check_text_rise_prints_the_recovery_command(tiny_folder, tmp_pa
     assert recipe.extras["recovery"].schedule.steps > 0  # from the identity (p 1, blend 0) to the patch
     if flags:
         assert recipe.patch.options == {"p": 2.0}
+
+
+def test_the_tree_keeps_shared_files_and_drops_a_removed_norms_line():
+    """The norms' lines of the architecture tree: every registered norm's, the shared files' that exist, and no line
+    of a norm whose file is gone (it would name a file the tree test then cannot find)."""
+    from retrofit.commands.patch_flags import norm_tree_lines
+    from retrofit.norms import NORMS
+
+    text = "intro\n  norms/ what\n    base.py  kept\n    gone.py  a norm since removed\n    avnorm.py  stale\n  gate.py x\n"
+    lines = norm_tree_lines(text).split("\n")
+    body = lines[2:lines.index("  gate.py x")]
+    assert body[0] == "    base.py  kept" and not any("gone.py" in line for line in lines)
+    assert [line.split()[0] for line in body[1:]] == [f"{name}.py" for name in sorted(NORMS)]
+    assert "stale" not in "\n".join(lines)

@@ -418,7 +418,8 @@ def test_the_tree_keeps_shared_files_and_drops_a_removed_norms_line():
     from retrofit.commands.patch_flags import norm_tree_lines
     from retrofit.norms import NORMS
 
-    text = "intro\n  norms/ what\n    base.py  kept\n    gone.py  a norm since removed\n    avnorm.py  stale\n  gate.py x\n"
+    text = ("intro\n  norms/ what\n    base.py  kept\n    gone.py  a norm since removed\n    avnorm.py  stale\n"
+            "  gate.py x\n")
     lines = norm_tree_lines(text).split("\n")
     body = lines[2:lines.index("  gate.py x")]
     assert body[0] == "    base.py  kept" and not any("gone.py" in line for line in lines)

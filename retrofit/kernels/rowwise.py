@@ -56,8 +56,11 @@ def forward(q, k, v, weights, scale: float, causal: bool, mask, dropout_p: float
     `weights` reads that need gradients (a norm's parameters)."""
     seed = int(torch.randint(2 ** 62, (), device="cpu")) if dropout_p > 0 else 0
     call = Call(weights, scale, causal, as_4d(mask), dropout_p, softcap, seed)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params)):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params)) \
+            and not torch.compiler.is_compiling():
         return RowwiseAttention.apply(call, q, k, v, *params)
+    # no graph, or torch.compile: Dynamo cannot trace the Function's backward (its torch.autograd.grad), so the blocks
+    # are traced as the plain ops they are and AOTAutograd derives the backward (keeping every block's activations)
     return attend(call, q, k, v)
 
 
@@ -112,7 +115,7 @@ def keep_mask(call: Call, part: Rows, w: torch.Tensor) -> torch.Tensor:
 
 
 def attend(call: Call, q, k, v) -> torch.Tensor:
-    """The forward, with no graph: out (B, H, Tq, Dv) in the compute dtype."""
+    """The forward: out (B, H, Tq, Dv) in the compute dtype (differentiable as plain ops, which torch.compile uses)."""
     B, H, Tq, D = q.shape
     ct, qg, kc, vc = layout(q, k, v)
     out = torch.zeros(B, H, Tq, v.shape[-1], dtype=ct, device=q.device)

@@ -12,9 +12,10 @@ All take SDPA's conventions: q (B, H, Tq, D), k/v (B, Hkv, Tk, D); out (B, H, Tq
 (B, H, Tq, Tk), and may be combined with `causal`; with `enable_gqa`, query head h uses kv head
 h // (H // Hkv). A row with no visible key gives 0 and zero (finite) gradients.
 
-Every kernel computes out_i = sum_j exp(s_ij - N_i) v_j for a row normalizer N, never with a T x T
-tensor (memory O(T) forward and backward), accumulating in fp32 for fp16/bf16. Backends, chosen per
-call in this order (dispatch.py):
+`weights_attention` is apart from what follows: a row-wise function's weights on blocks of rows, with no backend
+choice and no custom op (rowwise.py). The other three compute out_i = sum_j exp(s_ij - N_i) v_j for a row normalizer
+N, never with a T x T tensor (memory O(T) forward and backward), accumulating in fp32 for fp16/bf16. Backends, chosen
+per call in this order (dispatch.py):
   blockwise        calls with dropout: bounded blocks of plain PyTorch ops (any p, any device), on CPU
                    shared out to torch.get_num_threads() worker threads (see blockwise.py for why).
   decode           a few query rows (Tq <= 16, KV-cache decoding), any p, any device: the scores of
@@ -31,9 +32,9 @@ one that cannot compute a call raises ValueError (the fused CPU kernel with p !=
 or its interpreter). Softmax+1 is softmax with N = logaddexp(LSE, b_h), i.e. out = softmax_out *
 sigmoid(LSE - b_h); its gradient flows to q, k, v and the sink through the same backward (custom_ops.py).
 
-Every call goes through one torch.library custom op, retrofit::attention, with a fake implementation and a
-registered backward op (custom_ops.py): torch.compile(fullgraph=True) traces the norms with no graph break. Without
-a graph to record (no_grad, inference), the implementation is called directly, skipping the op's dispatch.
+Every call of those three goes through one torch.library custom op, retrofit::attention, with a fake implementation
+and a registered backward op (custom_ops.py): torch.compile(fullgraph=True) traces the norms with no graph break.
+Without a graph to record (no_grad, inference), the implementation is called directly, skipping the op's dispatch.
 
 Dtypes as SDPA. Under autocast (for q's device), q, k and v are cast to the autocast dtype
 (torch.get_autocast_dtype) and computed in it, with fp32 accumulation; out is in that dtype. So bf16

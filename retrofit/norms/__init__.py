@@ -85,7 +85,9 @@ def get_norm(name: str) -> type[Norm]:
 
 
 def make_options(name: str, **options: Any):
-    """Build and validate the Options dataclass of norm `name`; unknown keys name the closest valid key."""
+    """Build and validate the Options dataclass of norm `name`; unknown keys name the closest valid key, and a value
+    of another type than the option's schema says (True for a number, "1.5" for a number) is refused, as in a
+    checkpoint's record or a recipe."""
     cls = get_norm(name).Options
     valid = [f.name for f in dataclasses.fields(cls)]
     for key in options:
@@ -93,6 +95,10 @@ def make_options(name: str, **options: Any):
             hint = closest(key, valid)
             allowed = ", ".join(valid) if valid else "none"
             raise RetrofitError(f"norm {name!r} has no option {key!r}{hint}; its options: {allowed}")
+    schema = {spec.name: spec for spec in get_norm(name).option_schema()}
+    for key, value in options.items():  # the type a record or recipe is held to, for a Python caller too
+        if not schema[key].accepts(value):
+            raise RetrofitError(f"norm {name!r} option {key} must be {schema[key].expects}, got {value!r}")
     try:
         return cls(**options)
     except TypeError as err:  # a wrong type that __post_init__ did not catch

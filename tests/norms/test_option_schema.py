@@ -176,3 +176,16 @@ def test_every_option_changed_survives_save_and_reload(one_thread, tmp_path, nor
     assert loaded.config.retrofit["options"][spec.name] == value
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, want)
+
+
+def test_a_python_caller_is_held_to_the_schema_too():
+    """make_options (retrofit.patch, PatchSpec) refuses what a record or recipe would: True for a number ("1.0"
+    silently, before), a string for a number or a switch, in one line naming the option and its type."""
+    for name, cls in NORMS.items():
+        for spec in cls.option_schema():
+            wrong = True if "bool" not in spec.kinds else "yes"
+            with pytest.raises(RetrofitError, match=rf"^norm '{name}' option {spec.name} must be {spec.expects}, "):
+                make_options(name, **{spec.name: wrong})
+    with pytest.raises(RetrofitError, match=r"option sink must be a number, got '1.5'$"):
+        make_options("softmax1", sink="1.5")
+    assert make_options("psoftmax", p=2).p == 2.0  # an integer is a number

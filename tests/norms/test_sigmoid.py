@@ -138,9 +138,12 @@ def test_the_norm_on_a_model_matches_a_fixed_bias_too():
         assert not torch.allclose(original(ids).logits, want, atol=1e-2)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "large"])
-def test_a_bad_bias_is_one_line(bad):
-    with pytest.raises(RetrofitError, match="sigmoid bias must be"):
+@pytest.mark.parametrize("bad,match", [(float("nan"), "sigmoid bias must be finite"),
+                                       (float("inf"), "sigmoid bias must be finite"),
+                                       ("large", "option bias must be a number or null"),
+                                       (True, "option bias must be a number or null")])
+def test_a_bad_bias_is_one_line(bad, match):
+    with pytest.raises(RetrofitError, match=match):
         make_options("sigmoid", bias=bad)
 
 

@@ -132,7 +132,8 @@ def derived_copies() -> dict:
     guide, readme = repo / "docs/patching.md", repo / "README.md"
     text = this.read_text()
     start, end = text.index("OPTIONS = "), text.index("\n\nTYPES = ")
-    return {registering_line()[0]: registering_line()[1], this: text[:start] + generated() + text[end:],
+    registry, registering = registering_line()
+    return {registry: registering, this: text[:start] + generated() + text[end:],
             page: replace_table(page.read_text(), documentation_markdown()),
             tree: norm_tree_lines(tree.read_text()), guide: replace_table(guide.read_text(), norms_table()),
             readme: replace_table(readme.read_text(), norms_table(brief=True))}
